@@ -1,0 +1,42 @@
+# Set-up and checks. `make run` and `make test` work on a fresh machine: both
+# create the virtual environment and install the project first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck proto-check gen bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/arona-gateway up
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+proto-check: install
+	$(BIN)/buf lint
+	$(BIN)/buf format --diff --exit-code
+
+test: lint typecheck proto-check
+	$(BIN)/pytest
+
+gen: install
+	$(BIN)/python scripts/gen_protos.py
+
+bench: install
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The gRPC ``MemoryService`` and the Philia WebSocket JSON-RPC client it wraps."""

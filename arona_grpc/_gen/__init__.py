@@ -1,0 +1,1 @@
+"""Generated gRPC code; do not edit."""

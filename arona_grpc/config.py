@@ -1,0 +1,180 @@
+"""Settings: read once from the environment at start-up and passed down.
+
+Every knob of the gateway lives in the one frozen :class:`Settings` object;
+nothing else reads ``os.environ``. Invalid configuration that would leave the
+server useless (a bad port, a short JWT secret) raises :class:`ConfigError`
+with one line meant for the operator; a malformed optional value logs a
+warning naming the variable and keeps the default.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MIN_JWT_SECRET_BYTES = 32
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """Configuration that would leave the server useless; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    memory_url: str | None = None
+    memory_token: str | None = field(default=None, repr=False)
+    memory_writeback: bool = True
+    memory_timeout_s: float = 10.0
+    memory_breaker_failures: int = 3
+    memory_breaker_cooldown_s: float = 5.0
+    # None = the RPC timeout.
+    memory_recall_budget_ms: int | None = None
+    upstream_url: str | None = None
+    upstream_api_key: str | None = field(default=None, repr=False)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    # None = the local gRPC listener.
+    grpc_target: str | None = None
+    jwt_secret: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    data_dir: Path = Path(".arona")
+    log_level: str = "info"
+
+    @property
+    def memory_enabled(self) -> bool:
+        """The gateway talks to Philia iff both the URL and the token are non-empty."""
+        return bool(self.memory_url) and bool(self.memory_token)
+
+    @property
+    def recall_budget_s(self) -> float:
+        """How long a chat turn waits for recall before it goes on ``offline``."""
+        if self.memory_recall_budget_ms is None:
+            return self.memory_timeout_s
+        return self.memory_recall_budget_ms / 1000.0
+
+    @property
+    def effective_grpc_target(self) -> str:
+        """Where the HTTP layer finds ``MemoryService``."""
+        if self.grpc_target:
+            return self.grpc_target
+        host = self.grpc_host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.grpc_port}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Build settings from an environment mapping (normally ``os.environ``)."""
+        return cls(
+            memory_url=_str(env, "ARONA_MEMORY_URL"),
+            memory_token=_str(env, "ARONA_MEMORY_TOKEN"),
+            memory_writeback=_strict_bool(env, "ARONA_MEMORY_WRITEBACK", True),
+            memory_timeout_s=_positive_float(env, "ARONA_MEMORY_TIMEOUT_S", 10.0),
+            memory_breaker_failures=_positive_int(env, "ARONA_MEMORY_BREAKER_FAILURES", 3),
+            memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),
+            memory_recall_budget_ms=_optional_positive_int(env, "ARONA_MEMORY_RECALL_BUDGET_MS"),
+            upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
+            upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),
+            http_host=_str(env, "ARONA_HTTP_HOST") or "127.0.0.1",
+            http_port=_port(env, "ARONA_HTTP_PORT", 8080),
+            grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",
+            grpc_port=_port(env, "ARONA_GRPC_PORT", 50051),
+            grpc_target=_str(env, "ARONA_GRPC_TARGET"),
+            jwt_secret=_jwt_secret(env),
+            api_keys=_api_keys(env),
+            data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
+            log_level=_log_level(env),
+        )
+
+
+def _str(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def _strict_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    if name not in env:
+        return default
+    value = env[name]
+    if value == "true":
+        return True
+    if value == "false":
+        return False
+    # The value itself is not echoed: it is not a secret here, but nothing
+    # read from the environment is printed back.
+    logger.warning(
+        "%s must be exactly 'true' or 'false'; keeping the default (%s)",
+        name,
+        "true" if default else "false",
+    )
+    return default
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = _str(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _optional_positive_int(env, name)
+    return default if value is None else value
+
+
+def _optional_positive_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = _str(env, name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ConfigError(f"{name} must be a positive whole number, got {raw!r}")
+    return int(raw)
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = _str(env, name)
+    if raw is None:
+        return default
+    # 0 asks the OS for a free port (used by tests and `up` on busy machines).
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ConfigError(f"{name} must be a port number from 0 to 65535, got {raw!r}")
+    return int(raw)
+
+
+def _jwt_secret(env: Mapping[str, str]) -> str | None:
+    secret = env.get("ARONA_JWT_SECRET", "")
+    if not secret:
+        return None
+    if len(secret.encode()) < MIN_JWT_SECRET_BYTES:
+        raise ConfigError(
+            f"ARONA_JWT_SECRET must be at least {MIN_JWT_SECRET_BYTES} bytes for HS256"
+        )
+    return secret
+
+
+def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
+    return tuple(k.strip() for k in env.get("ARONA_API_KEYS", "").split(",") if k.strip())
+
+
+def _log_level(env: Mapping[str, str]) -> str:
+    raw = (_str(env, "ARONA_LOG_LEVEL") or "info").lower()
+    if raw not in LOG_LEVELS:
+        raise ConfigError(f"ARONA_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {raw!r}")
+    return raw

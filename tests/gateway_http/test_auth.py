@@ -1,0 +1,168 @@
+"""JWT verification/minting and REST API keys, as callers and operators see them."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from typing import Any
+
+import jwt
+import pytest
+
+from gateway_http.auth import (
+    ApiKeys,
+    AuthError,
+    JwtVerifier,
+    bearer,
+    mint_token,
+)
+
+# 64 bytes, so the HS512 case below is refused for its algorithm, not its key length.
+SECRET = "test-secret-" + "0123456789abcdef" * 3 + "01234"
+OTHER_SECRET = "other-secret-" + "0123456789abcdef" * 3 + "0123"
+
+
+def _b64(obj: dict[str, Any]) -> str:
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _sign(claims: dict[str, Any], secret: str = SECRET, algorithm: str = "HS256") -> str:
+    return jwt.encode(claims, secret, algorithm=algorithm)
+
+
+def _alg_none(claims: dict[str, Any]) -> str:
+    # Crafted by hand: PyJWT would refuse to produce this for us to send.
+    return f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims)}."
+
+
+def _future() -> int:
+    return int(time.time()) + 600
+
+
+def test_valid_token_yields_its_subject() -> None:
+    token = _sign({"sub": "alice", "exp": _future()})
+    assert JwtVerifier(SECRET).verify(token) == "alice"
+
+
+def test_minted_token_verifies_and_expires_after_ttl() -> None:
+    before = int(time.time())
+    token = mint_token(SECRET, "bob", ttl_s=120)
+    assert JwtVerifier(SECRET).verify(token) == "bob"
+    claims = jwt.decode(token, SECRET, algorithms=["HS256"])
+    assert jwt.get_unverified_header(token)["alg"] == "HS256"
+    assert before + 120 <= claims["exp"] <= int(time.time()) + 120
+
+
+@pytest.mark.parametrize(
+    ("label", "token"),
+    [
+        ("missing", None),
+        ("empty", ""),
+        ("malformed", "not-a-jwt"),
+        ("three garbage segments", "a.b.c"),
+        ("wrong signature", _sign({"sub": "alice", "exp": _future()}, OTHER_SECRET)),
+        ("alg none", _alg_none({"sub": "alice", "exp": _future()})),
+        ("HS512 not allowed", _sign({"sub": "alice", "exp": _future()}, algorithm="HS512")),
+        ("expired", _sign({"sub": "alice", "exp": int(time.time()) - 60})),
+        ("no exp", _sign({"sub": "alice"})),
+        ("no sub", _sign({"exp": _future()})),
+        ("empty sub", _sign({"sub": "", "exp": _future()})),
+        ("blank sub", _sign({"sub": "   ", "exp": _future()})),
+        ("numeric sub", _sign({"sub": 42, "exp": _future()})),
+        ("not yet valid", _sign({"sub": "alice", "exp": _future(), "nbf": _future()})),
+        ("non-ascii garbage", "ü.ü.ü"),
+    ],
+)
+def test_bad_tokens_are_refused_without_echoing_them(label: str, token: str | None) -> None:
+    with pytest.raises(AuthError) as info:
+        JwtVerifier(SECRET).verify(token)
+    assert str(info.value) == "Authentication required"
+    if token:
+        assert token not in str(info.value)
+        assert token not in info.value.reason
+
+
+@pytest.mark.parametrize("secret", [None, ""])
+def test_no_secret_configured_refuses_every_token(secret: str | None) -> None:
+    verifier = JwtVerifier(secret)
+    assert not verifier.configured
+    for token in (mint_token(SECRET, "alice"), _alg_none({"sub": "alice", "exp": _future()})):
+        with pytest.raises(AuthError, match="Authentication required"):
+            verifier.verify(token)
+
+
+@pytest.mark.parametrize(
+    ("secret", "sub", "ttl"),
+    [("", "alice", 60), (SECRET, "", 60), (SECRET, "  ", 60), (SECRET, "alice", 0)],
+)
+def test_mint_token_rejects_unusable_arguments(secret: str, sub: str, ttl: int) -> None:
+    with pytest.raises(ValueError):
+        mint_token(secret, sub, ttl_s=ttl)
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("Bearer abc", "abc"),
+        ("bearer abc", "abc"),
+        ("  Bearer   abc  ", "abc"),
+        ("Bearer", None),
+        ("Bearer   ", None),
+        ("Basic abc", None),
+        ("abc", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_bearer_extracts_only_bearer_credentials(header: str | None, expected: str | None) -> None:
+    assert bearer(header) == expected
+
+
+def test_open_api_keys_let_everyone_in_as_anonymous() -> None:
+    keys = ApiKeys(())
+    assert keys.open
+    assert keys.owner(None) == "anonymous"
+    assert keys.owner("Bearer whatever") == "anonymous"
+
+
+def test_configured_key_maps_to_an_owner_that_is_not_the_key() -> None:
+    keys = ApiKeys(("key-one-secret", "key-two-secret"))
+    assert not keys.open
+    one = keys.owner("Bearer key-one-secret")
+    two = keys.owner("Bearer key-two-secret")
+    assert one != two
+    assert one == keys.owner("Bearer key-one-secret")  # stable across requests
+    assert one == "key:" + hashlib.sha256(b"key-one-secret").hexdigest()[:16]
+    assert "key-one-secret" not in one and "key-two-secret" not in two
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer wrong",
+        "Basic key-one-secret",
+        "Bearer key-one-secre",
+        "Bearer ü",
+    ],
+)
+def test_missing_or_unknown_key_is_refused(header: str | None) -> None:
+    keys = ApiKeys(("key-one-secret",))
+    with pytest.raises(AuthError) as info:
+        keys.owner(header)
+    assert "key-one-secret" not in str(info.value)
+    assert str(info.value) == "Invalid or missing API key"
+
+
+def test_only_empty_keys_fail_closed() -> None:
+    keys = ApiKeys(("",))
+    assert not keys.open
+    with pytest.raises(AuthError):
+        keys.owner("Bearer ")
+    with pytest.raises(AuthError):
+        keys.owner(None)

@@ -1,0 +1,407 @@
+"""The WebSocket JSON-RPC face of the embedded store (the Philia wire protocol subset).
+
+:class:`StoreServer` serves ``/ws`` with ``websockets``: the token is checked on the upgrade
+(``?token=``, HTTP 401 otherwise) and again by ``Sync.ConnectHandshake``; nothing but the
+handshake is served before it succeeds (-32005). Memory methods run on the
+:class:`~arona_store.store.MemoryStore` in one dedicated worker thread, so SQLite never blocks
+the event loop and never sees two callers at once. Connections idle for ``idle_timeout_s``
+are closed with code 4000, as Philia does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http import HTTPStatus
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, quote, quote_plus, urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from arona_grpc.redact import redact_text
+from arona_store import jsonrpc
+from arona_store.jsonrpc import Call, JsonId, RpcError
+from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryStore
+
+logger = logging.getLogger(__name__)
+
+WS_PATH = "/ws"
+MAX_FRAME_BYTES = 2**20
+IDLE_CLOSE_CODE = 4000
+# Philia answers a stalled handler with -32603 after about 8 s; so do we.
+HANDLER_TIMEOUT_S = 8.0
+DEFAULT_PORT = 8424
+
+HANDSHAKE = "Sync.ConnectHandshake"
+QUERY = "Sync.MemoryQueryRequest"
+STORE = "Sync.MemoryStoreRequest"
+DELETE = "Sync.MemoryDeleteRequest"
+HEARTBEAT = "Base.Heartbeat"
+HEARTBEAT_ACK = "Base.HeartbeatAck"
+SERVER_VERSION = "Sync.ServerVersion"
+
+_T = TypeVar("_T")
+
+
+class _RedactingLogger(logging.LoggerAdapter[logging.Logger]):
+    """Hands ``websockets`` a logger that masks the token in every argument.
+
+    At debug level the library prints request lines (``GET /ws?token=…``, the token possibly
+    URL-encoded) and frame excerpts. Frame excerpts are dropped outright: they carry bodies
+    and, cut in the middle, a partial token that no redaction could recognise.
+    """
+
+    _FRAME_DUMPS = frozenset({"< %s", "> %s"})
+
+    def __init__(self, inner: logging.Logger, token: str) -> None:
+        super().__init__(inner, {})
+        self._secrets: tuple[str | None, ...] = (token, quote(token, safe=""), quote_plus(token))
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level) or msg in self._FRAME_DUMPS:
+            return
+        safe_msg = redact_text(msg, self._secrets) if isinstance(msg, str) else msg
+        safe_args = tuple(redact_text(str(arg), self._secrets) for arg in args)
+        super().log(level, safe_msg, *safe_args, **kwargs)
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        return msg, kwargs
+
+
+@dataclass
+class _Session:
+    """Per-connection state."""
+
+    session_id: str | None = None
+    refused: bool = False
+
+
+def _version() -> str:
+    try:
+        return metadata.version("arona-memory-gateway")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _bad_params(message: str) -> RpcError:
+    return RpcError(jsonrpc.INVALID_PARAMS, f"Invalid params: {message}")
+
+
+def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise _bad_params(f"{key} must be a string")
+
+
+class StoreServer:
+    """The embedded Philia-compatible store, listening. Build with :meth:`start`."""
+
+    def __init__(
+        self,
+        *,
+        store: MemoryStore,
+        executor: ThreadPoolExecutor,
+        token: str,
+        host: str,
+        idle_timeout_s: float,
+    ) -> None:
+        self.store = store
+        self._executor = executor
+        self._token = token.encode("utf-8")
+        self._host = host
+        self._idle_timeout_s = idle_timeout_s
+        self._server: Server | None = None
+        self._stopped = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None
+        self.port = 0
+        self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            QUERY: self._query,
+            STORE: self._store,
+            DELETE: self._delete,
+        }
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        db_path: Path,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        idle_timeout_s: float = 45.0,
+    ) -> StoreServer:
+        """Open the database at ``db_path`` and listen on ``host:port`` (0 = any free port)."""
+        if not token:
+            raise ValueError("the memory store needs a non-empty token")
+        if idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be positive")
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-store-db")
+        loop = asyncio.get_running_loop()
+        try:
+            store = await loop.run_in_executor(executor, MemoryStore.open, db_path)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        self = cls(
+            store=store, executor=executor, token=token, host=host, idle_timeout_s=idle_timeout_s
+        )
+        try:
+            self._server = await serve(
+                self._handle,
+                host,
+                port,
+                process_request=self._check_upgrade,
+                compression=None,
+                max_size=MAX_FRAME_BYTES,
+                close_timeout=2,
+                logger=_RedactingLogger(logging.getLogger("websockets.server"), token),
+            )
+        except BaseException:
+            await loop.run_in_executor(executor, store.close)
+            executor.shutdown(wait=False)
+            raise
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        logger.info("memory store listening on %s", self.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        """The WebSocket URL to give clients, without the token."""
+        host = self._host
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"ws://{host}:{self.port}{WS_PATH}"
+
+    async def stop(self) -> None:
+        """Close every connection, stop listening and close the database; idempotent."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop())
+        # Shielded so a caller cancelled mid-stop does not leave the database open.
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        try:
+            if self._server is not None:
+                self._server.close()
+                await self._server.wait_closed()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.store.close)
+        finally:
+            self._executor.shutdown(wait=False)
+            self._stopped.set()
+            logger.info("memory store stopped")
+
+    async def wait_stopped(self) -> None:
+        """Return once :meth:`stop` has finished."""
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> StoreServer:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _check_upgrade(self, connection: ServerConnection, request: Request) -> Response | None:
+        """Refuse other paths (404) and a missing or wrong ``?token=`` (401) before upgrading."""
+        target = urlsplit(request.path)
+        if target.path != WS_PATH:
+            return connection.respond(HTTPStatus.NOT_FOUND, "Not Found\n")
+        tokens = parse_qs(target.query, keep_blank_values=True).get("token", [])
+        if len(tokens) != 1 or not hmac.compare_digest(tokens[0].encode("utf-8"), self._token):
+            logger.info("memory store refused an upgrade: missing or invalid token")
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
+        return None
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        session = _Session()
+        try:
+            await ws.send(
+                jsonrpc.notification_frame(
+                    SERVER_VERSION, {"version": _version(), "build_info": "arona-store (sqlite)"}
+                )
+            )
+            while True:
+                try:
+                    async with asyncio.timeout(self._idle_timeout_s):
+                        frame = await ws.recv()
+                except TimeoutError:
+                    logger.debug("closing an idle memory store connection")
+                    await ws.close(IDLE_CLOSE_CODE, "idle timeout")
+                    return
+                for reply in await self._answer(frame, session):
+                    await ws.send(reply)
+                if session.refused:
+                    await ws.close(1008, "invalid token")
+                    return
+        except ConnectionClosed:
+            return
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    async def _answer(self, frame: str | bytes, session: _Session) -> list[str]:
+        """The frames to send back for one received frame (possibly none)."""
+        if isinstance(frame, bytes):
+            return [
+                jsonrpc.error_frame(
+                    None, jsonrpc.INVALID_REQUEST, "Invalid Request: binary frames are not accepted"
+                )
+            ]
+        try:
+            call = jsonrpc.parse_call(frame)
+        except RpcError as err:
+            return [jsonrpc.error_frame(err.request_id, err.code, err.message)]
+        if call.method == HANDSHAKE:
+            return self._reply(call, self._handshake(call, session))
+        if session.session_id is None:
+            return self._reply(
+                call, RpcError(jsonrpc.AUTH_REQUIRED, "Authentication required: handshake first")
+            )
+        if call.method == HEARTBEAT:
+            ack = jsonrpc.notification_frame(HEARTBEAT_ACK, {})
+            return [ack, *self._reply(call, {"ok": True})]
+        handler = self._methods.get(call.method)
+        if handler is None:
+            return self._reply(call, RpcError(jsonrpc.METHOD_NOT_FOUND, "Method not found"))
+        try:
+            async with asyncio.timeout(HANDLER_TIMEOUT_S):
+                result = await handler(call.params)
+        except RpcError as err:
+            return self._reply(call, err)
+        except TimeoutError:
+            logger.warning("memory store method %s timed out", call.method)
+            return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Request timed out"))
+        except Exception:
+            logger.exception("memory store method %s failed", call.method)
+            return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Internal error"))
+        return self._reply(call, result)
+
+    @staticmethod
+    def _reply(call: Call, outcome: dict[str, Any] | RpcError) -> list[str]:
+        if call.is_notification:
+            return []
+        request_id: JsonId = call.request_id
+        if isinstance(outcome, RpcError):
+            return [jsonrpc.error_frame(request_id, outcome.code, outcome.message)]
+        return [jsonrpc.result_frame(request_id, outcome)]
+
+    def _handshake(self, call: Call, session: _Session) -> dict[str, Any] | RpcError:
+        token = call.params.get("token")
+        if token is not None and not isinstance(token, str):
+            return _bad_params("token must be a string")
+        if token is None or not hmac.compare_digest(token.encode("utf-8"), self._token):
+            session.refused = True
+            return {"ok": False, "error": "invalid token", "session_id": None, "reconnect": False}
+        if session.session_id is None:
+            session.session_id = str(uuid.uuid4())
+        return {"ok": True, "error": None, "session_id": session.session_id, "reconnect": False}
+
+    async def _in_db(self, fn: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
+        query = params.get("query")
+        if not isinstance(query, str):
+            raise _bad_params("query must be a string")
+        limit = params.get("limit", DEFAULT_LIMIT)
+        if limit is None:
+            limit = DEFAULT_LIMIT
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise _bad_params(f"limit must be an integer between 1 and {MAX_LIMIT}")
+        hits = await self._in_db(self.store.query, query, limit)
+        return {
+            "query": query,
+            "total": len(hits),
+            "results": [
+                {"node_type": hit.node_type, "text": hit.text, "score": round(hit.score, 6)}
+                for hit in hits
+            ],
+        }
+
+    async def _store(self, params: dict[str, Any]) -> dict[str, Any]:
+        text = params.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise _bad_params("text must be a non-empty string")
+        node_type = params.get("node_type", "episode")
+        if not isinstance(node_type, str) or not node_type.strip():
+            raise _bad_params("node_type must be a non-empty string")
+        source_episode_id = _optional_str(params, "source_episode_id")
+        related = params.get("related_node_ids")
+        if related is None:
+            related = []
+        if not isinstance(related, list) or not all(isinstance(x, str) for x in related):
+            raise _bad_params("related_node_ids must be a list of strings")
+        properties = params.get("properties")
+        if properties is None:
+            properties = {}
+        if not isinstance(properties, dict) or not all(
+            isinstance(v, str) for v in properties.values()
+        ):
+            raise _bad_params("properties must be an object of strings")
+
+        def add() -> str:
+            return self.store.add(
+                text,
+                node_type,
+                source_episode_id=source_episode_id,
+                related_node_ids=related,
+                properties=properties,
+            )
+
+        node_id = await self._in_db(add)
+        return {"node_id": node_id}
+
+    async def _delete(self, params: dict[str, Any]) -> dict[str, Any]:
+        node_id = params.get("node_id")
+        if not isinstance(node_id, str) or not node_id:
+            raise _bad_params("node_id must be a non-empty string")
+        deleted = await self._in_db(self.store.delete, node_id)
+        return {"deleted": deleted}
+
+
+async def serve_forever(
+    *,
+    db_path: Path,
+    token: str,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    idle_timeout_s: float = 45.0,
+    on_ready: Callable[[StoreServer], None] | None = None,
+) -> None:
+    """Run the store until cancelled, then stop it cleanly (the ``store`` command's body).
+
+    ``on_ready`` is called once listening, e.g. to print :attr:`StoreServer.url`.
+    """
+    server = await StoreServer.start(
+        db_path=db_path, token=token, host=host, port=port, idle_timeout_s=idle_timeout_s
+    )
+    try:
+        if on_ready is not None:
+            on_ready(server)
+        await server.wait_stopped()
+    finally:
+        await server.stop()

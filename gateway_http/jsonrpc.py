@@ -258,6 +258,10 @@ class Dispatcher:
         except pydantic.ValidationError as exc:
             message, fields = _params_message(exc)
             return _error(id_, INVALID_PARAMS, message, {"fields": fields})
+        except Exception:
+            # A validator that raises something pydantic does not wrap is a bug, not bad input.
+            logger.exception("JSON-RPC params model for %s failed", method)
+            return _error(id_, INTERNAL_ERROR, "Internal error")
 
         # 5) Handler.
         try:
@@ -375,7 +379,12 @@ def rpc_router(get_dispatcher: Callable[[], Dispatcher]) -> APIRouter:
         if body is None:
             return Response(_too_large(), status_code=413, media_type="application/json")
         token = bearer(request.headers.get("authorization"))
-        response = await get_dispatcher().handle(body, token)
+        try:
+            response = await get_dispatcher().handle(body, token)
+        except Exception:
+            # handle() maps handler failures itself; this is a bug in the transport.
+            logger.exception("JSON-RPC POST failed")
+            response = _encode(_error(None, INTERNAL_ERROR, "Internal error"))
         if response is None:
             return Response(status_code=204)
         return Response(response, media_type="application/json")

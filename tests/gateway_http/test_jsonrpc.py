@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +16,6 @@ import jwt
 import pydantic
 import pytest
 import pytest_asyncio
-import uvicorn
 from fastapi import FastAPI
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -36,51 +33,10 @@ from gateway_http.jsonrpc import (
     RpcError,
     rpc_router,
 )
+from tests.support.uvicorn_server import serve_app
 
 SECRET = "rpc-test-secret-" + "0123456789abcdef" * 3
 WAIT_S = 5.0
-
-
-# --- a real uvicorn on 127.0.0.1:0 -------------------------------------------------------------
-# Private copy: the shared tests/support/uvicorn_server.py was not available when this was written.
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = asyncio.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.ready.set()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # The test process keeps its own signal handlers.
-        yield
-
-
-@contextlib.asynccontextmanager
-async def serve_app(app: FastAPI) -> AsyncIterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2
-    )
-    server = _Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    ready = asyncio.create_task(server.ready.wait())
-    try:
-        await asyncio.wait({task, ready}, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-        if not server.ready.is_set():
-            raise RuntimeError("uvicorn did not start")
-        yield f"127.0.0.1:{port}"
-    finally:
-        ready.cancel()
-        server.should_exit = True
-        await asyncio.wait_for(task, timeout=WAIT_S)
-        sock.close()
 
 
 # --- test methods --------------------------------------------------------------------------------
@@ -101,6 +57,16 @@ class PushParams(pydantic.BaseModel):
 
 class NoParams(pydantic.BaseModel):
     pass
+
+
+class BuggyParams(pydantic.BaseModel):
+    value: str = ""
+
+    @pydantic.field_validator("value")
+    @classmethod
+    def _lookup(cls, value: str) -> str:
+        # A bug in a validator (not a ValueError), which pydantic does not turn into an error.
+        return {"known": "ok"}[value]
 
 
 class RevocableVerifier(JwtVerifier):
@@ -173,6 +139,7 @@ def build_dispatcher(methods: Methods, verifier: JwtVerifier) -> Dispatcher:
     dispatcher.register("push", methods.push, PushParams)
     dispatcher.register("model.result", methods.model_result, NoParams)
     dispatcher.register("unencodable", methods.unencodable, NoParams)
+    dispatcher.register("buggy.params", methods.echo, BuggyParams)
     return dispatcher
 
 
@@ -185,7 +152,7 @@ class Rig:
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.base}/api/rpc"
+        return self.base.replace("http://", "ws://", 1) + "/api/rpc"
 
     async def post(self, body: Any, token: str | None = None, raw: bool = False) -> httpx.Response:
         headers = {"content-type": "application/json"}
@@ -212,9 +179,7 @@ async def _rig(verifier_secret: str | None) -> AsyncIterator[Rig]:
     app = FastAPI()
     app.include_router(rpc_router(lambda: dispatcher))
     async with serve_app(app) as base:
-        async with httpx.AsyncClient(
-            base_url=f"http://{base}", trust_env=False, timeout=WAIT_S
-        ) as http:
+        async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=WAIT_S) as http:
             yield Rig(base, methods, verifier, http)
 
 
@@ -417,6 +382,16 @@ async def test_unencodable_result_is_32603(rig: Rig) -> None:
     body = await rig.call(req("unencodable", None, 5))
     assert body["error"] == {"code": INTERNAL_ERROR, "message": "Internal error"}
     assert body["id"] == 5
+
+
+@pytest.mark.asyncio
+async def test_params_model_bug_is_32603(rig: Rig) -> None:
+    body = await rig.call(req("buggy.params", {"value": "unknown"}, 6))
+    assert body == {
+        "jsonrpc": "2.0",
+        "error": {"code": INTERNAL_ERROR, "message": "Internal error"},
+        "id": 6,
+    }
 
 
 @pytest.mark.asyncio

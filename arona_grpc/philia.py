@@ -1,0 +1,437 @@
+"""The Philia WebSocket JSON-RPC client: connection, handshake, id -> future, timeouts.
+
+One :class:`PhiliaClient` owns at most one WebSocket to Philia. It connects lazily
+(the first call opens the link and sends ``Sync.ConnectHandshake``), shares the link
+between concurrent calls (one reader task matches replies to callers by id), and
+treats any fault (refused, rejected handshake, JSON-RPC error, timeout, malformed
+frame, close) as the end of that link: every pending caller fails, the transport is
+aborted and the next call connects afresh. Every await on the socket runs under the
+per-call deadline ``timeout_s``, connect and handshake included.
+
+The token travels on the upgrade URL and in the handshake, so nothing here ever
+prints it: URLs go through :func:`~arona_grpc.redact.redact_url`, free text through
+:func:`~arona_grpc.redact.redact_text`, and the websockets library's own debug lines
+(which echo the request path and frames) pass through a redacting logger adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from arona_grpc.redact import redact_text, redact_url
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Philia's frame budget is about 1 MiB; the margin keeps a reply that is just at
+# the budget (plus JSON-RPC envelope) from being refused on our side.
+MAX_FRAME_BYTES = 2**20 + 2**16
+# Server-supplied text quoted in our errors is cut to this length.
+_MAX_QUOTED = 200
+
+
+@dataclass(frozen=True)
+class PhiliaMemory:
+    """One recalled node, as Philia ranks it (best first)."""
+
+    text: str
+    score: float
+    node_type: str
+
+
+class PhiliaError(Exception):
+    """A Philia call failed. The message never contains the token."""
+
+
+class PhiliaUnavailable(PhiliaError):
+    """Philia could not be reached or broke the protocol (refused, rejected, closed, garbage)."""
+
+
+class PhiliaTimeout(PhiliaError):
+    """Philia did not answer within the per-call deadline."""
+
+
+class PhiliaRPCError(PhiliaUnavailable):
+    """Philia answered with a JSON-RPC error object."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"Philia error {code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def build_upgrade_url(url: str, token: str) -> str:
+    """The configured URL with ``token=<token>`` appended (``?`` or ``&``), URL-encoded."""
+    parts = urlsplit(url)
+    token_query = urlencode({"token": token}, quote_via=quote)
+    query = f"{parts.query}&{token_query}" if parts.query else token_query
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+
+
+class _RedactingAdapter(logging.LoggerAdapter[logging.Logger]):
+    """Masks the token in log lines written by the websockets library.
+
+    At debug level websockets logs the request path (which carries ``?token=``) and
+    the first bytes of every frame (the handshake carries ``params.token``).
+    """
+
+    def __init__(self, wrapped: logging.Logger, secrets: tuple[str, ...]) -> None:
+        super().__init__(wrapped, {})
+        self._secrets = secrets
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return
+        text = str(msg) % args if args else str(msg)
+        self.logger.log(level, "%s", redact_text(text, self._secrets), **kwargs)
+
+
+class _Connection:
+    """One open WebSocket: the reader task and the callers waiting for replies."""
+
+    def __init__(self, ws: ClientConnection, redact: Callable[[str], str]) -> None:
+        self.ws = ws
+        self._redact = redact
+        self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.closed = False
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def request(self, method: str, params: Mapping[str, Any]) -> Any:
+        """Send one request and return its ``result``; raise on an error reply."""
+        if self.closed:
+            raise PhiliaUnavailable("the Philia connection is closed")
+        request_id = str(uuid.uuid4())
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = reply
+        try:
+            frame = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+            try:
+                await self.ws.send(json.dumps(frame))
+            except ConnectionClosed:
+                raise PhiliaUnavailable("Philia closed the connection") from None
+            answer = await reply
+        finally:
+            # A caller that gave up (timeout, cancellation) leaves no entry behind,
+            # so its late reply is skipped and can never answer another call.
+            self.pending.pop(request_id, None)
+        return self._result_of(method, answer)
+
+    def _result_of(self, method: str, answer: dict[str, Any]) -> Any:
+        if "error" in answer and answer["error"] is not None:
+            error = answer["error"]
+            if not isinstance(error, dict):
+                raise PhiliaUnavailable(f"malformed error reply to {method}")
+            code = error.get("code")
+            message = error.get("message")
+            if isinstance(code, bool) or not isinstance(code, int):
+                code = 0
+            text = message if isinstance(message, str) else ""
+            raise PhiliaRPCError(code, self._redact(text)[:_MAX_QUOTED])
+        if "result" not in answer:
+            raise PhiliaUnavailable(f"malformed reply to {method}: neither result nor error")
+        return answer["result"]
+
+    async def _read(self) -> None:
+        """Route replies to waiting callers until the link ends; never raises."""
+        reason: PhiliaError
+        try:
+            async for raw in self.ws:
+                frame = _decode(raw)
+                request_id = frame.get("id")
+                if not isinstance(request_id, str):
+                    continue  # notification, greeting, heartbeat ack, broadcast
+                waiter = self.pending.get(request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(frame)
+            reason = PhiliaUnavailable("Philia closed the connection")
+        except ConnectionClosed:
+            reason = PhiliaUnavailable("Philia closed the connection")
+        except PhiliaError as exc:
+            reason = exc
+        except Exception as exc:  # the link is unusable whatever went wrong
+            logger.debug("Philia reader failed: %s", type(exc).__name__)
+            reason = PhiliaUnavailable(f"Philia connection failed ({type(exc).__name__})")
+        self.abort(reason)
+
+    def abort(self, reason: PhiliaError) -> None:
+        """Fail every pending caller and drop the transport without a closing handshake."""
+        if self.closed:
+            return
+        self.closed = True
+        waiters = list(self.pending.values())
+        self.pending.clear()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(PhiliaUnavailable(f"connection dropped: {reason}"))
+        if self.reader is not asyncio.current_task():
+            self.reader.cancel()
+        # A graceful close against a silent peer would wait the whole close timeout.
+        self.ws.transport.abort()
+
+    async def wait_stopped(self) -> None:
+        """Wait for the reader task to finish after :meth:`abort`."""
+        try:
+            await self.reader
+        except asyncio.CancelledError:
+            if not self.reader.cancelled():
+                raise  # the caller itself is being cancelled
+
+
+def _decode(raw: str | bytes) -> dict[str, Any]:
+    """Parse one frame; anything but a JSON object in a text frame is malformed."""
+    if not isinstance(raw, str):
+        raise PhiliaUnavailable("malformed frame from Philia (binary)")
+    try:
+        frame = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:
+        raise PhiliaUnavailable("malformed frame from Philia (not JSON)") from None
+    if not isinstance(frame, dict):
+        raise PhiliaUnavailable("malformed frame from Philia (not an object)")
+    return frame
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN / Infinity are not JSON; json.loads would otherwise accept them.
+    raise ValueError(name)
+
+
+class PhiliaClient:
+    """Lazy, shared, self-healing JSON-RPC link to Philia."""
+
+    def __init__(self, url: str, token: str, timeout_s: float) -> None:
+        self._url = url
+        self._token = token
+        self._timeout_s = timeout_s
+        self._secrets = _secret_forms(token)
+        self._ws_logger = _RedactingAdapter(logging.getLogger("websockets.client"), self._secrets)
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Task[_Connection] | None = None
+        self._closed = False
+
+    @property
+    def redacted_url(self) -> str:
+        """The configured URL, safe to print."""
+        return redact_url(self._url)
+
+    def redact(self, text: str) -> str:
+        """Mask the token (raw, URL-encoded or JSON-escaped) in free text."""
+        return redact_text(text, self._secrets)
+
+    async def query(self, query: str, limit: int) -> list[PhiliaMemory]:
+        """``Sync.MemoryQueryRequest``: up to ``limit`` memories, best first."""
+        return await self._call(
+            "Sync.MemoryQueryRequest",
+            {"query": query, "limit": limit},
+            lambda result: _parse_memories(result, limit),
+        )
+
+    async def store(self, text: str, node_type: str = "episode") -> str:
+        """``Sync.MemoryStoreRequest``: store one node and return its id."""
+        return await self._call(
+            "Sync.MemoryStoreRequest", {"text": text, "node_type": node_type}, _parse_node_id
+        )
+
+    async def delete(self, node_id: str) -> bool:
+        """``Sync.MemoryDeleteRequest``: whether the node existed."""
+        return await self._call("Sync.MemoryDeleteRequest", {"node_id": node_id}, _parse_deleted)
+
+    async def aclose(self) -> None:
+        """Drop the link and refuse further calls."""
+        self._closed = True
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
+            # A cancelled connect aborts its half-open socket before it ends.
+            await asyncio.wait([connecting])
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort(PhiliaUnavailable("the Philia client is closed"))
+            await conn.wait_stopped()
+
+    async def _call(self, method: str, params: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        conn: _Connection | None = None
+        attempt: asyncio.Task[_Connection] | None = None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                conn = self._live_connection()
+                if conn is None:
+                    attempt = self._connect_attempt()
+                    conn = await self._join(attempt)
+                result = await conn.request(method, params)
+            return parse(result)
+        except TimeoutError:
+            error: PhiliaError = PhiliaTimeout(
+                f"{method}: no answer from Philia within {self._timeout_s:g} s"
+            )
+        except PhiliaError as exc:
+            error = exc
+        if attempt is not None and not attempt.done():
+            # Out of time while connecting. The attempt has run at least as long as
+            # this call, so it is out of time too: end it now rather than let the next
+            # call join an attempt that is about to fail.
+            attempt.cancel()
+            if self._connecting is attempt:
+                self._connecting = None
+        if conn is not None:
+            self._drop(conn, error)
+        raise error
+
+    def _drop(self, conn: _Connection, reason: PhiliaError) -> None:
+        if not conn.closed:
+            logger.info("dropping the Philia connection to %s: %s", self.redacted_url, reason)
+        conn.abort(reason)
+        if self._conn is conn:
+            self._conn = None
+
+    def _live_connection(self) -> _Connection | None:
+        if self._closed:
+            raise PhiliaUnavailable("the Philia client is closed")
+        conn = self._conn
+        return conn if conn is not None and not conn.closed else None
+
+    def _connect_attempt(self) -> asyncio.Task[_Connection]:
+        """The connect in progress, or a new one: concurrent callers share one attempt."""
+        if self._connecting is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._open())
+            self._connecting.add_done_callback(self._connect_done)
+        return self._connecting
+
+    async def _join(self, attempt: asyncio.Task[_Connection]) -> _Connection:
+        try:
+            # Shielded: one caller giving up must not cancel the others' connect.
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if attempt.cancelled() and current is not None and not current.cancelling():
+                # Another waiter or aclose() ended the shared attempt, not our caller.
+                raise PhiliaUnavailable("the connect attempt to Philia was abandoned") from None
+            raise
+
+    def _connect_done(self, task: asyncio.Task[_Connection]) -> None:
+        if self._connecting is task:
+            self._connecting = None
+        if task.cancelled():
+            return
+        if task.exception() is None:
+            self._conn = task.result()
+
+    async def _open(self) -> _Connection:
+        """Connect and handshake, bounded by one call's deadline; abort on any failure."""
+        conn: _Connection | None = None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                ws = await self._upgrade()
+                conn = _Connection(ws, self.redact)
+                result = await conn.request(
+                    "Sync.ConnectHandshake",
+                    {
+                        "token": self._token,
+                        "client_type": "cli",
+                        "capabilities": [],
+                        "protocol_version": 1,
+                    },
+                )
+                _check_handshake(result, self.redact)
+        except BaseException as exc:
+            if conn is not None:
+                conn.abort(PhiliaUnavailable("connect failed"))
+            if isinstance(exc, TimeoutError):
+                raise PhiliaTimeout(
+                    f"no connection to Philia at {self.redacted_url} within {self._timeout_s:g} s"
+                ) from None
+            if isinstance(exc, PhiliaRPCError):
+                raise PhiliaUnavailable(f"Philia refused the handshake: {exc}") from None
+            raise
+        logger.info("connected to Philia at %s", self.redacted_url)
+        return conn
+
+    async def _upgrade(self) -> ClientConnection:
+        where = self.redacted_url
+        try:
+            return await connect(
+                build_upgrade_url(self._url, self._token),
+                proxy=None,
+                compression=None,
+                max_size=MAX_FRAME_BYTES,
+                open_timeout=self._timeout_s,
+                logger=self._ws_logger,
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            raise PhiliaUnavailable(
+                f"Philia at {where} rejected the connection (HTTP {status})"
+            ) from None
+        except TimeoutError:
+            raise PhiliaTimeout(
+                f"no connection to Philia at {where} within {self._timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            reason = self.redact(exc.strerror or type(exc).__name__)
+            raise PhiliaUnavailable(f"cannot connect to Philia at {where}: {reason}") from None
+        except (WebSocketException, ValueError) as exc:
+            # Messages of these may quote the URL, token included: name the type only.
+            raise PhiliaUnavailable(
+                f"cannot connect to Philia at {where} ({type(exc).__name__})"
+            ) from None
+
+
+def _secret_forms(token: str) -> tuple[str, ...]:
+    """The token as it may appear in text: raw, URL-encoded, JSON-escaped."""
+    forms = {token, quote(token, safe=""), json.dumps(token)[1:-1]}
+    return tuple(sorted((f for f in forms if f), key=len, reverse=True))
+
+
+def _check_handshake(result: Any, redact: Callable[[str], str]) -> None:
+    if not isinstance(result, dict) or not isinstance(result.get("ok"), bool):
+        raise PhiliaUnavailable("malformed handshake reply from Philia")
+    if not result["ok"]:
+        error = result.get("error")
+        detail = redact(error)[:_MAX_QUOTED] if isinstance(error, str) and error else "no reason"
+        raise PhiliaUnavailable(f"Philia refused the handshake: {detail}")
+
+
+def _parse_memories(result: Any, limit: int) -> list[PhiliaMemory]:
+    results = result.get("results") if isinstance(result, dict) else None
+    if not isinstance(results, list):
+        raise PhiliaUnavailable("malformed query result from Philia: no results list")
+    memories: list[PhiliaMemory] = []
+    for item in results[:limit]:
+        if not isinstance(item, dict):
+            raise PhiliaUnavailable("malformed query result from Philia: a result is not an object")
+        text, score, node_type = item.get("text"), item.get("score"), item.get("node_type", "")
+        if (
+            not isinstance(text, str)
+            or not isinstance(score, int | float)
+            or isinstance(score, bool)
+            or not math.isfinite(score)
+            or not isinstance(node_type, str)
+        ):
+            raise PhiliaUnavailable("malformed query result from Philia: bad text, score or type")
+        memories.append(PhiliaMemory(text=text, score=float(score), node_type=node_type))
+    return memories
+
+
+def _parse_node_id(result: Any) -> str:
+    node_id = result.get("node_id") if isinstance(result, dict) else None
+    if not isinstance(node_id, str) or not node_id:
+        raise PhiliaUnavailable("malformed store result from Philia: no node_id")
+    return node_id
+
+
+def _parse_deleted(result: Any) -> bool:
+    deleted = result.get("deleted") if isinstance(result, dict) else None
+    if not isinstance(deleted, bool):
+        raise PhiliaUnavailable("malformed delete result from Philia: no deleted flag")
+    return deleted

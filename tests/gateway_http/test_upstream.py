@@ -1,0 +1,563 @@
+"""The upstream client against a real scripted upstream, and the built-in ``echo`` model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from gateway_http.upstream import (
+    EchoModel,
+    OpenAIUpstream,
+    UpstreamError,
+    build_backend,
+    message_text,
+)
+from tests.support.fake_upstream import (
+    Complete,
+    Fail,
+    FakeUpstream,
+    Garbage,
+    Hang,
+    Stream,
+    default_content,
+)
+
+KEY = "sk-test-0123456789abcdef"
+WAIT_S = 5.0
+
+
+def chat(text: str = "hello there", **extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def content_of(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream.start() as up:
+        yield up
+
+
+@pytest_asyncio.fixture
+async def backend(fake: FakeUpstream) -> AsyncIterator[OpenAIUpstream]:
+    upstream = OpenAIUpstream(fake.base_url, KEY, timeout_s=5.0)
+    yield upstream
+    await upstream.aclose()
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    # Bound but never listening: connecting is refused, and no other test can take the port.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+# --- OpenAIUpstream: non-streaming ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_complete_returns_the_upstream_completion(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    reply = await backend.complete(chat("what is the capital of France?"))
+
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "reply to: what is the capital of France?",
+    }
+    assert fake.chat_requests[0].body["stream"] is False
+
+
+@pytest.mark.asyncio
+async def test_complete_forwards_unknown_fields_untouched_and_keeps_the_callers_body(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    body = chat(
+        "hi",
+        stream=True,
+        top_k=40,
+        metadata={"trace": ["a", 1, None, 2.5]},
+        messages_extra={"ünïcode": "✓"},
+    )
+    original = dict(body)
+
+    await backend.complete(body)
+
+    sent = fake.last_body
+    assert sent["top_k"] == 40
+    assert sent["metadata"] == {"trace": ["a", 1, None, 2.5]}
+    assert sent["messages_extra"] == {"ünïcode": "✓"}
+    assert sent["messages"] == body["messages"]
+    assert sent["stream"] is False
+    assert body == original  # the caller's request is not modified
+
+
+@pytest.mark.asyncio
+async def test_bearer_key_is_sent_and_omitted_without_one(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    await backend.complete(chat())
+    keyless = OpenAIUpstream(fake.base_url)
+    try:
+        await keyless.complete(chat())
+    finally:
+        await keyless.aclose()
+
+    assert fake.requests[0].authorization == f"Bearer {KEY}"
+    assert fake.requests[1].authorization is None
+
+
+@pytest.mark.asyncio
+async def test_requests_reuse_one_pooled_connection(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    for text in ("one", "two", "three"):
+        await backend.complete(chat(text))
+    await backend.models()
+
+    ports = {r.client_port for r in fake.requests}
+    assert len(fake.requests) == 4
+    assert len(ports) == 1
+
+
+@pytest.mark.asyncio
+async def test_http_error_carries_status_and_upstream_message_without_the_key(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Fail(status=429, message=f"Rate limit reached for key {KEY}\nslow down"))
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.status == 429
+    assert info.value.message.startswith("upstream returned HTTP 429: Rate limit reached")
+    assert KEY not in str(info.value)
+    assert "\n" not in info.value.message
+
+
+@pytest.mark.asyncio
+async def test_http_error_with_a_non_json_body_names_only_the_status(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Fail(status=503, raw=b"<html>Service Unavailable</html>"))
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.status == 503
+    assert info.value.message == "upstream returned HTTP 503"
+
+
+@pytest.mark.asyncio
+async def test_invalid_json_reply_is_an_upstream_error(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Garbage())
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.status is None
+    assert info.value.message == "upstream returned invalid JSON"
+
+
+@pytest.mark.asyncio
+async def test_refused_port_is_unreachable_and_leaks_no_credentials(
+    refused_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    backend = OpenAIUpstream(f"http://user:hunter2@127.0.0.1:{refused_port}/v1", KEY)
+    try:
+        with pytest.raises(UpstreamError) as complete_error:
+            await backend.complete(chat())
+        with pytest.raises(UpstreamError) as stream_error:
+            await anext(backend.stream(chat()))
+        with pytest.raises(UpstreamError) as models_error:
+            await backend.models()
+    finally:
+        await backend.aclose()
+
+    for error in (complete_error.value, stream_error.value, models_error.value):
+        assert error.status is None
+        assert error.message == "upstream unreachable"
+    assert "hunter2" not in caplog.text
+    assert KEY not in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_silent_upstream_times_out_and_the_request_is_dropped(fake: FakeUpstream) -> None:
+    hang = Hang()
+    fake.script(hang)
+    backend = OpenAIUpstream(fake.base_url, timeout_s=0.3)
+    try:
+        with pytest.raises(UpstreamError) as info:
+            await backend.complete(chat())
+    finally:
+        await backend.aclose()
+
+    assert info.value.status is None
+    assert info.value.message == "upstream timed out"
+    await asyncio.wait_for(hang.closed.wait(), WAIT_S)
+
+
+# --- OpenAIUpstream: streaming ----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_stream_yields_chunks_in_order_until_done(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    scripted = Stream(pieces=["The ", "sky ", "is ", "blue."], comment=True)
+    fake.script(scripted)
+
+    chunks = [chunk async for chunk in backend.stream(chat("sky?", stream_options={"x": 1}))]
+
+    assert chunks == scripted.sent  # every chunk, in order, nothing after [DONE]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert content_of(chunks) == "The sky is blue."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    sent = fake.last_body
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"x": 1}
+    assert fake.last_body is not None and fake.chat_requests[0].authorization == f"Bearer {KEY}"
+
+
+@pytest.mark.asyncio
+async def test_stream_delivers_chunks_as_they_arrive(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    scripted = Stream(pieces=["one ", "two ", "three ", "four"], pause_after=2)
+    fake.script(scripted)
+    stream = backend.stream(chat())
+
+    early = [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(3)]
+    # The upstream is still holding the rest back, yet the first chunks are already here.
+    assert scripted.paused.is_set()
+    assert not scripted.resume.is_set()
+    assert content_of(early) == "one two "
+
+    scripted.resume.set()
+    rest = [chunk async for chunk in stream]
+    assert content_of(early + rest) == "one two three four"
+
+
+@pytest.mark.asyncio
+async def test_stream_http_error_raises_before_the_first_chunk(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Fail(status=400, message="model 'nope' does not exist"))
+    received: list[dict[str, Any]] = []
+
+    with pytest.raises(UpstreamError) as info:
+        async for chunk in backend.stream(chat()):
+            received.append(chunk)
+
+    assert received == []
+    assert info.value.status == 400
+    assert info.value.message == "upstream returned HTTP 400: model 'nope' does not exist"
+
+
+@pytest.mark.asyncio
+async def test_stream_broken_mid_way_raises_after_the_first_chunks(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Stream(pieces=["partial ", "answer"], end="break"))
+    received: list[dict[str, Any]] = []
+
+    with pytest.raises(UpstreamError) as info:
+        async for chunk in backend.stream(chat()):
+            received.append(chunk)
+
+    assert content_of(received) == "partial answer"
+    assert info.value.status is None
+    assert info.value.message == "upstream stream broke off"
+
+
+@pytest.mark.asyncio
+async def test_stream_with_a_garbage_event_raises_after_the_good_chunks(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Stream(pieces=["fine "], end="garbage"))
+    received: list[dict[str, Any]] = []
+
+    with pytest.raises(UpstreamError) as info:
+        async for chunk in backend.stream(chat()):
+            received.append(chunk)
+
+    assert content_of(received) == "fine "
+    assert info.value.message == "upstream sent a malformed stream event"
+
+
+@pytest.mark.asyncio
+async def test_consumer_closing_the_stream_closes_the_upstream_request(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    scripted = Stream(pieces=["never ", "ending ", "story"], end="hang")
+    fake.script(scripted)
+
+    async with contextlib.aclosing(backend.stream(chat())) as stream:
+        first = await asyncio.wait_for(anext(stream), WAIT_S)
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+
+    await asyncio.wait_for(scripted.closed.wait(), WAIT_S)
+    # The pool is still usable afterwards.
+    reply = await backend.complete(chat("again"))
+    assert reply["choices"][0]["message"]["content"] == "reply to: again"
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_consumer_closes_the_upstream_request(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    scripted = Stream(pieces=["a ", "b"], pause_after=1)
+    fake.script(scripted)
+    got_first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _chunk in backend.stream(chat()):
+            got_first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(scripted.paused.wait(), WAIT_S)
+    await asyncio.wait_for(got_first.wait(), WAIT_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    await asyncio.wait_for(scripted.closed.wait(), WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_models_lists_the_upstream_models(fake: FakeUpstream) -> None:
+    fake.models = ["gpt-x", "gpt-y"]
+    backend = OpenAIUpstream(fake.base_url + "/", KEY)  # a trailing slash is fine
+    try:
+        listing = await backend.models()
+    finally:
+        await backend.aclose()
+
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["gpt-x", "gpt-y"]
+    assert fake.requests[-1].path == "/v1/models"
+    assert fake.requests[-1].authorization == f"Bearer {KEY}"
+
+
+@pytest.mark.asyncio
+async def test_wrong_key_is_a_401_upstream_error() -> None:
+    async with FakeUpstream.start(api_key="sk-right") as up:
+        backend = OpenAIUpstream(up.base_url, "sk-wrong")
+        try:
+            with pytest.raises(UpstreamError) as info:
+                await backend.complete(chat())
+        finally:
+            await backend.aclose()
+
+    assert info.value.status == 401
+    assert "sk-wrong" not in info.value.message
+
+
+@pytest.mark.asyncio
+async def test_scripted_content_and_default_content_tell_turns_apart(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Complete(content="scripted answer"))
+
+    first = await backend.complete(chat("first"))
+    second = await backend.complete(chat("second"))
+
+    assert first["choices"][0]["message"]["content"] == "scripted answer"
+    assert second["choices"][0]["message"]["content"] == default_content(chat("second"))
+
+
+# --- echo --------------------------------------------------------------------------------------
+
+MEMORY_SECTION = (
+    "## Relevant Long-Term Memories\n"
+    "- [0.83] I prefer oolong tea\n"
+    "- [0.41] User: where do I live?\n"
+    "  Assistant: In Lyon."
+)
+
+
+@pytest.mark.asyncio
+async def test_echo_repeats_the_last_user_message() -> None:
+    body = {
+        "model": "echo",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "second question"},
+        ],
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["id"].startswith("chatcmpl-")
+    assert reply["object"] == "chat.completion"
+    assert reply["model"] == "echo"
+    assert reply["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Echo: second question"},
+            "finish_reason": "stop",
+        }
+    ]
+    # whitespace tokens: 3 + 2 + 2 + 2 prompt, "Echo: second question" = 3
+    assert reply["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+
+
+@pytest.mark.asyncio
+async def test_echo_shows_the_memory_section_it_received() -> None:
+    body = {
+        "model": "my-model",
+        "messages": [
+            {"role": "system", "content": MEMORY_SECTION},
+            {"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "what tea do I like?"},
+        ],
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["model"] == "my-model"
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: what tea do I like?\n\n{MEMORY_SECTION}"
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_takes_only_the_memory_section_out_of_a_longer_system_prompt() -> None:
+    system = f"You are helpful.\n\n{MEMORY_SECTION}\n\n## Style\nAnswer briefly."
+    body = {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": system}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "part one"},
+                    {"type": "image_url", "image_url": {"url": "data:,"}},
+                    {"type": "text", "text": "part two"},
+                ],
+            },
+        ]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["model"] == "echo"
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: part one\npart two\n\n{MEMORY_SECTION}"
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_ignores_a_memory_section_outside_system_messages() -> None:
+    body = {"messages": [{"role": "user", "content": MEMORY_SECTION}]}
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == f"Echo: {MEMORY_SECTION}"
+
+
+@pytest.mark.asyncio
+async def test_echo_stream_joins_to_the_same_reply_in_several_chunks() -> None:
+    body = {
+        "model": "echo",
+        "messages": [
+            {"role": "system", "content": MEMORY_SECTION},
+            {"role": "user", "content": "what tea do I like?"},
+        ],
+    }
+    echo = EchoModel()
+
+    complete = await echo.complete(body)
+    chunks = [chunk async for chunk in echo.stream(body)]
+
+    expected = complete["choices"][0]["message"]["content"]
+    assert content_of(chunks) == expected
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop"}
+    content_chunks = chunks[1:-1]
+    assert len(content_chunks) == len(expected.split())
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+
+
+@pytest.mark.asyncio
+async def test_echo_stream_reports_usage_when_asked() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "a b c"}],
+        "stream_options": {"include_usage": True},
+    }
+
+    chunks = [chunk async for chunk in EchoModel().stream(body)]
+
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+@pytest.mark.asyncio
+async def test_echo_without_a_user_message_still_answers() -> None:
+    reply = await EchoModel().complete({"messages": [{"role": "system", "content": "x"}]})
+
+    assert reply["choices"][0]["message"]["content"] == "Echo: "
+
+
+@pytest.mark.asyncio
+async def test_echo_lists_one_model() -> None:
+    listing = await EchoModel().models()
+
+    assert listing["object"] == "list"
+    assert [(m["id"], m["owned_by"]) for m in listing["data"]] == [("echo", "arona")]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def test_message_text_reads_strings_and_text_parts() -> None:
+    assert message_text({"role": "user", "content": "plain"}) == "plain"
+    assert (
+        message_text(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "b"},
+                    "stray",
+                ],
+            }
+        )
+        == "a\nb"
+    )
+    assert message_text({"role": "assistant", "content": None}) == ""
+    assert message_text({"role": "user"}) == ""
+    assert message_text("not a message") == ""
+
+
+@pytest.mark.asyncio
+async def test_build_backend_picks_echo_without_an_upstream_url() -> None:
+    echo = build_backend(None, None)
+    also_echo = build_backend("", "key")
+    upstream = build_backend("http://127.0.0.1:9/v1", "key")
+    try:
+        assert echo.name == "echo"
+        assert isinstance(also_echo, EchoModel)
+        assert isinstance(upstream, OpenAIUpstream)
+        assert upstream.name == "upstream"
+    finally:
+        for backend in (echo, also_echo, upstream):
+            await backend.aclose()

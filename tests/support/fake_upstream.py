@@ -1,0 +1,372 @@
+"""A scripted OpenAI-compatible upstream that records every request, served by real uvicorn.
+
+Tests start it with ``async with FakeUpstream.start() as up:`` and point the gateway at
+``up.base_url`` (``http://127.0.0.1:<port>/v1``). It answers ``POST /v1/chat/completions`` and
+``GET /v1/models`` and records each request (method, path, headers, parsed JSON body) in
+``up.requests``, so a test can assert the exact messages the gateway sent upstream (the injected
+memory section, forwarded unknown fields) and the ``Authorization`` header.
+
+Without a script every chat request gets a normal answer whose content is derived from the
+request (:func:`default_content`: ``"reply to: <last user text>"``), streamed word by word when
+the request asks for a stream. ``up.script(...)`` queues replies consumed one per chat request:
+
+* :class:`Complete` — a ``chat.completion`` (content given or derived);
+* :class:`Stream` — SSE chunks, optionally pausing after ``pause_after`` content chunks until the
+  test sets ``resume`` (``paused`` tells it the pause was reached), and ending with ``[DONE]``
+  (``end="done"``), a dropped connection (``"break"``), a malformed event (``"garbage"``) or no
+  end at all (``"hang"``);
+* :class:`Fail` — an HTTP error status with an OpenAI-shaped (or raw) body;
+* :class:`Garbage` — a 200 whose body is not JSON;
+* :class:`Hang` — never answers.
+
+``Stream.closed`` and ``Hang.closed`` are set when the client goes away before the reply was
+finished: the proof a test needs that a disconnect cancelled the upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from tests.support.uvicorn_server import serve_app
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_WORDS = re.compile(r"\s*\S+\s*")
+_JSON = [(b"content-type", b"application/json")]
+
+
+def last_user_text(body: Any) -> str:
+    """The text of the last ``user`` message of a chat request body (content parts joined)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return ""
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and p.get("type") == "text" and "text" in p
+                )
+            return ""
+    return ""
+
+
+def default_content(body: Any) -> str:
+    """What the fake answers when no content was scripted: tells turns apart by their text."""
+    return f"reply to: {last_user_text(body)}"
+
+
+def split_words(text: str) -> list[str]:
+    """Word-sized pieces that join back to ``text`` exactly."""
+    return _WORDS.findall(text) or ([text] if text else [])
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: Any  # the parsed JSON body, or None when there was none or it was not JSON
+    raw_body: bytes
+    client_port: int | None = None  # the same port twice = a reused keep-alive connection
+
+    @property
+    def authorization(self) -> str | None:
+        return self.headers.get("authorization")
+
+
+@dataclass
+class Reply:
+    """Base of the scripted replies; ``arrived`` is set when the request reached the fake."""
+
+    arrived: asyncio.Event = field(default_factory=asyncio.Event, kw_only=True)
+
+
+@dataclass
+class Complete(Reply):
+    content: str | None = None  # None = default_content(request)
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Fail(Reply):
+    status: int = 500
+    message: str = "the fake upstream failed on purpose"
+    raw: bytes | None = None  # sent instead of the OpenAI-shaped error body
+
+
+@dataclass
+class Garbage(Reply):
+    body: bytes = b"<html>definitely not json</html>"
+
+
+@dataclass
+class Hang(Reply):
+    """Never answers; ``closed`` is set when the client gives up on the request."""
+
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Stream(Reply):
+    pieces: Sequence[str] | None = None  # None = default_content(request) split into words
+    pause_after: int | None = None  # pause once this many content chunks were sent
+    end: Literal["done", "break", "garbage", "hang"] = "done"
+    comment: bool = False  # start with an SSE comment line, as some servers do
+    paused: asyncio.Event = field(default_factory=asyncio.Event)
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: list[dict[str, Any]] = field(default_factory=list)  # the chunks sent so far
+
+
+class FakeUpstream:
+    """The fake upstream; use :meth:`start` to run it."""
+
+    def __init__(
+        self, *, api_key: str | None = None, models: Sequence[str] = ("fake-model",)
+    ) -> None:
+        self.api_key = api_key
+        self.models = list(models)
+        self.requests: list[RecordedRequest] = []
+        self.base_url = ""
+        self._script: deque[Reply] = deque()
+        self._recorded = asyncio.Condition()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(
+        cls, *, api_key: str | None = None, models: Sequence[str] = ("fake-model",)
+    ) -> AsyncIterator[FakeUpstream]:
+        """Serve a fake on ``127.0.0.1`` port 0; ``api_key`` set = other bearers get 401."""
+        fake = cls(api_key=api_key, models=models)
+        async with serve_app(fake) as url:
+            fake.base_url = f"{url}/v1"
+            yield fake
+
+    def script(self, *replies: Reply) -> None:
+        """Queue replies for the next chat requests, in order."""
+        self._script.extend(replies)
+
+    @property
+    def chat_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path.endswith("/chat/completions")]
+
+    @property
+    def last_body(self) -> Any:
+        """The JSON body of the last chat request."""
+        return self.chat_requests[-1].body
+
+    async def wait_requests(self, count: int, timeout_s: float = 5.0) -> list[RecordedRequest]:
+        """Wait until at least ``count`` requests were recorded."""
+        async with self._recorded:
+            await asyncio.wait_for(
+                self._recorded.wait_for(lambda: len(self.requests) >= count), timeout_s
+            )
+        return list(self.requests)
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        raw = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            raw += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        try:
+            body: Any = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = None
+        request = RecordedRequest(
+            method=scope["method"],
+            path=scope["path"],
+            headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]},
+            body=body,
+            raw_body=bytes(raw),
+            client_port=scope["client"][1] if scope.get("client") else None,
+        )
+        async with self._recorded:
+            self.requests.append(request)
+            self._recorded.notify_all()
+
+        if self.api_key is not None and request.authorization != f"Bearer {self.api_key}":
+            await _send_json(send, 401, _error("Incorrect API key provided", "invalid_api_key"))
+            return
+        if request.method == "GET" and request.path == "/v1/models":
+            data = [
+                {"id": m, "object": "model", "created": 1700000000, "owned_by": "fake"}
+                for m in self.models
+            ]
+            await _send_json(send, 200, {"object": "list", "data": data})
+            return
+        if request.method != "POST" or request.path != "/v1/chat/completions":
+            await _send_json(send, 404, _error("no such route"))
+            return
+        if not isinstance(body, dict):
+            await _send_json(send, 400, _error("body must be a JSON object"))
+            return
+
+        if self._script:
+            reply = self._script.popleft()
+        else:
+            reply = Stream() if body.get("stream") is True else Complete()
+        reply.arrived.set()
+        await _answer(reply, body, receive, send)
+
+
+async def _answer(reply: Reply, body: dict[str, Any], receive: Receive, send: Send) -> None:
+    if isinstance(reply, Complete):
+        await _send_json(send, 200, _completion(reply, body))
+    elif isinstance(reply, Stream):
+        await _stream(reply, body, receive, send)
+    elif isinstance(reply, Fail):
+        if reply.raw is not None:
+            await _send(send, reply.status, [(b"content-type", b"text/plain")], reply.raw)
+        else:
+            await _send_json(send, reply.status, _error(reply.message, type_="server_error"))
+    elif isinstance(reply, Garbage):
+        await _send(send, 200, [(b"content-type", b"text/html")], reply.body)
+    elif isinstance(reply, Hang):
+        await _until_disconnect(receive)
+        reply.closed.set()
+    else:
+        raise TypeError(f"unknown scripted reply {reply!r}")
+
+
+def _completion(reply: Complete, body: dict[str, Any]) -> dict[str, Any]:
+    content = default_content(body) if reply.content is None else reply.content
+    completion_tokens = len(content.split())
+    prompt_tokens = len(last_user_text(body).split())
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or "fake-model",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": reply.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: Send) -> None:
+    pieces = list(reply.pieces) if reply.pieces is not None else split_words(default_content(body))
+    base = {
+        "id": "chatcmpl-fake-stream",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.get("model") or "fake-model",
+    }
+
+    async def event(delta: dict[str, Any], finish_reason: str | None = None) -> None:
+        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+        reply.sent.append(chunk)
+        await send(_body(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+    )
+    disconnect = asyncio.ensure_future(_until_disconnect(receive))
+    finished = False
+    try:
+        if reply.comment:
+            await send(_body(b": keep-alive\n\n"))
+        await event({"role": "assistant", "content": ""})
+        for index, piece in enumerate(pieces):
+            if index == reply.pause_after and not await _pause(reply, disconnect):
+                return
+            await event({"content": piece})
+        if len(pieces) == reply.pause_after and not await _pause(reply, disconnect):
+            return
+        if reply.end == "hang":
+            await disconnect
+            return
+        if reply.end == "break":
+            # Returning without the final body message makes uvicorn drop the connection:
+            # the client sees the stream cut off mid-way.
+            return
+        if reply.end == "garbage":
+            await send(_body(b"data: {this is not json\n\n"))
+        else:
+            await event({}, "stop")
+        await send(_body(b"data: [DONE]\n\n", more_body=False))
+        finished = True
+    finally:
+        # uvicorn reports a disconnect once the response is complete too; only an early one
+        # means the client went away.
+        if disconnect.done() and not finished:
+            reply.closed.set()
+        disconnect.cancel()
+
+
+async def _pause(reply: Stream, disconnect: asyncio.Future[None]) -> bool:
+    """Hold the stream until the test resumes it; False when the client went away meanwhile."""
+    reply.paused.set()
+    resume: asyncio.Future[Any] = asyncio.ensure_future(reply.resume.wait())
+    try:
+        await asyncio.wait({resume, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        resume.cancel()
+    return not disconnect.done()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(
+    message: str, code: str | None = None, *, type_: str = "invalid_request_error"
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def _body(data: bytes, *, more_body: bool = True) -> Message:
+    return {"type": "http.response.body", "body": data, "more_body": more_body}
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], data: bytes) -> None:
+    headers = [*headers, (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send(_body(data, more_body=False))
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    await _send(send, status, _JSON, orjson.dumps(payload))

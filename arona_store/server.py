@@ -71,8 +71,15 @@ class _RedactingLogger(logging.LoggerAdapter[logging.Logger]):
         if not self.isEnabledFor(level) or msg in self._FRAME_DUMPS:
             return
         safe_msg = redact_text(msg, self._secrets) if isinstance(msg, str) else msg
-        safe_args = tuple(redact_text(str(arg), self._secrets) for arg in args)
-        super().log(level, safe_msg, *safe_args, **kwargs)
+        super().log(level, safe_msg, *(self._redact(arg) for arg in args), **kwargs)
+
+    def _redact(self, arg: object) -> object:
+        # Numbers stay numbers so %d and friends still format.
+        if isinstance(arg, int | float):
+            return arg
+        text = str(arg)
+        safe = redact_text(text, self._secrets)
+        return arg if safe == text else safe
 
     def process(
         self, msg: Any, kwargs: MutableMapping[str, Any]

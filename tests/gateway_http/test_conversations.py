@@ -1,0 +1,224 @@
+"""The SQLite conversation store, on real database files under ``tmp_path``."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from gateway_http.conversations import (
+    ConversationForbidden,
+    ConversationNotFound,
+    ConversationStore,
+)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "data" / "nested" / "conversations.db"
+
+
+@pytest.fixture
+def store(db_path: Path) -> Iterator[ConversationStore]:
+    opened = ConversationStore.open(db_path)
+    yield opened
+    opened.close()
+
+
+@pytest.mark.asyncio
+async def test_create_then_get_returns_the_same_conversation(store: ConversationStore) -> None:
+    before = datetime.now(UTC)
+    created = await store.create("alice", "Trip to Lyon")
+    fetched = await store.get(created.id, "alice")
+
+    assert fetched == created
+    assert created.id.startswith("conv_")
+    assert created.owner == "alice"
+    assert created.title == "Trip to Lyon"
+    assert created.created_at == created.updated_at
+    assert created.created_at.tzinfo is not None
+    assert before - timedelta(seconds=5) <= created.created_at <= datetime.now(UTC)
+
+
+@pytest.mark.asyncio
+async def test_every_conversation_gets_its_own_id(store: ConversationStore) -> None:
+    untitled = await store.create("alice")
+    other = await store.create("alice")
+
+    assert untitled.title is None
+    assert untitled.id != other.id
+
+
+@pytest.mark.asyncio
+async def test_unknown_id_is_not_found(store: ConversationStore) -> None:
+    with pytest.raises(ConversationNotFound):
+        await store.get("conv_missing", "alice")
+    with pytest.raises(ConversationNotFound):
+        await store.delete("conv_missing", "alice")
+    with pytest.raises(ConversationNotFound):
+        await store.append("conv_missing", "user", "hello?")
+
+
+@pytest.mark.asyncio
+async def test_another_owners_conversation_is_forbidden_and_left_alone(
+    store: ConversationStore,
+) -> None:
+    mine = await store.create("alice", "private")
+    await store.append(mine.id, "user", "my secret plans")
+
+    with pytest.raises(ConversationForbidden) as get_error:
+        await store.get(mine.id, "mallory")
+    with pytest.raises(ConversationForbidden):
+        await store.delete(mine.id, "mallory")
+
+    assert "alice" not in str(get_error.value)  # an owner (an API key on REST) is never shown
+    still_mine = await store.get(mine.id, "alice")
+    assert (still_mine.id, still_mine.owner, still_mine.title) == (mine.id, "alice", "private")
+    assert await store.messages(mine.id) == [{"role": "user", "content": "my secret plans"}]
+    assert await store.list("mallory") == []
+
+
+@pytest.mark.asyncio
+async def test_list_shows_only_the_owners_conversations_most_recent_first(
+    store: ConversationStore,
+) -> None:
+    first = await store.create("alice", "first")
+    await store.create("bob", "bob's")
+    second = await store.create("alice", "second")
+    third = await store.create("alice", "third")
+
+    assert [c.id for c in await store.list("alice")] == [third.id, second.id, first.id]
+    assert [c.title for c in await store.list("alice", limit=2)] == ["third", "second"]
+
+    await store.append(first.id, "user", "back to the first one")
+
+    assert [c.id for c in await store.list("alice")] == [first.id, third.id, second.id]
+
+
+@pytest.mark.asyncio
+async def test_messages_come_back_oldest_first(store: ConversationStore) -> None:
+    conversation = await store.create("alice")
+    turns = [
+        ("user", "where do I live?"),
+        ("assistant", "In Lyon."),
+        ("user", "and what tea do I like?\nbe brief"),
+        ("assistant", "Oolong 🍵"),
+    ]
+    for role, content in turns:
+        await store.append(conversation.id, role, content)
+
+    assert await store.messages(conversation.id) == [
+        {"role": role, "content": content} for role, content in turns
+    ]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_appends_are_all_kept(store: ConversationStore) -> None:
+    conversation = await store.create("alice")
+
+    await asyncio.gather(*(store.append(conversation.id, "user", f"m{i}") for i in range(50)))
+
+    stored = await store.messages(conversation.id)
+    assert sorted(m["content"] for m in stored) == sorted(f"m{i}" for i in range(50))
+
+
+@pytest.mark.asyncio
+async def test_messages_of_one_conversation_do_not_leak_into_another(
+    store: ConversationStore,
+) -> None:
+    a = await store.create("alice")
+    b = await store.create("alice")
+    await store.append(a.id, "user", "for a")
+    await store.append(b.id, "user", "for b")
+
+    assert await store.messages(a.id) == [{"role": "user", "content": "for a"}]
+    assert await store.messages(b.id) == [{"role": "user", "content": "for b"}]
+
+
+@pytest.mark.asyncio
+async def test_append_bumps_updated_at_only(store: ConversationStore) -> None:
+    created = await store.create("alice")
+
+    await store.append(created.id, "user", "hi")
+    after = await store.get(created.id, "alice")
+
+    assert after.created_at == created.created_at
+    assert after.updated_at > created.updated_at
+
+
+@pytest.mark.asyncio
+async def test_delete_removes_the_conversation_and_its_messages(
+    store: ConversationStore, db_path: Path
+) -> None:
+    doomed = await store.create("alice")
+    kept = await store.create("alice")
+    await store.append(doomed.id, "user", "forget me")
+    await store.append(kept.id, "user", "keep me")
+
+    await store.delete(doomed.id, "alice")
+
+    with pytest.raises(ConversationNotFound):
+        await store.get(doomed.id, "alice")
+    assert await store.messages(doomed.id) == []
+    assert [c.id for c in await store.list("alice")] == [kept.id]
+    with sqlite3.connect(db_path) as raw:
+        rows = raw.execute("SELECT conversation_id, content FROM messages").fetchall()
+    assert rows == [(kept.id, "keep me")]
+
+
+@pytest.mark.asyncio
+async def test_conversations_survive_a_restart(db_path: Path) -> None:
+    first_run = ConversationStore.open(db_path)
+    try:
+        conversation = await first_run.create("alice", "persistent")
+        await first_run.append(conversation.id, "user", "remember this")
+        await first_run.append(conversation.id, "assistant", "I will.")
+        before = await first_run.get(conversation.id, "alice")
+    finally:
+        first_run.close()
+
+    second_run = ConversationStore.open(db_path)
+    try:
+        assert await second_run.get(conversation.id, "alice") == before
+        assert await second_run.list("alice") == [before]
+        assert await second_run.messages(conversation.id) == [
+            {"role": "user", "content": "remember this"},
+            {"role": "assistant", "content": "I will."},
+        ]
+        # New messages go after the old ones.
+        await second_run.append(conversation.id, "user", "still there?")
+        assert (await second_run.messages(conversation.id))[-1]["content"] == "still there?"
+    finally:
+        second_run.close()
+
+
+def test_open_creates_the_directories_and_a_wal_database(db_path: Path) -> None:
+    assert not db_path.parent.exists()
+
+    ConversationStore.open(db_path).close()
+
+    assert db_path.is_file()
+    with sqlite3.connect(db_path) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_open_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.db"
+    path.write_bytes(b"this is not sqlite, just some text long enough to have a header" * 4)
+
+    with pytest.raises(sqlite3.DatabaseError):
+        ConversationStore.open(path)
+
+
+@pytest.mark.asyncio
+async def test_a_closed_store_refuses_work(db_path: Path) -> None:
+    store = ConversationStore.open(db_path)
+    store.close()
+    store.close()  # closing twice is harmless
+
+    with pytest.raises(RuntimeError, match="closed"):
+        await store.create("alice")

@@ -134,6 +134,9 @@ class StoreServer:
         self._stopped = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self.port = 0
+        self._greeting = jsonrpc.notification_frame(
+            SERVER_VERSION, {"version": _version(), "build_info": "arona-store (sqlite)"}
+        )
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             QUERY: self._query,
             STORE: self._store,
@@ -246,11 +249,7 @@ class StoreServer:
     async def _handle(self, ws: ServerConnection) -> None:
         session = _Session()
         try:
-            await ws.send(
-                jsonrpc.notification_frame(
-                    SERVER_VERSION, {"version": _version(), "build_info": "arona-store (sqlite)"}
-                )
-            )
+            await ws.send(self._greeting)
             while True:
                 try:
                     async with asyncio.timeout(self._idle_timeout_s):

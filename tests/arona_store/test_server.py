@@ -112,11 +112,31 @@ async def test_idle_connection_is_closed_with_4000(tmp_path: Path) -> None:
         ) as server,
         connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws,
     ):
-        client = StoreClient(ws)
-        assert (await client.handshake())["ok"] is True
+        # Nothing is sent: the greeting arrives, then the server gives up on the silence.
         await asyncio.wait_for(ws.wait_closed(), WAIT_S)
         assert ws.close_code == 4000
         assert ws.close_reason == "idle timeout"
+
+
+@pytest.mark.asyncio
+async def test_frames_keep_a_connection_alive_past_the_idle_timeout(tmp_path: Path) -> None:
+    async with (
+        await StoreServer.start(
+            db_path=tmp_path / "s.db", token=TOKEN, idle_timeout_s=0.5
+        ) as server,
+        connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws,
+    ):
+        client = StoreClient(ws)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await client.handshake()
+        # Each heartbeat is answered, so the connection outlives several idle periods as long as
+        # frames keep coming (bounded loop; each round trip is awaited, never slept on).
+        rounds = 0
+        while loop.time() - started < 2.1 and rounds < 10_000:
+            assert "result" in await client.request("Base.Heartbeat")
+            rounds += 1
+        assert ws.close_code is None
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,128 @@
+"""The FastAPI application factory.
+
+``create_app(settings)`` builds the app; its lifespan opens ONE gRPC channel to
+``MemoryService`` (the only way this layer reaches memory), one upstream
+client, and the conversation database, and closes them on shutdown after
+giving pending writebacks a short grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from arona_grpc.config import Settings
+from gateway_http.auth import ApiKeys, JwtVerifier
+from gateway_http.conversations import ConversationStore
+from gateway_http.errors import ErrorKind, GatewayError
+from gateway_http.jsonrpc import Dispatcher, rpc_router
+from gateway_http.memory_client import MemoryClient
+from gateway_http.routes import rest
+from gateway_http.routes.rpc import register_methods
+from gateway_http.state import Gateway
+from gateway_http.turns import TurnPipeline
+from gateway_http.upstream import ChatBackend, build_backend
+
+logger = logging.getLogger(__name__)
+
+WRITEBACK_GRACE_S = 5.0
+# Reconnect quickly once the gRPC service is back; a refused connection still
+# fails an RPC at once (no wait_for_ready), which recall reports as offline.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def _error_response(error: GatewayError) -> Response:
+    return Response(
+        orjson.dumps(error.openai_body()),
+        status_code=error.mapping.http_status,
+        media_type="application/json",
+    )
+
+
+def create_app(
+    settings: Settings,
+    memory_client: MemoryClient | None = None,
+    backend: ChatBackend | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        channel: grpc.aio.Channel | None = None
+        memory = memory_client
+        if memory is None:
+            channel = grpc.aio.insecure_channel(
+                settings.effective_grpc_target, options=_CHANNEL_OPTIONS
+            )
+            memory = MemoryClient(
+                channel,
+                recall_budget_s=settings.recall_budget_s,
+                rpc_timeout_s=settings.memory_timeout_s,
+            )
+        chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
+        conversations = ConversationStore.open(settings.data_dir / "conversations.db")
+        pipeline = TurnPipeline(memory, chat_backend, conversations)
+        api_keys = ApiKeys(settings.api_keys)
+        if api_keys.open:
+            logger.warning("ARONA_API_KEYS is not set: the REST /v1 endpoints are open")
+        if not settings.jwt_secret:
+            logger.warning("ARONA_JWT_SECRET is not set: every JSON-RPC method is refused")
+        dispatcher = Dispatcher(JwtVerifier(settings.jwt_secret))
+        gw = Gateway(settings, memory, chat_backend, conversations, pipeline, api_keys, dispatcher)
+        register_methods(dispatcher, gw)
+        app.state.gateway = gw
+        try:
+            yield
+        finally:
+            await pipeline.drain(WRITEBACK_GRACE_S)
+            if backend is None:
+                await chat_backend.aclose()
+            conversations.close()
+            if channel is not None:
+                await channel.close(grace=None)
+
+    app = FastAPI(
+        title="Arona Memory Gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.include_router(rest.router)
+    app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: ErrorKind.NOT_FOUND, 401: ErrorKind.AUTH, 413: ErrorKind.TOO_LARGE}.get(
+            exc.status_code, ErrorKind.BAD_INPUT
+        )
+        error = GatewayError(kind, str(exc.detail), f"http_{exc.status_code}")
+        response = _error_response(error)
+        response.status_code = exc.status_code
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(
+            GatewayError(ErrorKind.BAD_INPUT, "invalid request", "invalid_request")
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(GatewayError(ErrorKind.INTERNAL, "Internal error", "internal_error"))
+
+    return app

@@ -1,0 +1,341 @@
+"""The ``arona-gateway`` command line: ``up``, ``serve``, ``store``, ``token``.
+
+The entry point is the only place that configures logging and reads the
+environment (once, into :class:`~arona_grpc.config.Settings`). Every part runs
+in one event loop; SIGINT/SIGTERM stop them in order: the HTTP listener first
+(in-flight turns finish, pending writebacks get a grace period), then the gRPC
+service, then the embedded store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shlex
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from arona_grpc.config import ConfigError, Settings
+from arona_grpc.redact import redact_url
+
+logger = logging.getLogger("arona_gateway")
+
+DEV_SECRETS_FILE = "dev-secrets.json"
+STORE_DB_FILE = "memory.db"
+STORE_DEFAULT_PORT = 8424
+HTTP_GRACE_S = 10.0
+GRPC_GRACE_S = 5.0
+UP_TOKEN_TTL_S = 24 * 3600
+
+
+class StartupError(Exception):
+    """A start-up failure explained in one line."""
+
+
+class _Uvicorn(uvicorn.Server):
+    # Signals are handled once for every part by run_parts, not by uvicorn.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen now, so the real port is known and early clients queue."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def load_dev_secrets(data_dir: Path) -> dict[str, str]:
+    """The dev memory token and JWT secret, generated once under ``data_dir``."""
+    path = data_dir / DEV_SECRETS_FILE
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+            if isinstance(stored.get("memory_token"), str) and isinstance(
+                stored.get("jwt_secret"), str
+            ):
+                return {"memory_token": stored["memory_token"], "jwt_secret": stored["jwt_secret"]}
+        except (OSError, ValueError, AttributeError):
+            pass
+        raise StartupError(f"{path} is unreadable; remove it to generate new dev secrets")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fresh = {"memory_token": secrets.token_urlsafe(24), "jwt_secret": secrets.token_urlsafe(48)}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(fresh, f)
+    return fresh
+
+
+@dataclasses.dataclass
+class Running:
+    """Addresses of the parts that came up, for the start-up banner."""
+
+    settings: Settings
+    http_url: str | None = None
+    grpc_target: str | None = None
+
+
+async def run_parts(
+    settings: Settings,
+    *,
+    grpc_part: bool = True,
+    http_part: bool = True,
+    on_ready: Callable[[Running], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal."""
+    from arona_grpc.server import GrpcServer
+    from gateway_http.app import create_app
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    running = Running(settings)
+    grpc_server: GrpcServer | None = None
+    http_server: _Uvicorn | None = None
+    http_task: asyncio.Task[None] | None = None
+    try:
+        if grpc_part:
+            try:
+                grpc_server = await GrpcServer.start(settings)
+            except (OSError, RuntimeError) as exc:
+                raise StartupError(
+                    f"cannot listen on {settings.grpc_host}:{settings.grpc_port}: {exc}"
+                ) from None
+            running.grpc_target = grpc_server.target
+            if not settings.grpc_target:
+                # Port 0 asks for a free port: the HTTP layer must call the real one.
+                settings = dataclasses.replace(settings, grpc_port=grpc_server.port)
+        if http_part:
+            sock = _listen(settings.http_host, settings.http_port)
+            port = sock.getsockname()[1]
+            config = uvicorn.Config(
+                create_app(settings),
+                log_config=None,
+                # Access logs would print WebSocket URLs, which may carry a JWT.
+                access_log=False,
+                timeout_graceful_shutdown=int(HTTP_GRACE_S),
+                lifespan="on",
+            )
+            http_server = _Uvicorn(config)
+            http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
+            running.http_url = f"http://{_url_host(settings.http_host)}:{port}"
+        if on_ready is not None:
+            on_ready(running)
+        waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(stop.wait())}
+        if http_task is not None:
+            waiters.add(http_task)
+        done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in pending:
+            if waiter is not http_task:
+                waiter.cancel()
+        if http_task is not None and http_task in done:
+            # uvicorn ended on its own: its lifespan failed at start-up.
+            with contextlib.suppress(SystemExit, Exception):
+                http_task.result()
+            raise StartupError("the HTTP gateway failed to start (see the log above)")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if http_server is not None and http_task is not None:
+            http_server.should_exit = True
+            with contextlib.suppress(SystemExit, Exception, asyncio.CancelledError):
+                await http_task
+        if grpc_server is not None:
+            await grpc_server.stop(GRPC_GRACE_S)
+
+
+@contextlib.asynccontextmanager
+async def embedded_store(db_path: Path, token: str, host: str, port: int) -> AsyncIterator[str]:
+    """Run the embedded Philia-compatible store; yields its URL (without the token)."""
+    from arona_store.server import StoreServer
+
+    try:
+        store = await StoreServer.start(db_path=db_path, token=token, host=host, port=port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        yield store.url
+    finally:
+        await store.stop()
+
+
+def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: str | None) -> str:
+    from gateway_http.auth import mint_token
+
+    token = mint_token(jwt_secret, "dev", UP_TOKEN_TTL_S)
+    http = running.http_url or ""
+    grpc_target = running.grpc_target or ""
+    body = json.dumps(
+        {"model": "echo", "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
+    )
+    lines = [
+        "Arona Memory Gateway is up.",
+        f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
+        f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
+    ]
+    if store_url is not None:
+        lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
+    else:
+        lines.append(f"  memory   {redact_url(running.settings.memory_url or '')}")
+    if upstream_echo:
+        lines.append("  model    echo  (development default: replies show the recalled memories)")
+    lines += [
+        "",
+        f"JWT for JSON-RPC (sub=dev, valid 24 h): {token}",
+        "",
+        "Try it:",
+        f"  curl -si {http}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}",
+        f"  grpcurl -plaintext {grpc_target} arona.memory.v1.MemoryService/Status",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+async def _up(env: Mapping[str, str]) -> None:
+    data_dir = Path(env.get("ARONA_DATA_DIR", "").strip() or ".arona")
+    dev = load_dev_secrets(data_dir)
+    env = dict(env)
+    if not env.get("ARONA_JWT_SECRET"):
+        env["ARONA_JWT_SECRET"] = dev["jwt_secret"]
+    async with contextlib.AsyncExitStack() as stack:
+        store_url: str | None = None
+        if not env.get("ARONA_MEMORY_URL", "").strip():
+            token = env.get("ARONA_MEMORY_TOKEN", "").strip() or dev["memory_token"]
+            store_url = await stack.enter_async_context(
+                embedded_store(data_dir / STORE_DB_FILE, token, "127.0.0.1", 0)
+            )
+            env["ARONA_MEMORY_URL"] = store_url
+            env["ARONA_MEMORY_TOKEN"] = token
+        settings = Settings.from_env(env)
+        secret = settings.jwt_secret or dev["jwt_secret"]
+
+        def ready(running: Running) -> None:
+            print(_banner(running, secret, settings.upstream_url is None, store_url), flush=True)
+
+        await run_parts(settings, on_ready=ready)
+
+
+async def _serve(env: Mapping[str, str], only: str | None) -> None:
+    settings = Settings.from_env(env)
+
+    def ready(running: Running) -> None:
+        parts = [p for p in (running.http_url, running.grpc_target) if p]
+        logger.info("serving on %s", ", ".join(parts))
+        if settings.upstream_url is None and only != "grpc":
+            logger.info("no ARONA_UPSTREAM_URL: using the echo model (a development default)")
+
+    await run_parts(settings, grpc_part=only != "http", http_part=only != "grpc", on_ready=ready)
+
+
+async def _store(env: Mapping[str, str], host: str, port: int) -> None:
+    data_dir = Path(env.get("ARONA_DATA_DIR", "").strip() or ".arona")
+    token = env.get("ARONA_MEMORY_TOKEN", "").strip() or load_dev_secrets(data_dir)["memory_token"]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with embedded_store(data_dir / STORE_DB_FILE, token, host, port) as url:
+        print(f"embedded memory store on {url} (database {data_dir / STORE_DB_FILE})", flush=True)
+        await stop.wait()
+
+
+def _token(env: Mapping[str, str], sub: str, ttl: int) -> str:
+    from gateway_http.auth import mint_token
+
+    settings = Settings.from_env(env)
+    secret = settings.jwt_secret
+    if secret is None:
+        dev = settings.data_dir / DEV_SECRETS_FILE
+        if not dev.exists():
+            raise StartupError("ARONA_JWT_SECRET is not set (and no dev secret exists yet)")
+        secret = load_dev_secrets(settings.data_dir)["jwt_secret"]
+    return mint_token(secret, sub, ttl)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arona-gateway",
+        description="OpenAI-compatible chat gateway with long-term memory (Philia).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="run everything on embedded defaults (store, gRPC, HTTP, echo)")
+    serve = sub.add_parser("serve", help="run the gRPC service and the HTTP gateway")
+    serve.add_argument("--only", choices=("grpc", "http"), help="run one part only")
+    store = sub.add_parser("store", help="run the embedded Philia-compatible store alone")
+    store.add_argument("--host", default="127.0.0.1")
+    store.add_argument("--port", type=int, default=STORE_DEFAULT_PORT)
+    token = sub.add_parser("token", help="mint a JWT for the JSON-RPC surface")
+    token.add_argument("--sub", required=True, help="the user id (JWT sub)")
+    token.add_argument("--ttl", type=int, default=3600, help="lifetime in seconds")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = os.environ
+    try:
+        _configure_logging(Settings.from_env(env).log_level)
+        if args.command == "token":
+            if args.ttl <= 0 or not args.sub:
+                raise StartupError("--sub must be non-empty and --ttl positive")
+            print(_token(env, args.sub, args.ttl))
+        elif args.command == "up":
+            asyncio.run(_up(env))
+        elif args.command == "serve":
+            asyncio.run(_serve(env, args.only))
+        else:
+            asyncio.run(_store(env, args.host, args.port))
+    except (ConfigError, StartupError) as exc:
+        print(f"arona-gateway: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The one error table of the HTTP layer.
+
+Every failure a client can see is a :class:`GatewayError` of one
+:class:`ErrorKind`; the table below says what each kind becomes on each surface
+(REST status + OpenAI error type, JSON-RPC code) and which gRPC status codes map
+to it. Errors are translated in exactly one place per surface, from this table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+
+class ErrorKind(enum.Enum):
+    BAD_INPUT = "bad_input"
+    NOT_CONFIGURED = "not_configured"
+    UNAVAILABLE = "unavailable"
+    TIMEOUT = "timeout"
+    AUTH = "auth"
+    FORBIDDEN = "forbidden"
+    NOT_FOUND = "not_found"
+    TOO_LARGE = "too_large"
+    UPSTREAM = "upstream"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    http_status: int
+    openai_type: str
+    jsonrpc_code: int
+
+
+# JSON-RPC codes: -32602 invalid params, -32000 application error,
+# -32005 authentication, -32603 internal.
+TABLE: dict[ErrorKind, Mapping] = {
+    ErrorKind.BAD_INPUT: Mapping(400, "invalid_request_error", -32602),
+    ErrorKind.NOT_CONFIGURED: Mapping(400, "invalid_request_error", -32000),
+    ErrorKind.UNAVAILABLE: Mapping(503, "service_unavailable", -32000),
+    ErrorKind.TIMEOUT: Mapping(504, "timeout", -32000),
+    ErrorKind.AUTH: Mapping(401, "authentication_error", -32005),
+    ErrorKind.FORBIDDEN: Mapping(403, "permission_error", -32000),
+    ErrorKind.NOT_FOUND: Mapping(404, "invalid_request_error", -32000),
+    ErrorKind.TOO_LARGE: Mapping(413, "invalid_request_error", -32600),
+    ErrorKind.UPSTREAM: Mapping(502, "upstream_error", -32000),
+    ErrorKind.INTERNAL: Mapping(500, "server_error", -32603),
+}
+
+GRPC_TO_KIND: dict[grpc.StatusCode, ErrorKind] = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.BAD_INPUT,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorKind.NOT_CONFIGURED,
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.TIMEOUT,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorKind.AUTH,
+}
+
+
+class GatewayError(Exception):
+    """A failure with a message that is safe to show to the client."""
+
+    def __init__(self, kind: ErrorKind, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        # A stable machine-readable code, e.g. "conversation_not_found".
+        self.code = code or kind.value
+
+    @property
+    def mapping(self) -> Mapping:
+        return TABLE[self.kind]
+
+    def openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.mapping.openai_type, "code": self.code}
+        }
+
+    def jsonrpc_error(self) -> tuple[int, str, dict[str, str]]:
+        return self.mapping.jsonrpc_code, self.message, {"code": self.code}
+
+
+def bad_input(message: str) -> GatewayError:
+    return GatewayError(ErrorKind.BAD_INPUT, message, "invalid_request")

@@ -1,0 +1,152 @@
+"""The only place that calls the gRPC ``MemoryService`` stub.
+
+It turns gRPC results into plain values for the turn pipeline and the RPC
+methods, and gRPC errors into :class:`~gateway_http.errors.GatewayError`
+(through the one table in :mod:`gateway_http.errors`). Recall never raises:
+a failed or slow recall, or an unreachable gRPC service, is the ``offline``
+state, so a chat turn always goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
+from gateway_http.views import rfc3339_ms
+
+logger = logging.getLogger(__name__)
+
+ENABLED = "enabled"
+DISABLED = "disabled"
+OFFLINE = "offline"
+
+_STATE_NAMES = {
+    pb.MEMORY_STATE_ENABLED: ENABLED,
+    pb.MEMORY_STATE_DISABLED: DISABLED,
+    pb.MEMORY_STATE_OFFLINE: OFFLINE,
+}
+_EVENT_KINDS = {
+    pb.EVENT_KIND_RECALL: "recall",
+    pb.EVENT_KIND_WRITEBACK: "writeback",
+    pb.EVENT_KIND_DELETE: "delete",
+    pb.EVENT_KIND_ERROR: "error",
+}
+_BREAKER_NAMES = {
+    pb.BREAKER_STATE_CLOSED: "closed",
+    pb.BREAKER_STATE_OPEN: "open",
+    pb.BREAKER_STATE_HALF_OPEN: "half_open",
+}
+
+
+_GENERIC = {
+    ErrorKind.BAD_INPUT: "invalid argument",
+    ErrorKind.NOT_CONFIGURED: "memory is not configured",
+    ErrorKind.UNAVAILABLE: "memory service unavailable",
+    ErrorKind.TIMEOUT: "memory service timed out",
+    ErrorKind.AUTH: "memory service refused the credentials",
+    ErrorKind.INTERNAL: "Internal error",
+}
+
+
+@dataclass(frozen=True)
+class Recall:
+    state: str
+    section: str
+
+
+def _rfc3339_ms(ts: Timestamp) -> str:
+    return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
+
+
+class MemoryClient:
+    """Calls ``arona.memory.v1.MemoryService`` over one shared channel."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, *, recall_budget_s: float, rpc_timeout_s: float
+    ) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.MemoryServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._recall_budget_s = recall_budget_s
+        # Writeback/Delete/Status wait for one Philia RPC plus the gRPC hop.
+        self._rpc_timeout_s = rpc_timeout_s + 1.0
+
+    async def recall(self, query: str, limit: int = 5) -> Recall:
+        try:
+            reply = await self._stub.Recall(
+                pb.RecallRequest(query=query, limit=limit), timeout=self._recall_budget_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("memory recall failed (%s); going on without memories", exc.code().name)
+            return Recall(OFFLINE, "")
+        state = _STATE_NAMES.get(reply.state, OFFLINE)
+        if state == ENABLED and not reply.section:
+            state = DISABLED
+        return Recall(state, reply.section if state == ENABLED else "")
+
+    async def writeback(self, user: str, assistant: str) -> str | None:
+        """Store one turn; the node id, or None when nothing was stored."""
+        reply = await self._call(
+            self._stub.Writeback, pb.WritebackRequest(user=user, assistant=assistant)
+        )
+        return reply.node_id if reply.stored else None
+
+    async def delete(self, node_id: str) -> bool:
+        reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id))
+        return bool(reply.deleted)
+
+    async def status(self, limit: int = 50) -> dict[str, Any]:
+        reply = await self._call(self._stub.Status, pb.StatusRequest(limit=limit))
+        result: dict[str, Any] = {
+            "enabled": reply.enabled,
+            "writeback": reply.writeback,
+            "events": [
+                {
+                    "kind": _EVENT_KINDS.get(e.kind, "error"),
+                    "detail": e.detail,
+                    "at": _rfc3339_ms(e.at),
+                }
+                for e in reply.events
+            ],
+            "breaker": _BREAKER_NAMES.get(reply.breaker, "closed"),
+            "breaker_opened_at": (
+                _rfc3339_ms(reply.breaker_opened_at)
+                if reply.HasField("breaker_opened_at")
+                else None
+            ),
+            "outbox_depth": reply.outbox_depth,
+            "outbox_dropped": reply.outbox_dropped,
+        }
+        return result
+
+    async def ready(self, timeout_s: float = 2.0) -> bool:
+        """Whether the gRPC service answers its health check as SERVING."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service="arona.memory.v1.MemoryService"),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
+            logger.warning("memory service call failed: %s", exc.code().name)
+            # The service's own messages for client mistakes are meant for the client;
+            # transport details (addresses, resolver text) are not.
+            if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():
+                raise GatewayError(kind, exc.details() or "") from None
+            raise GatewayError(kind, _GENERIC[kind]) from None

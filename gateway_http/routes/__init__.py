@@ -1,0 +1,1 @@
+"""HTTP routes: REST (OpenAI-compatible) and JSON-RPC."""

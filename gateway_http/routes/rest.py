@@ -1,0 +1,196 @@
+"""REST surface: OpenAI-compatible ``/v1`` chat completions (JSON and SSE),
+models, and the health probes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway_http.auth import AuthError
+from gateway_http.chat_request import split_body
+from gateway_http.errors import ErrorKind, GatewayError, bad_input
+from gateway_http.state import Gateway, gateway_of
+from gateway_http.turns import PreparedTurn, TurnRequest
+from gateway_http.upstream import UpstreamError
+from gateway_http.views import conversation_errors, conversation_view
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+MEMORY_HEADER = "X-Arona-Memory"
+_DONE = b"data: [DONE]\n\n"
+
+router = APIRouter()
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 as soon as it grows past ``limit``."""
+    too_large = GatewayError(
+        ErrorKind.TOO_LARGE, f"request body is larger than {limit} bytes", "request_too_large"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def rest_owner(gw: Gateway, request: Request) -> str:
+    try:
+        return gw.api_keys.owner(request.headers.get("authorization"))
+    except AuthError:
+        raise GatewayError(
+            ErrorKind.AUTH, "Invalid or missing API key", "invalid_api_key"
+        ) from None
+
+
+def upstream_failure(exc: UpstreamError) -> GatewayError:
+    return GatewayError(ErrorKind.UPSTREAM, str(exc), "upstream_error")
+
+
+def _json(payload: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
+
+
+def _event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    gw = gateway_of(request)
+    owner = rest_owner(gw, request)
+    raw = await read_body(request)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise bad_input("the request body is not valid JSON") from None
+    upstream_body, memory, conversation_id = split_body(body)
+    turn = await gw.pipeline.prepare(TurnRequest(owner, upstream_body, memory, conversation_id))
+    headers = {MEMORY_HEADER: turn.memory_state}
+    if upstream_body.get("stream"):
+        return await _stream(gw, turn, headers)
+    try:
+        reply = await gw.pipeline.complete(turn)
+    except UpstreamError as exc:
+        raise upstream_failure(exc) from None
+    return _json(reply.completion, headers)
+
+
+async def _stream(gw: Gateway, turn: PreparedTurn, headers: dict[str, str]) -> Response:
+    # On the REST streaming path a writeback also needs a conversation.
+    chunks = gw.pipeline.stream(turn, writeback=turn.request.conversation_id is not None)
+    # Wait for the first chunk before answering, so that an upstream that fails
+    # at once is a plain 502 rather than a 200 stream carrying an error.
+    try:
+        first: dict[str, Any] | None = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+    except UpstreamError as exc:
+        raise upstream_failure(exc) from None
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield _event(first)
+                async for chunk in chunks:
+                    yield _event(chunk)
+        except UpstreamError as exc:
+            logger.warning("upstream stream failed: %s", exc)
+            yield _event(upstream_failure(exc).openai_body())
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        yield _DONE
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    gw = gateway_of(request)
+    rest_owner(gw, request)
+    try:
+        return _json(await gw.backend.models())
+    except UpstreamError as exc:
+        raise upstream_failure(exc) from None
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return _json({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    if await gateway_of(request).memory.ready():
+        return _json({"status": "ready"})
+    return Response(
+        orjson.dumps({"status": "not ready", "reason": "memory service unreachable"}),
+        status_code=503,
+        media_type="application/json",
+    )
+
+
+# Conversations, owned by the REST caller (its API key, or "anonymous" when
+# REST is open), so that REST clients can use `conversation_id` too.
+
+
+@router.post("/v1/conversations")
+async def create_conversation(request: Request) -> Response:
+    gw = gateway_of(request)
+    owner = rest_owner(gw, request)
+    raw = await read_body(request)
+    title = None
+    if raw.strip():
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise bad_input("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_input("the request body must be a JSON object")
+        title = body.get("title")
+        if title is not None and not isinstance(title, str):
+            raise bad_input("'title' must be a string or null")
+    return _json(conversation_view(await gw.conversations.create(owner, title)))
+
+
+@router.get("/v1/conversations")
+async def list_conversations(request: Request) -> Response:
+    gw = gateway_of(request)
+    owner = rest_owner(gw, request)
+    items = await gw.conversations.list(owner)
+    return _json({"object": "list", "data": [conversation_view(c) for c in items]})
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, request: Request) -> Response:
+    gw = gateway_of(request)
+    owner = rest_owner(gw, request)
+    with conversation_errors():
+        conversation = await gw.conversations.get(conversation_id, owner)
+    messages = await gw.conversations.messages(conversation_id)
+    return _json({**conversation_view(conversation), "messages": messages})
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, request: Request) -> Response:
+    gw = gateway_of(request)
+    owner = rest_owner(gw, request)
+    with conversation_errors():
+        await gw.conversations.delete(conversation_id, owner)
+    return _json({"id": conversation_id, "object": "conversation.deleted", "deleted": True})

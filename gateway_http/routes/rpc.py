@@ -1,0 +1,164 @@
+"""JSON-RPC methods: ``chat.send``, ``memory.status``, ``memory.delete`` and
+``conversations.*``, registered on the transport's :class:`Dispatcher`.
+
+Every method runs as the JWT's ``sub``; failures become JSON-RPC errors through
+the one error table (:mod:`gateway_http.errors`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from gateway_http.chat_request import validate_messages
+from gateway_http.errors import GatewayError
+from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
+from gateway_http.state import Gateway
+from gateway_http.turns import TurnRequest, delta_text, first_choice
+from gateway_http.upstream import UpstreamError
+from gateway_http.views import conversation_errors, conversation_view
+
+P = TypeVar("P", bound=BaseModel)
+
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatSendParams(_Params):
+    model: NonEmpty
+    messages: list[Any]
+    temperature: StrictFloat | StrictInt | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    conversation_id: NonEmpty | None = None
+    memory: StrictBool | None = None
+
+
+class StatusParams(_Params):
+    limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
+
+
+class DeleteParams(_Params):
+    node_id: NonEmpty
+
+
+class CreateConversationParams(_Params):
+    title: StrictStr | None = None
+
+
+class ConversationParams(_Params):
+    conversation_id: NonEmpty
+
+
+class NoParams(_Params):
+    pass
+
+
+def _translated(
+    handler: Callable[[P, RpcContext], Awaitable[Any]],
+) -> Callable[[P, RpcContext], Awaitable[Any]]:
+    """Turn domain failures into JSON-RPC errors, through the one table."""
+
+    async def run(params: P, ctx: RpcContext) -> Any:
+        try:
+            with conversation_errors():
+                return await handler(params, ctx)
+        except GatewayError as exc:
+            code, message, data = exc.jsonrpc_error()
+            raise RpcError(code, message, data) from None
+        except UpstreamError as exc:
+            raise RpcError(APPLICATION_ERROR, str(exc), {"code": "upstream_error"}) from None
+
+    return run
+
+
+def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
+    async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
+        try:
+            messages = validate_messages(params.messages)
+        except GatewayError as exc:
+            raise RpcError(INVALID_PARAMS, exc.message) from None
+        body: dict[str, Any] = {"model": params.model, "messages": messages}
+        if params.temperature is not None:
+            body["temperature"] = params.temperature
+        if params.max_tokens is not None:
+            body["max_tokens"] = params.max_tokens
+        turn = await gw.pipeline.prepare(
+            TurnRequest(ctx.user, body, params.memory, params.conversation_id)
+        )
+        stream_id = f"stream-{uuid.uuid4().hex}"
+        if ctx.notify is None:
+            reply = await gw.pipeline.complete(turn)
+            content, finish_reason, usage = reply.content, reply.finish_reason, reply.usage
+        else:
+            # Over WebSocket: push tokens as they arrive, then answer. The RPC
+            # path writes back whether or not a conversation is attached.
+            parts: list[str] = []
+            finish_reason = None
+            usage = None
+            async for chunk in gw.pipeline.stream(turn, writeback=True):
+                token = delta_text(chunk)
+                finish_reason = first_choice(chunk).get("finish_reason") or finish_reason
+                if isinstance(chunk.get("usage"), dict):
+                    usage = chunk["usage"]
+                if token:
+                    parts.append(token)
+                    await ctx.notify(
+                        "chat.stream",
+                        {"stream_id": stream_id, "token": token, "is_complete": False},
+                    )
+            await ctx.notify(
+                "chat.stream", {"stream_id": stream_id, "token": "", "is_complete": True}
+            )
+            content = "".join(parts)
+        return {
+            "stream_id": stream_id,
+            "memory": turn.memory_state,
+            "content": content,
+            "finish_reason": finish_reason,
+            "usage": usage,
+        }
+
+    async def memory_status(params: StatusParams, ctx: RpcContext) -> dict[str, Any]:
+        return await gw.memory.status(params.limit)
+
+    async def memory_delete(params: DeleteParams, ctx: RpcContext) -> dict[str, Any]:
+        return {"deleted": await gw.memory.delete(params.node_id)}
+
+    async def conversations_create(
+        params: CreateConversationParams, ctx: RpcContext
+    ) -> dict[str, Any]:
+        return conversation_view(await gw.conversations.create(ctx.user, params.title))
+
+    async def conversations_get(params: ConversationParams, ctx: RpcContext) -> dict[str, Any]:
+        conversation = await gw.conversations.get(params.conversation_id, ctx.user)
+        return {
+            **conversation_view(conversation),
+            "messages": await gw.conversations.messages(conversation.id),
+        }
+
+    async def conversations_list(params: NoParams, ctx: RpcContext) -> dict[str, Any]:
+        return {
+            "conversations": [conversation_view(c) for c in await gw.conversations.list(ctx.user)]
+        }
+
+    async def conversations_delete(params: ConversationParams, ctx: RpcContext) -> dict[str, Any]:
+        await gw.conversations.delete(params.conversation_id, ctx.user)
+        return {"deleted": True}
+
+    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams)
+    dispatcher.register("memory.status", _translated(memory_status), StatusParams)
+    dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)
+    dispatcher.register(
+        "conversations.create", _translated(conversations_create), CreateConversationParams
+    )
+    dispatcher.register("conversations.get", _translated(conversations_get), ConversationParams)
+    dispatcher.register("conversations.list", _translated(conversations_list), NoParams)
+    dispatcher.register(
+        "conversations.delete", _translated(conversations_delete), ConversationParams
+    )

@@ -1,0 +1,31 @@
+"""What one running gateway holds: built in the app's lifespan, reached by routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+
+from arona_grpc.config import Settings
+from gateway_http.auth import ApiKeys
+from gateway_http.conversations import ConversationStore
+from gateway_http.jsonrpc import Dispatcher
+from gateway_http.memory_client import MemoryClient
+from gateway_http.turns import TurnPipeline
+from gateway_http.upstream import ChatBackend
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    memory: MemoryClient
+    backend: ChatBackend
+    conversations: ConversationStore
+    pipeline: TurnPipeline
+    api_keys: ApiKeys
+    dispatcher: Dispatcher
+
+
+def gateway_of(conn: HTTPConnection) -> Gateway:
+    gateway: Gateway = conn.app.state.gateway
+    return gateway

@@ -1,0 +1,188 @@
+"""The one chat-turn pipeline shared by REST, REST SSE and ``chat.send``.
+
+recall -> persist -> forward -> writeback:
+
+1. assemble the context: the stored history of ``conversation_id`` (if any)
+   followed by the request's messages;
+2. recall memories for the last user message through the gRPC
+   ``MemoryService`` and prepend them as one ``system`` message (idempotent:
+   a context that already carries the section is left alone);
+3. persist the request's messages to the conversation;
+4. forward the turn upstream (whole or streamed);
+5. once the reply is complete, persist it and write the turn back as an
+   episode in a background task that never blocks or alters the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_http.conversations import ConversationStore
+from gateway_http.errors import GatewayError
+from gateway_http.memory_client import DISABLED, MemoryClient
+from gateway_http.upstream import ChatBackend, message_text
+from gateway_http.views import conversation_errors
+
+logger = logging.getLogger(__name__)
+
+MEMORY_HEADER = "## Relevant Long-Term Memories"
+RECALL_LIMIT = 5
+
+
+@dataclass
+class TurnRequest:
+    owner: str
+    # The OpenAI request body without the gateway's own fields.
+    body: dict[str, Any]
+    memory: bool | None = None
+    conversation_id: str | None = None
+
+
+@dataclass
+class PreparedTurn:
+    request: TurnRequest
+    upstream_body: dict[str, Any]
+    memory_state: str
+    # The last user message of the assembled context ("" when there is none).
+    user_text: str
+
+
+@dataclass
+class TurnReply:
+    completion: dict[str, Any]
+    content: str
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+
+
+def last_user_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return message_text(message)
+    return ""
+
+
+def has_memory_section(messages: list[dict[str, Any]]) -> bool:
+    return any(MEMORY_HEADER in message_text(m) for m in messages)
+
+
+class TurnPipeline:
+    def __init__(
+        self, memory: MemoryClient, backend: ChatBackend, conversations: ConversationStore
+    ) -> None:
+        self._memory = memory
+        self._backend = backend
+        self._conversations = conversations
+        # asyncio keeps only weak references to tasks: hold them until done.
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def prepare(self, request: TurnRequest) -> PreparedTurn:
+        """Assemble the context, recall and inject, persist the new messages."""
+        new_messages: list[dict[str, Any]] = request.body["messages"]
+        history: list[dict[str, Any]] = []
+        if request.conversation_id is not None:
+            await self._check_owner(request.conversation_id, request.owner)
+            history = list(await self._conversations.messages(request.conversation_id))
+        messages = [*history, *new_messages]
+        user_text = last_user_text(messages)
+
+        state = DISABLED
+        if request.memory is not False and user_text.strip() and not has_memory_section(messages):
+            recall = await self._memory.recall(user_text, RECALL_LIMIT)
+            state = recall.state
+            if recall.section:
+                messages.insert(0, {"role": "system", "content": recall.section})
+
+        if request.conversation_id is not None:
+            for message in new_messages:
+                await self._conversations.append(
+                    request.conversation_id, str(message["role"]), message_text(message)
+                )
+        upstream_body = dict(request.body)
+        upstream_body["messages"] = messages
+        return PreparedTurn(request, upstream_body, state, user_text)
+
+    async def complete(self, turn: PreparedTurn) -> TurnReply:
+        """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
+        completion = await self._backend.complete(turn.upstream_body)
+        choice = first_choice(completion)
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        content = message_text(message) if message else ""
+        await self._finish(turn, content, writeback=True)
+        usage = completion.get("usage")
+        return TurnReply(
+            completion,
+            content,
+            choice.get("finish_reason"),
+            usage if isinstance(usage, dict) else None,
+        )
+
+    async def stream(self, turn: PreparedTurn, *, writeback: bool) -> AsyncIterator[dict[str, Any]]:
+        """Forward the turn streamed, yielding each upstream chunk as it arrives.
+
+        Only a stream that runs to its end counts as a completed reply: a failed
+        stream (UpstreamError propagates) or a consumer that stops early persists
+        nothing and writes nothing back. Stopping early closes the upstream
+        request at once.
+        """
+        parts: list[str] = []
+        upstream = self._backend.stream(turn.upstream_body)
+        try:
+            async for chunk in upstream:
+                parts.append(delta_text(chunk))
+                yield chunk
+        finally:
+            await upstream.aclose()  # type: ignore[attr-defined]
+        await self._finish(turn, "".join(parts), writeback=writeback)
+
+    async def drain(self, grace_s: float) -> None:
+        """Give pending writebacks up to ``grace_s`` seconds to finish."""
+        pending = set(self._background)
+        if not pending:
+            return
+        _, still = await asyncio.wait(pending, timeout=grace_s)
+        for task in still:
+            task.cancel()
+        if still:
+            logger.warning("%d writeback(s) did not finish within the grace period", len(still))
+
+    async def _check_owner(self, conversation_id: str, owner: str) -> None:
+        with conversation_errors():
+            await self._conversations.get(conversation_id, owner)
+
+    async def _finish(self, turn: PreparedTurn, content: str, *, writeback: bool) -> None:
+        conversation_id = turn.request.conversation_id
+        if conversation_id is not None:
+            await self._conversations.append(conversation_id, "assistant", content)
+        if writeback and (turn.user_text or content):
+            task = asyncio.create_task(self._writeback(turn.user_text, content))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _writeback(self, user: str, assistant: str) -> None:
+        try:
+            await self._memory.writeback(user, assistant)
+        except GatewayError as exc:
+            logger.warning("writeback failed: %s", exc.message)
+        except Exception:
+            logger.exception("writeback failed")
+
+
+def first_choice(completion: dict[str, Any]) -> dict[str, Any]:
+    choices = completion.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0]
+    return {}
+
+
+def delta_text(chunk: dict[str, Any]) -> str:
+    delta = first_choice(chunk).get("delta")
+    if isinstance(delta, dict):
+        content = delta.get("content")
+        if isinstance(content, str):
+            return content
+    return ""

@@ -1,0 +1,47 @@
+"""What conversations look like on the wire, shared by REST and JSON-RPC, and
+the one translation of conversation lookup failures into gateway errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway_http.conversations import (
+    Conversation,
+    ConversationForbidden,
+    ConversationNotFound,
+)
+from gateway_http.errors import ErrorKind, GatewayError
+
+
+def rfc3339_ms(at: datetime) -> str:
+    """``2026-01-01T00:00:00.000Z``: RFC 3339, UTC, milliseconds."""
+    at = at.astimezone(UTC) if at.tzinfo else at.replace(tzinfo=UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def conversation_view(conversation: Conversation) -> dict[str, Any]:
+    return {
+        "id": conversation.id,
+        "object": "conversation",
+        "title": conversation.title,
+        "created_at": rfc3339_ms(conversation.created_at),
+        "updated_at": rfc3339_ms(conversation.updated_at),
+    }
+
+
+@contextmanager
+def conversation_errors() -> Iterator[None]:
+    """Unknown id -> 404 ``conversation_not_found``; another owner's -> 403."""
+    try:
+        yield
+    except ConversationNotFound:
+        raise GatewayError(
+            ErrorKind.NOT_FOUND, "conversation not found", "conversation_not_found"
+        ) from None
+    except ConversationForbidden:
+        raise GatewayError(
+            ErrorKind.FORBIDDEN, "conversation belongs to another user", "conversation_forbidden"
+        ) from None

@@ -1,0 +1,183 @@
+"""The real gateway on loopback for end-to-end tests, and one client per chat surface.
+
+A :class:`Stack` is a scripted Philia (:class:`FakePhilia`), the real grpc.aio
+``MemoryService`` talking to it, a recording OpenAI-compatible upstream
+(:class:`FakeUpstream`), and the real FastAPI app under uvicorn calling the gRPC
+service through its stub: every hop is a real socket on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from websockets.asyncio.client import connect
+
+from arona_grpc.config import Settings
+from arona_grpc.server import GrpcServer
+from gateway_http.app import create_app
+from gateway_http.auth import mint_token
+from tests.support.fake_philia import FakePhilia
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.uvicorn_server import serve_app
+
+PHILIA_TOKEN = "philia-secret-token"
+JWT_SECRET = "an-hs256-secret-that-is-long-enough-0123456789"
+SURFACES = ("rest", "sse", "rpc", "rpc_ws")
+UNSET: Any = object()
+
+
+@dataclass
+class Turn:
+    status: int
+    memory: str | None
+    content: str
+    body: Any = None
+    events: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Stack:
+    philia: FakePhilia
+    upstream: FakeUpstream
+    grpc: GrpcServer | None
+    settings: Settings
+    base_url: str
+    http: httpx.AsyncClient
+    user: str = "alice"
+
+    @property
+    def jwt(self) -> str:
+        return mint_token(JWT_SECRET, self.user, 600)
+
+    def rpc_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.jwt}"}
+
+    async def rpc(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One JSON-RPC call over HTTP POST; the whole response object."""
+        request: dict[str, Any] = {"jsonrpc": "2.0", "id": 1, "method": method}
+        if params is not None:
+            request["params"] = params
+        response = await self.http.post("/api/rpc", json=request, headers=self.rpc_headers())
+        assert response.status_code == 200, response.text
+        reply: dict[str, Any] = response.json()
+        return reply
+
+    async def create_conversation(self, surface: str) -> str:
+        if surface.startswith("rpc"):
+            reply = await self.rpc("conversations.create", {"title": "t"})
+            return str(reply["result"]["id"])
+        response = await self.http.post("/v1/conversations", json={"title": "t"})
+        assert response.status_code == 200, response.text
+        return str(response.json()["id"])
+
+    async def turn(
+        self,
+        surface: str,
+        messages: list[dict[str, Any]],
+        *,
+        memory: Any = UNSET,
+        conversation_id: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Turn:
+        body: dict[str, Any] = {"model": "fake-model", "messages": messages, **(extra or {})}
+        if memory is not UNSET:
+            body["memory"] = memory
+        if conversation_id is not None:
+            body["conversation_id"] = conversation_id
+        if surface == "rest":
+            response = await self.http.post("/v1/chat/completions", json=body)
+            data = response.json()
+            content = data["choices"][0]["message"]["content"] if response.is_success else ""
+            return Turn(response.status_code, response.headers.get("x-arona-memory"), content, data)
+        if surface == "sse":
+            return await self._sse({**body, "stream": True})
+        if surface == "rpc":
+            reply = await self.rpc("chat.send", body)
+            result = reply.get("result") or {}
+            return Turn(200, result.get("memory"), result.get("content", ""), reply)
+        if surface == "rpc_ws":
+            return await self._ws(body)
+        raise AssertionError(surface)
+
+    async def _sse(self, body: dict[str, Any]) -> Turn:
+        events: list[Any] = []
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if not response.is_success:
+                await response.aread()
+                return Turn(response.status_code, None, "", response.json())
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: ") :]
+                    events.append("[DONE]" if data == "[DONE]" else orjson.loads(data))
+        content = "".join(
+            e["choices"][0]["delta"].get("content") or ""
+            for e in events
+            if isinstance(e, dict) and e.get("choices")
+        )
+        return Turn(
+            response.status_code, response.headers.get("x-arona-memory"), content, None, events
+        )
+
+    async def _ws(self, params: dict[str, Any]) -> Turn:
+        url = self.base_url.replace("http://", "ws://") + f"/api/rpc?token={self.jwt}"
+        request_id = str(uuid.uuid4())
+        events: list[Any] = []
+        async with connect(url, proxy=None) as ws:
+            await ws.send(
+                orjson.dumps(
+                    {"jsonrpc": "2.0", "id": request_id, "method": "chat.send", "params": params}
+                ).decode()
+            )
+            while True:
+                message = orjson.loads(await ws.recv())
+                if message.get("id") == request_id:
+                    break
+                events.append(message)
+        result = message.get("result") or {}
+        return Turn(200, result.get("memory"), result.get("content", ""), message, events)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    data_dir: Path,
+    *,
+    memory: bool = True,
+    timeout_s: float = 0.5,
+    grpc_target: str | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Stack]:
+    """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started)."""
+    async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
+        settings = Settings(
+            memory_url=philia.url if memory else None,
+            memory_token=PHILIA_TOKEN if memory else None,
+            memory_timeout_s=timeout_s,
+            grpc_port=0,
+            upstream_url=upstream.base_url,
+            jwt_secret=JWT_SECRET,
+            data_dir=data_dir,
+            **overrides,
+        )
+        grpc: GrpcServer | None = None
+        if grpc_target is None:
+            grpc = await GrpcServer.start(settings)
+            grpc_target = grpc.target
+        try:
+            settings = dataclasses.replace(settings, grpc_target=grpc_target)
+            async with (
+                serve_app(create_app(settings)) as base_url,
+                httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
+            ):
+                yield Stack(philia, upstream, grpc, settings, base_url, http)
+        finally:
+            if grpc is not None:
+                await grpc.stop(0.5)

@@ -48,6 +48,7 @@ MAX_LIMIT = 100
 MAX_QUERY_TERMS = 32
 # Below this many nodes every query is cheap, so no word is ever pruned as too common.
 PRUNE_MIN_NODES = 1000
+DOC_COUNT_CACHE_SIZE = 10_000
 _SECONDS_PER_DAY = 86400.0
 
 # Same notion of a token as FTS5's unicode61 tokenizer: runs of letters and digits; the
@@ -219,6 +220,8 @@ class MemoryStore:
         self._conn = conn
         self._lock = threading.Lock()
         self._closed = False
+        # term -> (nodes holding it, store size when counted); see _docs_with.
+        self._doc_counts: dict[str, tuple[int, int]] = {}
         self.path = path
 
     @classmethod
@@ -366,14 +369,28 @@ class MemoryStore:
         total = int(self._conn.execute("SELECT count(*) FROM nodes").fetchone()[0])
         if total < PRUNE_MIN_NODES:
             return terms, False
-        counted: list[tuple[int, str]] = []
-        for term in terms:
-            row = self._conn.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
-            counted.append((int(row[0]), term))
+        counted = [(self._docs_with(term, total), term) for term in terms]
         kept = [term for docs, term in counted if docs * 2 < total]
         if kept:
             return kept, False
         return [min(counted)[1]], True
+
+    def _docs_with(self, term: str, total: int) -> int:
+        """How many nodes hold ``term`` (lock held), from a cache while the store size holds.
+
+        Counting a word found in most of 100,000 nodes takes milliseconds, and the answer only
+        matters as a fraction of the store, which moves slowly; so a count is reused until the
+        store has grown or shrunk by a tenth since it was taken.
+        """
+        cached = self._doc_counts.get(term)
+        if cached is not None and abs(total - cached[1]) * 10 <= cached[1]:
+            return cached[0]
+        row = self._conn.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
+        docs = int(row[0])
+        if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
+            self._doc_counts.clear()
+        self._doc_counts[term] = (docs, total)
+        return docs
 
     def delete(self, node_id: str) -> bool:
         """Remove a node (and its index entry); True if it existed."""

@@ -1,1 +1,8 @@
-"""The embedded Philia-compatible memory store: a WebSocket JSON-RPC server over SQLite FTS5."""
+"""The embedded Philia-compatible memory store: a WebSocket JSON-RPC server over SQLite FTS5.
+
+- :mod:`arona_store.store`: ``MemoryStore``, nodes in SQLite with BM25 + recency recall.
+- :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint.
+- :mod:`arona_store.jsonrpc`: JSON-RPC 2.0 envelope validation and reply frames.
+
+Nothing is imported here, so importing the package costs nothing.
+"""

@@ -165,15 +165,15 @@ class StoreServer:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        self = cls(
+        server = cls(
             store=store, executor=executor, token=token, host=host, idle_timeout_s=idle_timeout_s
         )
         try:
-            self._server = await serve(
-                self._handle,
+            server._server = await serve(
+                server._handle,
                 host,
                 port,
-                process_request=self._check_upgrade,
+                process_request=server._check_upgrade,
                 compression=None,
                 max_size=MAX_FRAME_BYTES,
                 close_timeout=2,
@@ -183,9 +183,9 @@ class StoreServer:
             await loop.run_in_executor(executor, store.close)
             executor.shutdown(wait=False)
             raise
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        logger.info("memory store listening on %s", self.url)
-        return self
+        server.port = int(server._server.sockets[0].getsockname()[1])
+        logger.info("memory store listening on %s", server.url)
+        return server
 
     @property
     def url(self) -> str:

@@ -31,6 +31,12 @@ async def test_url_has_no_token_and_points_at_ws(server: StoreServer) -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_empty_token_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="token"):
+        await StoreServer.start(db_path=tmp_path / "s.db", token="")
+
+
+@pytest.mark.asyncio
 async def test_greeting_is_the_first_frame(raw_client: StoreClient) -> None:
     greeting = await raw_client.recv()
     assert greeting["method"] == "Sync.ServerVersion"

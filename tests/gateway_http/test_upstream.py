@@ -9,8 +9,10 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
+from fastapi import FastAPI
 
 from gateway_http.upstream import (
     EchoModel,
@@ -28,6 +30,7 @@ from tests.support.fake_upstream import (
     Stream,
     default_content,
 )
+from tests.support.uvicorn_server import serve_app
 
 KEY = "sk-test-0123456789abcdef"
 WAIT_S = 5.0
@@ -301,6 +304,48 @@ async def test_stream_with_a_garbage_event_raises_after_the_good_chunks(
 
 
 @pytest.mark.asyncio
+async def test_stream_error_event_raises_with_the_upstream_message(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Stream(pieces=["so "], end="error"))
+    received: list[dict[str, Any]] = []
+
+    with pytest.raises(UpstreamError) as info:
+        async for chunk in backend.stream(chat()):
+            received.append(chunk)
+
+    assert content_of(received) == "so "
+    assert info.value.message == "upstream error: the model is overloaded"
+
+
+@pytest.mark.asyncio
+async def test_stream_without_done_is_whole_when_the_answer_finished(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Stream(pieces=["all ", "there"], end="no-done"))
+
+    chunks = [chunk async for chunk in backend.stream(chat())]
+
+    assert content_of(chunks) == "all there"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.asyncio
+async def test_stream_that_ends_before_the_answer_finished_is_an_error(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Stream(pieces=["cut "], end="truncated"))
+    received: list[dict[str, Any]] = []
+
+    with pytest.raises(UpstreamError) as info:
+        async for chunk in backend.stream(chat()):
+            received.append(chunk)
+
+    assert content_of(received) == "cut "
+    assert info.value.message == "upstream stream ended early"
+
+
+@pytest.mark.asyncio
 async def test_consumer_closing_the_stream_closes_the_upstream_request(
     fake: FakeUpstream, backend: OpenAIUpstream
 ) -> None:
@@ -561,3 +606,43 @@ async def test_build_backend_picks_echo_without_an_upstream_url() -> None:
     finally:
         for backend in (echo, also_echo, upstream):
             await backend.aclose()
+
+
+# --- the serve_app test helper -----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_serve_app_runs_the_lifespan_around_a_real_server() -> None:
+    events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        events.append("startup")
+        yield
+        events.append("shutdown")
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/ping")
+    async def ping() -> dict[str, str]:
+        return {"pong": "yes"}
+
+    async with serve_app(app) as base, httpx.AsyncClient() as client:
+        assert base.startswith("http://127.0.0.1:")
+        assert events == ["startup"]
+        response = await client.get(f"{base}/ping")
+        assert response.json() == {"pong": "yes"}
+
+    assert events == ["startup", "shutdown"]
+
+
+@pytest.mark.asyncio
+async def test_serve_app_reports_a_failed_startup() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        raise ValueError("no database")
+        yield  # pragma: no cover
+
+    with pytest.raises(RuntimeError, match="start-up failed"):
+        async with serve_app(FastAPI(lifespan=lifespan)):
+            pytest.fail("the body must not run")

@@ -13,8 +13,9 @@ the request asks for a stream. ``up.script(...)`` queues replies consumed one pe
 * :class:`Complete` — a ``chat.completion`` (content given or derived);
 * :class:`Stream` — SSE chunks, optionally pausing after ``pause_after`` content chunks until the
   test sets ``resume`` (``paused`` tells it the pause was reached), and ending with ``[DONE]``
-  (``end="done"``), a dropped connection (``"break"``), a malformed event (``"garbage"``) or no
-  end at all (``"hang"``);
+  (``end="done"``), a finish chunk but no ``[DONE]`` (``"no-done"``), a clean end of the body
+  with neither (``"truncated"``), an OpenAI error event (``"error"``), a dropped connection
+  (``"break"``), a malformed event (``"garbage"``) or no end at all (``"hang"``);
 * :class:`Fail` — an HTTP error status with an OpenAI-shaped (or raw) body;
 * :class:`Garbage` — a 200 whose body is not JSON;
 * :class:`Hang` — never answers.
@@ -126,7 +127,7 @@ class Hang(Reply):
 class Stream(Reply):
     pieces: Sequence[str] | None = None  # None = default_content(request) split into words
     pause_after: int | None = None  # pause once this many content chunks were sent
-    end: Literal["done", "break", "garbage", "hang"] = "done"
+    end: Literal["done", "no-done", "truncated", "error", "break", "garbage", "hang"] = "done"
     comment: bool = False  # start with an SSE comment line, as some servers do
     paused: asyncio.Event = field(default_factory=asyncio.Event)
     resume: asyncio.Event = field(default_factory=asyncio.Event)
@@ -324,9 +325,15 @@ async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: S
             return
         if reply.end == "garbage":
             await send(_body(b"data: {this is not json\n\n"))
-        else:
+        elif reply.end == "error":
+            await send(_body(b"data: " + orjson.dumps(_error("the model is overloaded")) + b"\n\n"))
+        elif reply.end != "truncated":
             await event({}, "stop")
-        await send(_body(b"data: [DONE]\n\n", more_body=False))
+        if reply.end in ("no-done", "truncated"):
+            # A well-formed end of the body, but without the ``[DONE]`` line.
+            await send(_body(b"", more_body=False))
+        else:
+            await send(_body(b"data: [DONE]\n\n", more_body=False))
         finished = True
     finally:
         # uvicorn reports a disconnect once the response is complete too; only an early one

@@ -120,6 +120,11 @@ def create_app(
             GatewayError(ErrorKind.BAD_INPUT, "invalid request", "invalid_request")
         )
 
+    @app.exception_handler(rest.ClientGone)
+    async def _client_gone(request: Request, exc: rest.ClientGone) -> Response:
+        # Never sent: the connection is gone. 499 is the customary log value.
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)

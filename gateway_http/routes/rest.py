@@ -3,9 +3,10 @@ models, and the health probes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
@@ -26,6 +27,11 @@ MEMORY_HEADER = "X-Arona-Memory"
 _DONE = b"data: [DONE]\n\n"
 
 router = APIRouter()
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready; nobody reads the answer."""
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -82,10 +88,35 @@ async def chat_completions(request: Request) -> Response:
     if upstream_body.get("stream"):
         return await _stream(gw, turn, headers)
     try:
-        reply = await gw.pipeline.complete(turn)
+        reply = await _unless_disconnected(request, gw.pipeline.complete(turn))
     except UpstreamError as exc:
         raise upstream_failure(exc) from None
     return _json(reply.completion, headers)
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work``, cancelling it (and so the upstream request) if the client leaves.
+
+    Starlette does not cancel a plain handler when its client disconnects; a
+    turn waiting on a slow upstream would otherwise run to its end for nobody.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read in full, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(gw: Gateway, turn: PreparedTurn, headers: dict[str, str]) -> Response:

@@ -31,6 +31,7 @@ from tests.support.uvicorn_server import serve_app
 PHILIA_TOKEN = "philia-secret-token"
 JWT_SECRET = "an-hs256-secret-that-is-long-enough-0123456789"
 SURFACES = ("rest", "sse", "rpc", "rpc_ws")
+ASK_TEXT = "what tea do I like?"
 UNSET: Any = object()
 
 
@@ -157,16 +158,16 @@ async def running_stack(
 ) -> AsyncIterator[Stack]:
     """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started)."""
     async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
-        settings = Settings(
-            memory_url=philia.url if memory else None,
-            memory_token=PHILIA_TOKEN if memory else None,
-            memory_timeout_s=timeout_s,
-            grpc_port=0,
-            upstream_url=upstream.base_url,
-            jwt_secret=JWT_SECRET,
-            data_dir=data_dir,
-            **overrides,
-        )
+        fields: dict[str, Any] = {
+            "memory_url": philia.url if memory else None,
+            "memory_token": PHILIA_TOKEN if memory else None,
+            "memory_timeout_s": timeout_s,
+            "grpc_port": 0,
+            "upstream_url": upstream.base_url,
+            "jwt_secret": JWT_SECRET,
+            "data_dir": data_dir,
+        }
+        settings = Settings(**{**fields, **overrides})
         grpc: GrpcServer | None = None
         if grpc_target is None:
             grpc = await GrpcServer.start(settings)

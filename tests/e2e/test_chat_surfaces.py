@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.stack import SURFACES, running_stack
+from tests.e2e.stack import ASK_TEXT, SURFACES, running_stack
 from tests.support.fake_philia import QUERY, STORE, Step
 from tests.support.fake_upstream import Stream
 
@@ -30,7 +30,7 @@ SECTION = (
     "- [0.41] User: where do I live?\n"
     "  Assistant: In Lyon."
 )
-ASK = [{"role": "user", "content": "what tea do I like?"}]
+ASK = [{"role": "user", "content": ASK_TEXT}]
 
 
 def _free_port() -> int:

@@ -103,6 +103,7 @@ class FakePhilia:
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: Server | None = None
+        self._open = 0
 
     @property
     def url(self) -> str:
@@ -126,6 +127,11 @@ class FakePhilia:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.frames_of(method)) >= count)
         return self.frames_of(method)
+
+    async def wait_all_closed(self) -> None:
+        """Return once no client connection is open (e.g. after the client aborted)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._open == 0)
 
     async def close_connections(self, code: int = 4000) -> None:
         """Close every open connection from the server side (as Philia does when idle)."""
@@ -175,6 +181,8 @@ class FakePhilia:
 
     async def _handle(self, ws: ServerConnection) -> None:
         calls: set[asyncio.Task[None]] = set()
+        async with self._changed:
+            self._open += 1
         try:
             async for raw in ws:
                 try:
@@ -194,6 +202,9 @@ class FakePhilia:
         finally:
             for task in calls:
                 task.cancel()
+            async with self._changed:
+                self._open -= 1
+                self._changed.notify_all()
 
     async def _record(self, frame: Any) -> None:
         async with self._changed:

@@ -1,0 +1,125 @@
+"""Composition root of the gRPC side: MemoryService, health and reflection on one server.
+
+:func:`build_server` assembles a ``grpc.aio`` server; :class:`GrpcServer` is the
+handle the command line and the tests use: it binds the configured address (port 0
+picks a free port), reports ``SERVING`` through ``grpc.health.v1.Health`` and, on
+:meth:`GrpcServer.stop`, turns health to ``NOT_SERVING``, lets in-flight calls
+finish within the grace period and closes the Philia link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+# The asyncio health servicer; the typing stubs only know the threaded one.
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.config import Settings
+from arona_grpc.service import MemoryDomain
+from arona_grpc.servicer import MemoryServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
+
+# gRPC sets SO_REUSEPORT by default on Linux, which lets a second server "bind" a
+# port that is already taken; turned off, a busy port is a clear start-up error.
+_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class GrpcBindError(RuntimeError):
+    """The gRPC listener could not bind its address (one line, for the operator)."""
+
+
+def build_server(
+    domain: MemoryDomain, health_servicer: health_aio.HealthServicer | None = None
+) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with MemoryService, health and reflection; not yet bound.
+
+    ``health_servicer`` is created when not given; pass one to change the serving
+    status later.
+    """
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    pb_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(domain), server)
+    health_pb2_grpc.add_HealthServicer_to_server(
+        health_servicer or health_aio.HealthServicer(), server
+    )
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server
+
+
+class GrpcServer:
+    """A running MemoryService listener; create with :meth:`start`."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health_servicer: health_aio.HealthServicer,
+        domain: MemoryDomain,
+        target: str,
+    ) -> None:
+        self._server = server
+        self._health = health_servicer
+        self.domain = domain
+        self.target = target
+        self.port = int(target.rsplit(":", 1)[1])
+        self._stopped = False
+
+    @classmethod
+    async def start(cls, settings: Settings, domain: MemoryDomain | None = None) -> GrpcServer:
+        """Bind ``settings.grpc_host:settings.grpc_port`` and start serving.
+
+        Raises :class:`GrpcBindError` when the address cannot be bound.
+        """
+        domain = domain or MemoryDomain(settings)
+        health_servicer = health_aio.HealthServicer()
+        server = build_server(domain, health_servicer)
+        address = _bind_address(settings.grpc_host, settings.grpc_port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await domain.aclose()
+            raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        # The address a client dials: wildcard hosts become loopback.
+        target = dataclasses.replace(
+            settings, grpc_port=port, grpc_target=None
+        ).effective_grpc_target
+        logger.info(
+            "MemoryService listening on %s (memory %s)",
+            target,
+            "enabled" if domain.enabled else "disabled",
+        )
+        return cls(server, health_servicer, domain, target)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        await self.domain.aclose()
+        logger.info("MemoryService stopped")
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+def _bind_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
+from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ def message_text(message: Any) -> str:
 
 
 class OpenAIUpstream:
-    """An OpenAI-compatible ``/v1`` API reached over one shared ``httpx.AsyncClient``."""
+    """An OpenAI-compatible ``/v1`` API reached over one shared ``httpx.AsyncClient``.
+
+    A ``base_url`` that is not an http(s) URL with a host raises ``ConfigError`` at once.
+    """
 
     name = "upstream"
 
@@ -117,6 +121,7 @@ class OpenAIUpstream:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         base = base_url.rstrip("/")
+        _check_base_url(base)
         self._chat_url = f"{base}/chat/completions"
         self._models_url = f"{base}/models"
         self._safe_url = redact_url(base)
@@ -148,7 +153,7 @@ class OpenAIUpstream:
             response = await self._client.post(
                 self._chat_url, content=payload, headers=self._json_headers
             )
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._transport_error(exc) from None
         if response.status_code >= 400:
             raise self._http_error(response.status_code, response.content)
@@ -156,12 +161,12 @@ class OpenAIUpstream:
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._encode(body, stream=True)
-        request = self._client.build_request(
-            "POST", self._chat_url, content=payload, headers=self._stream_headers
-        )
         try:
+            request = self._client.build_request(
+                "POST", self._chat_url, content=payload, headers=self._stream_headers
+            )
             response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._transport_error(exc) from None
         # Whatever ends the iteration (the last event, an error, the consumer closing the
         # generator or being cancelled) closes the response here; an unfinished HTTP/1.1
@@ -191,7 +196,7 @@ class OpenAIUpstream:
     async def models(self) -> dict[str, Any]:
         try:
             response = await self._client.get(self._models_url, headers=self._json_headers)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._transport_error(exc) from None
         if response.status_code >= 400:
             raise self._http_error(response.status_code, response.content)
@@ -261,7 +266,9 @@ class OpenAIUpstream:
             text = text[: _MAX_DETAIL_CHARS - 1] + "…"
         return text or None
 
-    def _transport_error(self, exc: httpx.HTTPError, *, mid_stream: bool = False) -> UpstreamError:
+    def _transport_error(
+        self, exc: httpx.HTTPError | httpx.InvalidURL, *, mid_stream: bool = False
+    ) -> UpstreamError:
         # The exception text can contain the URL, so only its type is logged.
         logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
         if isinstance(exc, httpx.TimeoutException):
@@ -269,6 +276,22 @@ class OpenAIUpstream:
         if mid_stream:
             return UpstreamError("upstream stream broke off", None)
         return UpstreamError("upstream unreachable", None)
+
+
+def _check_base_url(base: str) -> None:
+    """Refuse, at start-up, a base URL no request could ever be sent to."""
+    try:
+        url = httpx.URL(base)
+        valid = url.scheme in ("http", "https") and bool(url.host) and url.port in (None, *_PORTS)
+    except (httpx.InvalidURL, ValueError):
+        valid = False
+    if not valid:
+        raise ConfigError(
+            f"ARONA_UPSTREAM_URL must be an http:// or https:// URL, got {redact_url(base)!r}"
+        )
+
+
+_PORTS = range(1, 65536)
 
 
 async def _read_capped(response: httpx.Response) -> bytes:

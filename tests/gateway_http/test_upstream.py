@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 
+from arona_grpc.config import ConfigError
 from gateway_http.upstream import (
     EchoModel,
     OpenAIUpstream,
@@ -213,6 +214,16 @@ async def test_silent_upstream_times_out_and_the_request_is_dropped(fake: FakeUp
     assert info.value.status is None
     assert info.value.message == "upstream timed out"
     await asyncio.wait_for(hang.closed.wait(), WAIT_S)
+
+
+@pytest.mark.parametrize(
+    "url", ["localhost:8000/v1", "ftp://example.com/v1", "http://user:hunter2@host:99999/v1"]
+)
+def test_an_unusable_upstream_url_is_refused_at_start(url: str) -> None:
+    with pytest.raises(ConfigError, match="ARONA_UPSTREAM_URL") as info:
+        build_backend(url, KEY)
+
+    assert "hunter2" not in str(info.value)
 
 
 # --- OpenAIUpstream: streaming ----------------------------------------------------------------

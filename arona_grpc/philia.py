@@ -94,7 +94,10 @@ class _RedactingAdapter(logging.LoggerAdapter[logging.Logger]):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         if not self.isEnabledFor(level):
             return
-        text = str(msg) % args if args else str(msg)
+        try:
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = f"{msg} {args!r}"
         self.logger.log(level, "%s", redact_text(text, self._secrets), **kwargs)
 
 
@@ -182,11 +185,7 @@ class _Connection:
 
     async def wait_stopped(self) -> None:
         """Wait for the reader task to finish after :meth:`abort`."""
-        try:
-            await self.reader
-        except asyncio.CancelledError:
-            if not self.reader.cancelled():
-                raise  # the caller itself is being cancelled
+        await asyncio.wait([self.reader])
 
 
 def _decode(raw: str | bytes) -> dict[str, Any]:

@@ -56,6 +56,11 @@ def create_app(
     memory_client: MemoryClient | None = None,
     backend: ChatBackend | None = None,
 ) -> FastAPI:
+    # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
+    # start-up with one clear line (ConfigError) instead of inside uvicorn.
+    owns_backend = backend is None
+    chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         channel: grpc.aio.Channel | None = None
@@ -69,7 +74,6 @@ def create_app(
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
             )
-        chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
         conversations = ConversationStore.open(settings.data_dir / "conversations.db")
         pipeline = TurnPipeline(memory, chat_backend, conversations)
         api_keys = ApiKeys(settings.api_keys)
@@ -85,7 +89,7 @@ def create_app(
             yield
         finally:
             await pipeline.drain(WRITEBACK_GRACE_S)
-            if backend is None:
+            if owns_backend:
                 await chat_backend.aclose()
             conversations.close()
             if channel is not None:

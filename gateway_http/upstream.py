@@ -462,7 +462,12 @@ def _echo_content(messages: list[Any]) -> str:
         if isinstance(message, dict) and message.get("role") == "system":
             section = memory_section(message_text(message))
             if section:
-                return f"{content}\n\n{section}"
+                # The header and the first line of each memory. A memory's
+                # continuation lines are left out: they may hold an earlier
+                # echoed section, and since the reply is written back as an
+                # episode, echoing them would nest sections without end.
+                shown = [ln for ln in section.split("\n") if not ln.startswith("  ")]
+                return f"{content}\n\n" + "\n".join(shown)
     return content
 
 

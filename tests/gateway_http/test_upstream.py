@@ -445,6 +445,10 @@ MEMORY_SECTION = (
     "- [0.41] User: where do I live?\n"
     "  Assistant: In Lyon."
 )
+# What the echo model shows of it: the header and each memory's first line.
+ECHOED_SECTION = (
+    "## Relevant Long-Term Memories\n- [0.83] I prefer oolong tea\n- [0.41] User: where do I live?"
+)
 
 
 @pytest.mark.asyncio
@@ -490,7 +494,7 @@ async def test_echo_shows_the_memory_section_it_received() -> None:
 
     assert reply["model"] == "my-model"
     assert reply["choices"][0]["message"]["content"] == (
-        f"Echo: what tea do I like?\n\n{MEMORY_SECTION}"
+        f"Echo: what tea do I like?\n\n{ECHOED_SECTION}"
     )
 
 
@@ -515,7 +519,29 @@ async def test_echo_takes_only_the_memory_section_out_of_a_longer_system_prompt(
 
     assert reply["model"] == "echo"
     assert reply["choices"][0]["message"]["content"] == (
-        f"Echo: part one\npart two\n\n{MEMORY_SECTION}"
+        f"Echo: part one\npart two\n\n{ECHOED_SECTION}"
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_never_nests_an_earlier_echoed_section() -> None:
+    # A recalled episode that holds an earlier echo: its lines are indented.
+    nested = (
+        "## Relevant Long-Term Memories\n"
+        "- [0.50] User: tea?\n"
+        "  Assistant: Echo: tea?\n"
+        "  \n"
+        "  ## Relevant Long-Term Memories\n"
+        "  - [0.40] User: I like oolong"
+    )
+    body = {
+        "messages": [{"role": "system", "content": nested}, {"role": "user", "content": "again?"}]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == (
+        "Echo: again?\n\n## Relevant Long-Term Memories\n- [0.50] User: tea?"
     )
 
 

@@ -1,0 +1,165 @@
+"""``arona-gateway up`` as a user runs it: one process, embedded store, echo model.
+
+A fact stated in one turn is written back, recalled in the next turn, and both
+the memory and the conversation survive a restart of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+BANNER_END = "Ctrl-C stops everything."
+FACT = "My favourite tea is oolong"
+QUESTION = "Which tea is my favourite?"
+
+
+@dataclass
+class Up:
+    process: asyncio.subprocess.Process
+    banner: str
+    http_url: str
+    jwt: str
+
+    async def rpc(self, client: httpx.AsyncClient, method: str, params: Any = None) -> Any:
+        request = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}}
+        response = await client.post(
+            f"{self.http_url}/api/rpc",
+            json=request,
+            headers={"Authorization": f"Bearer {self.jwt}"},
+        )
+        reply = response.json()
+        assert "result" in reply, reply
+        return reply["result"]
+
+
+def _env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(
+        ARONA_DATA_DIR=str(data_dir),
+        ARONA_HTTP_PORT="0",
+        ARONA_GRPC_PORT="0",
+        ARONA_LOG_LEVEL="warning",
+    )
+    return env
+
+
+@asynccontextmanager
+async def gateway_up(data_dir: Path) -> AsyncIterator[Up]:
+    command = Path(sys.executable).parent / "arona-gateway"
+    process = await asyncio.create_subprocess_exec(
+        str(command),
+        "up",
+        env=_env(data_dir),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        lines: list[str] = []
+
+        async def read_banner() -> None:
+            assert process.stdout is not None
+            while not lines or lines[-1] != BANNER_END:
+                raw = await process.stdout.readline()
+                assert raw, "arona-gateway up exited before it was ready"
+                lines.append(raw.decode().rstrip("\n"))
+
+        await asyncio.wait_for(read_banner(), 60)
+        banner = "\n".join(lines)
+        http = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)", banner)
+        jwt = re.search(r"JWT for JSON-RPC .*: (\S+)$", banner, re.MULTILINE)
+        assert http and jwt, banner
+        yield Up(process, banner, http.group(1), jwt.group(1))
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, stderr.decode()
+    assert "Traceback" not in stderr.decode()
+
+
+async def _wait_for_writebacks(up: Up, client: httpx.AsyncClient, count: int) -> None:
+    # Another process: there is no event to await, so ask memory.status, bounded.
+    for _ in range(200):
+        status = await up.rpc(client, "memory.status")
+        if sum(e["kind"] == "writeback" for e in status["events"]) >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {count} writebacks: {status}")
+
+
+async def test_up_remembers_and_survives_a_restart(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with gateway_up(data_dir) as up:
+            assert "echo" in up.banner and "grpcurl -plaintext" in up.banner
+            assert "curl " in up.banner
+            conversation = (await up.rpc(client, "conversations.create", {"title": "tea"}))["id"]
+            first = await up.rpc(
+                client,
+                "chat.send",
+                {
+                    "model": "echo",
+                    "conversation_id": conversation,
+                    "messages": [{"role": "user", "content": FACT}],
+                },
+            )
+            assert first["memory"] == "disabled"
+            await _wait_for_writebacks(up, client, 1)
+
+            second = await client.post(
+                f"{up.http_url}/v1/chat/completions",
+                json={
+                    "model": "echo",
+                    "messages": [{"role": "user", "content": QUESTION}],
+                },
+            )
+            assert second.status_code == 200
+            assert second.headers["X-Arona-Memory"] == "enabled"
+            reply = second.json()["choices"][0]["message"]["content"]
+            # The echo model shows the section it was given: the first turn is in it.
+            assert "## Relevant Long-Term Memories" in reply
+            assert f"User: {FACT}" in reply
+
+        async with gateway_up(data_dir) as again:
+            assert again.jwt != ""
+            after = await client.post(
+                f"{again.http_url}/v1/chat/completions",
+                json={
+                    "model": "echo",
+                    "messages": [{"role": "user", "content": QUESTION}],
+                },
+            )
+            assert after.headers["X-Arona-Memory"] == "enabled"
+            assert f"User: {FACT}" in after.json()["choices"][0]["message"]["content"]
+            stored = await again.rpc(client, "conversations.get", {"conversation_id": conversation})
+            assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
+            assert stored["messages"][0]["content"] == FACT
+
+
+async def test_up_reuses_its_dev_secrets(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    async with gateway_up(data_dir):
+        pass
+    secrets_file = data_dir / "dev-secrets.json"
+    first = secrets_file.read_text()
+    assert oct(secrets_file.stat().st_mode & 0o777) == "0o600"
+    async with gateway_up(data_dir) as up, httpx.AsyncClient(timeout=30) as client:
+        # A JWT minted by the second start verifies against the same secret.
+        status = await up.rpc(client, "memory.status")
+        assert status["enabled"] is True
+    assert secrets_file.read_text() == first

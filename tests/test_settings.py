@@ -1,0 +1,126 @@
+"""Settings from the environment, exactly as the configuration table says."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from arona_grpc.config import ConfigError, Settings
+from arona_grpc.redact import redact_url
+
+
+def test_defaults() -> None:
+    s = Settings.from_env({})
+    assert (s.memory_url, s.memory_token, s.memory_enabled) == (None, None, False)
+    assert s.memory_writeback is True and s.memory_timeout_s == 10.0
+    assert (s.http_host, s.http_port, s.grpc_host, s.grpc_port) == (
+        "127.0.0.1",
+        8080,
+        "127.0.0.1",
+        50051,
+    )
+    assert s.effective_grpc_target == "127.0.0.1:50051"
+    assert s.data_dir == Path(".arona") and s.log_level == "info"
+    assert s.api_keys == () and s.jwt_secret is None and s.upstream_url is None
+    assert s.recall_budget_s == 10.0
+
+
+@pytest.mark.parametrize(
+    ("url", "token", "enabled"),
+    [
+        ("ws://h/ws", "t", True),
+        ("ws://h/ws", "", False),
+        ("", "t", False),
+        ("  ", "t", False),
+        ("ws://h/ws", "   ", False),
+    ],
+)
+def test_enabled_iff_url_and_token_are_both_non_empty(url: str, token: str, enabled: bool) -> None:
+    env = {"ARONA_MEMORY_URL": url, "ARONA_MEMORY_TOKEN": token}
+    assert Settings.from_env(env).memory_enabled is enabled
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False)])
+def test_writeback_accepts_exactly_true_and_false(
+    value: str, expected: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert Settings.from_env({"ARONA_MEMORY_WRITEBACK": value}).memory_writeback is expected
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("value", ["0", "1", "yes", "False", "TRUE", "", " true"])
+def test_other_writeback_values_warn_and_keep_the_default(
+    value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert Settings.from_env({"ARONA_MEMORY_WRITEBACK": value}).memory_writeback is True
+    assert any("ARONA_MEMORY_WRITEBACK" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ARONA_HTTP_PORT", "http"),
+        ("ARONA_GRPC_PORT", "70000"),
+        ("ARONA_HTTP_PORT", "-1"),
+        ("ARONA_MEMORY_TIMEOUT_S", "0"),
+        ("ARONA_MEMORY_TIMEOUT_S", "soon"),
+        ("ARONA_LOG_LEVEL", "loud"),
+    ],
+)
+def test_unusable_values_fail_with_one_line_naming_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({name: value})
+    assert name in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_short_jwt_secret_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({"ARONA_JWT_SECRET": "s3cr3t-but-short"})
+    assert "s3cr3t" not in str(raised.value)
+    long_enough = "x" * 32
+    assert Settings.from_env({"ARONA_JWT_SECRET": long_enough}).jwt_secret == long_enough
+
+
+def test_secrets_are_not_in_the_settings_repr() -> None:
+    s = Settings.from_env(
+        {
+            "ARONA_MEMORY_TOKEN": "tok-123",
+            "ARONA_JWT_SECRET": "j" * 40,
+            "ARONA_API_KEYS": "key-1, key-2",
+            "ARONA_UPSTREAM_API_KEY": "sk-999",
+        }
+    )
+    assert s.api_keys == ("key-1", "key-2")
+    text = repr(s)
+    assert not any(secret in text for secret in ("tok-123", "j" * 40, "key-1", "sk-999"))
+
+
+def test_grpc_target_follows_the_listener_unless_set() -> None:
+    assert (
+        Settings.from_env(
+            {"ARONA_GRPC_HOST": "0.0.0.0", "ARONA_GRPC_PORT": "6000"}
+        ).effective_grpc_target
+        == "127.0.0.1:6000"
+    )
+    assert Settings.from_env({"ARONA_GRPC_HOST": "::"}).effective_grpc_target == "[::1]:50051"
+    assert (
+        Settings.from_env({"ARONA_GRPC_TARGET": "memory.internal:7000"}).effective_grpc_target
+        == "memory.internal:7000"
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("ws://h:8424/ws?token=abc%2Fdef", "ws://h:8424/ws?token=***"),
+        ("ws://h/ws?a=1&token=t", "ws://h/ws?a=1&token=***"),
+        ("wss://user:pw@h/ws", "wss://***@h/ws"),
+        ("ws://h/ws", "ws://h/ws"),
+    ],
+)
+def test_redact_url_hides_tokens_and_credentials(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -5,6 +5,13 @@ nothing else reads ``os.environ``. Invalid configuration that would leave the
 server useless (a bad port, a short JWT secret) raises :class:`ConfigError`
 with one line meant for the operator; a malformed optional value logs a
 warning naming the variable and keeps the default.
+
+Memory-path robustness knobs: ``ARONA_MEMORY_BREAKER_FAILURES`` (consecutive
+Philia failures that open the breaker, default 3), ``ARONA_MEMORY_BREAKER_COOLDOWN_S``
+(how long it stays open before one probe, default 5), ``ARONA_MEMORY_RECALL_BUDGET_MS``
+(how long a turn waits for recall, default the RPC timeout) and
+``ARONA_MEMORY_OUTBOX_MAX`` (episodes kept in ``<ARONA_DATA_DIR>/outbox.db`` while
+Philia is down, default 1000; beyond it the oldest are dropped and counted).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class Settings:
     memory_breaker_cooldown_s: float = 5.0
     # None = the RPC timeout.
     memory_recall_budget_ms: int | None = None
+    # Episodes kept for replay while Philia is down; the oldest are dropped beyond it.
+    memory_outbox_max: int = 1000
     upstream_url: str | None = None
     upstream_api_key: str | None = field(default=None, repr=False)
     http_host: str = "127.0.0.1"
@@ -84,6 +93,7 @@ class Settings:
             memory_breaker_failures=_positive_int(env, "ARONA_MEMORY_BREAKER_FAILURES", 3),
             memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),
             memory_recall_budget_ms=_optional_positive_int(env, "ARONA_MEMORY_RECALL_BUDGET_MS"),
+            memory_outbox_max=_positive_int(env, "ARONA_MEMORY_OUTBOX_MAX", 1000),
             upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
             upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),
             http_host=_str(env, "ARONA_HTTP_HOST") or "127.0.0.1",

@@ -6,7 +6,14 @@ between concurrent calls (one reader task matches replies to callers by id), and
 treats any fault (refused, rejected handshake, JSON-RPC error, timeout, malformed
 frame, close) as the end of that link: every pending caller fails, the transport is
 aborted and the next call connects afresh. Every await on the socket runs under the
-per-call deadline ``timeout_s``, connect and handshake included.
+per-call deadline (``timeout_s``, or a shorter one the caller passes, e.g. the recall
+budget), connect and handshake included.
+
+A call that runs out of time drops the link only when the link looks dead (nothing
+received since the call was sent): on a live link shared by concurrent calls, one slow
+answer must not fail the others, and its late reply is simply skipped because no
+waiter is left for its id. A link the peer has started to close (a close frame, even
+with the TCP connection left open) is never reused.
 
 The token travels on the upgrade URL and in the handshake, so nothing here ever
 prints it: URLs go through :func:`~arona_grpc.redact.redact_url`, free text through
@@ -28,6 +35,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.protocol import State
 
 from arona_grpc.redact import redact_text, redact_url
 
@@ -109,7 +117,14 @@ class _Connection:
         self._redact = redact
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.closed = False
+        # Loop time of the last frame received: tells a dead link from a slow answer.
+        self.last_frame_at = 0.0
         self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def usable(self) -> bool:
+        """Open on both sides: not aborted, and the peer has not begun a close."""
+        return not self.closed and self.ws.state is State.OPEN
 
     async def request(self, method: str, params: Mapping[str, Any]) -> Any:
         """Send one request and return its ``result``; raise on an error reply."""
@@ -150,7 +165,9 @@ class _Connection:
         """Route replies to waiting callers until the link ends; never raises."""
         reason: PhiliaError
         try:
+            loop = asyncio.get_running_loop()
             async for raw in self.ws:
+                self.last_frame_at = loop.time()
                 frame = _decode(raw)
                 request_id = frame.get("id")
                 if not isinstance(request_id, str):
@@ -228,23 +245,44 @@ class PhiliaClient:
         """Mask the token (raw, URL-encoded or JSON-escaped) in free text."""
         return redact_text(text, self._secrets)
 
-    async def query(self, query: str, limit: int) -> list[PhiliaMemory]:
+    @property
+    def timeout_s(self) -> float:
+        """The default per-call deadline."""
+        return self._timeout_s
+
+    @property
+    def pending_calls(self) -> int:
+        """Callers waiting for a reply on the current link (0 when there is none)."""
+        conn = self._conn
+        return len(conn.pending) if conn is not None else 0
+
+    async def query(
+        self, query: str, limit: int, *, timeout_s: float | None = None
+    ) -> list[PhiliaMemory]:
         """``Sync.MemoryQueryRequest``: up to ``limit`` memories, best first."""
         return await self._call(
             "Sync.MemoryQueryRequest",
             {"query": query, "limit": limit},
             lambda result: _parse_memories(result, limit),
+            timeout_s,
         )
 
-    async def store(self, text: str, node_type: str = "episode") -> str:
+    async def store(
+        self, text: str, node_type: str = "episode", *, timeout_s: float | None = None
+    ) -> str:
         """``Sync.MemoryStoreRequest``: store one node and return its id."""
         return await self._call(
-            "Sync.MemoryStoreRequest", {"text": text, "node_type": node_type}, _parse_node_id
+            "Sync.MemoryStoreRequest",
+            {"text": text, "node_type": node_type},
+            _parse_node_id,
+            timeout_s,
         )
 
-    async def delete(self, node_id: str) -> bool:
+    async def delete(self, node_id: str, *, timeout_s: float | None = None) -> bool:
         """``Sync.MemoryDeleteRequest``: whether the node existed."""
-        return await self._call("Sync.MemoryDeleteRequest", {"node_id": node_id}, _parse_deleted)
+        return await self._call(
+            "Sync.MemoryDeleteRequest", {"node_id": node_id}, _parse_deleted, timeout_s
+        )
 
     async def aclose(self) -> None:
         """Drop the link and refuse further calls."""
@@ -259,21 +297,35 @@ class PhiliaClient:
             conn.abort(PhiliaUnavailable("the Philia client is closed"))
             await conn.wait_stopped()
 
-    async def _call(self, method: str, params: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+    async def _call(
+        self,
+        method: str,
+        params: Mapping[str, Any],
+        parse: Callable[[Any], T],
+        timeout_s: float | None,
+    ) -> T:
+        deadline_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         conn: _Connection | None = None
         attempt: asyncio.Task[_Connection] | None = None
+        loop = asyncio.get_running_loop()
+        sent_at = math.inf
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(deadline_s):
                 conn = self._live_connection()
                 if conn is None:
                     attempt = self._connect_attempt()
                     conn = await self._join(attempt)
+                sent_at = loop.time()
                 result = await conn.request(method, params)
             return parse(result)
         except TimeoutError:
             error: PhiliaError = PhiliaTimeout(
-                f"{method}: no answer from Philia within {self._timeout_s:g} s"
+                f"{method}: no answer from Philia within {deadline_s:g} s"
             )
+            if conn is not None and conn.usable and conn.last_frame_at > sent_at:
+                # The link is alive (frames keep coming), only this answer is slow:
+                # keep the link for the other callers; the late reply finds no waiter.
+                conn = None
         except PhiliaError as exc:
             error = exc
         if attempt is not None and not attempt.done():
@@ -298,7 +350,12 @@ class PhiliaClient:
         if self._closed:
             raise PhiliaUnavailable("the Philia client is closed")
         conn = self._conn
-        return conn if conn is not None and not conn.closed else None
+        if conn is not None and not conn.usable:
+            # Closed by the peer while idle (Philia closes idle links), or half-closed
+            # with the TCP connection left open: never send on it.
+            self._drop(conn, PhiliaUnavailable("Philia closed the connection"))
+            return None
+        return conn
 
     def _connect_attempt(self) -> asyncio.Task[_Connection]:
         """The connect in progress, or a new one: concurrent callers share one attempt."""

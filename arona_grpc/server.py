@@ -92,6 +92,8 @@ class GrpcServer:
             await domain.aclose()
             raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
         await server.start()
+        # An outbox left by an earlier run starts replaying now.
+        await domain.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         # The address a client dials: wildcard hosts become loopback.
@@ -106,13 +108,17 @@ class GrpcServer:
         return cls(server, health_servicer, domain, target)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia."""
+        """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
+
+        Writebacks cut off by the grace period, and the outbox replay if it is still
+        running after another ``grace``, are kept in the outbox for the next start.
+        """
         if self._stopped:
             return
         self._stopped = True
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
-        await self.domain.aclose()
+        await self.domain.aclose(grace)
         logger.info("MemoryService stopped")
 
     async def wait_for_termination(self) -> None:

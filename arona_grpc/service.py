@@ -6,18 +6,52 @@ status codes in one table. Philia faults never escape ``recall`` (they become
 ``OFFLINE``); ``writeback`` and ``delete`` raise :class:`MemoryUnavailable` or
 :class:`MemoryTimeout`. Every outcome worth knowing lands in a bounded ring buffer of
 events that ``status`` reports newest first.
+
+Robustness, all in front of the one Philia client:
+
+- **Breaker** (:mod:`arona_grpc.breaker`): every Philia call (recall, writeback,
+  delete, outbox replay) asks it first. While it is open, recall answers ``OFFLINE``
+  at once and Writeback/Delete fail fast (``UNAVAILABLE``) without touching the
+  network; each opening is recorded as an ``error`` event.
+- **Recall budget**: recall waits at most ``ARONA_MEMORY_RECALL_BUDGET_MS`` (default:
+  the RPC timeout) and never longer than its caller's own deadline, so the service
+  gives up no later than the chat turn does.
+- **Section cap**: the injected section is at most :data:`MAX_SECTION_CHARS`
+  characters, header included. A memory longer than :data:`MAX_MEMORY_CHARS` is cut
+  and ends with an ellipsis (``…``); while the section is still too long, the memory
+  with the lowest score is dropped (the later one on a tie). Results beyond ``limit``
+  are ignored by the client.
+- **Outbox** (:mod:`arona_grpc.outbox`): an episode that could not be stored is kept
+  in SQLite and replayed in order, by one background task, once Philia answers
+  again. While the outbox is not empty, new episodes line up behind it, so episodes
+  reach Philia in the order they were queued. Replay starts after a successful call,
+  when an episode is queued (first waiting out the breaker's cooldown), and at start
+  for an outbox left by an earlier run; it stops after :data:`MAX_REPLAY_FAILURES`
+  failed attempts in a row (waiting longer after each) until one of those happens
+  again. An episode leaves the outbox only after Philia gave its node id, so normal
+  recovery stores each one exactly once; a store whose answer was lost (a timeout,
+  a link cut mid-call) may be stored twice. The healthy path (breaker closed, outbox
+  empty) never touches SQLite.
+- **Shutdown** (:meth:`MemoryDomain.aclose`): in-flight writebacks and the replay get
+  a grace period; episodes still in flight after it are kept in the outbox for the
+  next start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
-from collections import deque
-from collections.abc import Iterable
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
+from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import Settings
+from arona_grpc.outbox import Outbox, OutboxClosed
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 
 logger = logging.getLogger(__name__)
@@ -30,6 +64,19 @@ MAX_RECALL_LIMIT = 100
 EVENT_BUFFER_SIZE = 100
 DEFAULT_STATUS_LIMIT = 50
 EPISODE_NODE_TYPE = "episode"
+# The injected section, header included, never exceeds this many characters.
+MAX_SECTION_CHARS = 4000
+# One memory's text is cut to this many characters (ellipsis included).
+MAX_MEMORY_CHARS = 1000
+ELLIPSIS = "\u2026"
+# The service answers a little before its caller's deadline, so the answer (OFFLINE)
+# still reaches the caller instead of a DEADLINE_EXCEEDED.
+DEADLINE_MARGIN_S = 0.05
+# Replay gives up after this many failed stores in a row, until kicked again.
+MAX_REPLAY_FAILURES = 5
+MAX_REPLAY_BACKOFF_S = 60.0
+# How many replayed node ids are remembered for writebacks waiting on them.
+_REPLAYED_MEMORY = 1024
 
 
 class MemoryState(enum.Enum):
@@ -58,7 +105,7 @@ class MemoryEvent:
 @dataclass(frozen=True)
 class RecallOutcome:
     state: MemoryState
-    # The memories in the section (blank ones left out), best first.
+    # The memories in the section (blank ones left out, long ones cut), best first.
     memories: tuple[PhiliaMemory, ...]
     section: str
 
@@ -74,6 +121,10 @@ class StatusSnapshot:
     enabled: bool
     writeback: bool
     events: tuple[MemoryEvent, ...]
+    breaker: BreakerState = BreakerState.CLOSED
+    breaker_opened_at: datetime | None = None
+    outbox_depth: int = 0
+    outbox_dropped: int = 0
 
 
 class MemoryDomainError(Exception):
@@ -111,6 +162,31 @@ def render_section(memories: Iterable[PhiliaMemory]) -> str:
     return "\n".join([SECTION_HEADER, *lines]) if lines else ""
 
 
+def cap_memories(
+    memories: Iterable[PhiliaMemory],
+    max_chars: int = MAX_SECTION_CHARS,
+    max_memory_chars: int = MAX_MEMORY_CHARS,
+) -> tuple[PhiliaMemory, ...]:
+    """The memories that fit one section of at most ``max_chars`` characters.
+
+    Blank memories are left out; a text longer than ``max_memory_chars`` is cut and
+    ends with ``…``; then the lowest score is dropped (the later one on a tie) until
+    the rendered section fits. The order of the survivors is kept.
+    """
+    kept: list[PhiliaMemory] = []
+    for memory in memories:
+        text = memory.text.strip()
+        if not text:
+            continue
+        if len(text) > max_memory_chars:
+            text = text[: max_memory_chars - len(ELLIPSIS)].rstrip() + ELLIPSIS
+        kept.append(PhiliaMemory(text=text, score=memory.score, node_type=memory.node_type))
+    while kept and len(render_section(kept)) > max_chars:
+        lowest = min(range(len(kept)), key=lambda i: (kept[i].score, -i))
+        del kept[lowest]
+    return tuple(kept)
+
+
 def episode_text(user: str, assistant: str) -> str:
     """``User: …\\nAssistant: …`` with an empty (or blank) side left out."""
     parts = []
@@ -121,10 +197,25 @@ def episode_text(user: str, assistant: str) -> str:
     return "\n".join(parts)
 
 
+@dataclass
+class _InFlight:
+    """One writeback on its way to Philia (not in the outbox)."""
+
+    text: str
+    # Set once shutdown has put it in the outbox, so its failure does not queue it twice.
+    kept: bool = False
+
+
 class MemoryDomain:
     """Recall, Writeback, Delete and Status over one lazily connected Philia client."""
 
-    def __init__(self, settings: Settings, client: PhiliaClient | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: PhiliaClient | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._settings = settings
         self._client: PhiliaClient | None = None
         if settings.memory_enabled:
@@ -134,6 +225,25 @@ class MemoryDomain:
                 settings.memory_url, settings.memory_token, settings.memory_timeout_s
             )
         self._events: deque[MemoryEvent] = deque(maxlen=EVENT_BUFFER_SIZE)
+        self._breaker = CircuitBreaker(
+            settings.memory_breaker_failures,
+            settings.memory_breaker_cooldown_s,
+            clock=clock,
+            on_open=lambda reason: self._record(EventKind.ERROR, reason),
+        )
+        # Constructing the outbox opens nothing: the file appears with its first episode.
+        self._outbox: Outbox | None = None
+        if self.writeback_enabled:
+            self._outbox = Outbox(settings.data_dir, settings.memory_outbox_max)
+        self._replay_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._waiters: dict[int, asyncio.Future[str]] = {}
+        self._replayed: OrderedDict[int, str] = OrderedDict()
+        self._inflight: dict[int, _InFlight] = {}
+        self._inflight_idle = asyncio.Event()
+        self._inflight_idle.set()
+        self._next_inflight = 0
+        self._closing = False
 
     @property
     def enabled(self) -> bool:
@@ -143,35 +253,120 @@ class MemoryDomain:
     def writeback_enabled(self) -> bool:
         return self.enabled and self._settings.memory_writeback
 
-    async def recall(self, query: str, limit: int = 0) -> RecallOutcome:
-        """Memories for ``query`` and their section; Philia faults give ``OFFLINE``."""
+    @property
+    def client(self) -> PhiliaClient | None:
+        """The Philia client (None when memory is not configured)."""
+        return self._client
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._breaker
+
+    @property
+    def outbox(self) -> Outbox | None:
+        """The writeback outbox (None when memory or writeback is off)."""
+        return self._outbox
+
+    async def start(self) -> None:
+        """Pick up an outbox left by an earlier run and start replaying it."""
+        if self._outbox is None:
+            return
+        try:
+            await self._outbox.load()
+        except Exception as exc:  # an unreadable file must not keep the service down
+            logger.error("cannot read the outbox %s: %s", self._outbox.path, type(exc).__name__)
+            self._record(EventKind.ERROR, "the outbox file could not be read")
+            return
+        if self._outbox.pending:
+            logger.info("%d episode(s) in the outbox: replaying", self._outbox.depth)
+            self._kick_replay()
+
+    async def recall(
+        self, query: str, limit: int = 0, *, deadline_s: float | None = None
+    ) -> RecallOutcome:
+        """Memories for ``query`` and their section; Philia faults give ``OFFLINE``.
+
+        ``deadline_s`` is the caller's remaining time: the recall ends before it.
+        """
         if self._client is None or not query.strip():
             return RecallOutcome(MemoryState.DISABLED, (), "")
         limit = min(limit or DEFAULT_RECALL_LIMIT, MAX_RECALL_LIMIT)
+        budget_s = self._settings.recall_budget_s
+        if deadline_s is not None:
+            budget_s = min(budget_s, deadline_s - DEADLINE_MARGIN_S)
+        if budget_s <= 0:
+            return RecallOutcome(MemoryState.OFFLINE, (), "")
+        permit = self._breaker.admit()
+        if permit is None:
+            # No event per refused turn: the opening itself was recorded.
+            logger.debug("memory breaker open: recall skipped")
+            return RecallOutcome(MemoryState.OFFLINE, (), "")
         try:
-            found = await self._client.query(query, limit)
+            found = await self._client.query(query, limit, timeout_s=budget_s)
         except PhiliaError as exc:
             message = self._safe(f"recall failed: {exc}")
             logger.warning("%s; the turn goes on without memories", message)
             self._record(EventKind.ERROR, message)
+            self._breaker.failure(permit)
             return RecallOutcome(MemoryState.OFFLINE, (), "")
+        except asyncio.CancelledError:
+            self._breaker.abandon(permit)
+            raise
+        self._succeeded(permit)
         self._record(EventKind.RECALL, query)
-        kept = tuple(m for m in found if m.text.strip())
+        kept = cap_memories(found)
         if not kept:
             return RecallOutcome(MemoryState.DISABLED, (), "")
         return RecallOutcome(MemoryState.ENABLED, kept, render_section(kept))
 
     async def writeback(self, user: str, assistant: str) -> WritebackOutcome:
-        """Store the turn as an episode, unless memory or writeback is off or it is empty."""
-        if self._client is None or not self._settings.memory_writeback:
+        """Store the turn as an episode, unless memory or writeback is off or it is empty.
+
+        An episode that cannot be stored now is kept in the outbox (the error says so).
+        """
+        if self._client is None or self._outbox is None:
             return WritebackOutcome(stored=False)
         text = episode_text(user, assistant)
         if not text:
             return WritebackOutcome(stored=False)
+        if self._closing:
+            await self._keep(text)
+            raise MemoryUnavailable("the memory service is stopping; the episode is queued")
+        if self._outbox.pending:
+            return await self._queue_behind(text)
+        permit = self._breaker.admit()
+        if permit is None:
+            await self._keep(text)
+            raise MemoryUnavailable(
+                "writeback queued in the outbox: memory breaker open "
+                f"(retry in {self._breaker.cooldown_left():.1f} s)"
+            )
+        key = self._next_inflight
+        self._next_inflight += 1
+        record = self._inflight[key] = _InFlight(text)
+        self._inflight_idle.clear()
         try:
             node_id = await self._client.store(text, EPISODE_NODE_TYPE)
         except PhiliaError as exc:
-            raise self._fault("writeback", exc) from None
+            self._breaker.failure(permit)
+            # Recorded before the outbox write, so Status shows the failure at once.
+            error = self._fault("writeback", exc, " (queued in the outbox)")
+            if not record.kept:
+                record.kept = True
+                await self._keep(text)
+            raise error from None
+        except asyncio.CancelledError:
+            self._breaker.abandon(permit)
+            if not record.kept:
+                record.kept = True
+                # Submitted now, committed even though this task is being cancelled.
+                self._put_soon(text)
+            raise
+        finally:
+            del self._inflight[key]
+            if not self._inflight:
+                self._inflight_idle.set()
+        self._succeeded(permit)
         self._record(EventKind.WRITEBACK, node_id)
         return WritebackOutcome(stored=True, node_id=node_id)
 
@@ -181,25 +376,193 @@ class MemoryDomain:
             raise InvalidArgument("node_id is required")
         if self._client is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
+        permit = self._breaker.admit()
+        if permit is None:
+            raise MemoryUnavailable(
+                f"memory breaker open (retry in {self._breaker.cooldown_left():.1f} s)"
+            )
         try:
             deleted = await self._client.delete(node_id)
         except PhiliaError as exc:
+            self._breaker.failure(permit)
             raise self._fault("delete", exc) from None
+        except asyncio.CancelledError:
+            self._breaker.abandon(permit)
+            raise
+        self._succeeded(permit)
         self._record(EventKind.DELETE, node_id)
         return deleted
 
     def status(self, limit: int = 0) -> StatusSnapshot:
-        """Configuration and the most recent events, newest first."""
+        """Configuration, breaker, outbox and the most recent events, newest first."""
         limit = min(limit or DEFAULT_STATUS_LIMIT, EVENT_BUFFER_SIZE)
         newest_first = tuple(reversed(self._events))[:limit]
-        return StatusSnapshot(self.enabled, self.writeback_enabled, newest_first)
+        outbox = self._outbox
+        return StatusSnapshot(
+            self.enabled,
+            self.writeback_enabled,
+            newest_first,
+            breaker=self._breaker.state,
+            breaker_opened_at=self._breaker.opened_at,
+            outbox_depth=outbox.depth if outbox is not None else 0,
+            outbox_dropped=outbox.dropped if outbox is not None else 0,
+        )
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace_s: float = 5.0) -> None:
+        """Give in-flight writebacks and the replay ``grace_s``, keep the rest, close."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+        waits: set[asyncio.Future[Any]] = set()
+        if not self._inflight_idle.is_set():
+            waits.add(asyncio.ensure_future(self._inflight_idle.wait()))
+        if self._replay_task is not None:
+            waits.add(self._replay_task)
+        if waits:
+            await asyncio.wait(waits, timeout=grace_s)
+        if self._outbox is not None:
+            for record in self._inflight.values():
+                if not record.kept:
+                    record.kept = True
+                    self._put_soon(record.text)
+            if self._inflight:
+                logger.warning(
+                    "%d writeback(s) still in flight at shutdown: kept in the outbox",
+                    len(self._inflight),
+                )
+        for waiting in waits:
+            waiting.cancel()
+        if waits:
+            await asyncio.wait(waits)
+        self._fail_waiters("the memory service is stopping; the episode stays queued")
         if self._client is not None:
             await self._client.aclose()
+        if self._outbox is not None:
+            await self._outbox.aclose()
 
-    def _fault(self, action: str, exc: PhiliaError) -> MemoryDomainError:
-        message = self._safe(f"{action} failed: {exc}")
+    # --- outbox --------------------------------------------------------------------
+
+    async def _keep(self, text: str) -> int:
+        """Put one episode in the outbox and start the replay; its sequence number."""
+        assert self._outbox is not None
+        try:
+            seq = await asyncio.shield(self._outbox.put(text, EPISODE_NODE_TYPE))
+        except OutboxClosed:
+            raise MemoryUnavailable("the memory service is stopped; the episode is lost") from None
+        except Exception as exc:  # the disk: full, read-only, corrupt file
+            logger.error("could not keep an episode in the outbox: %s", type(exc).__name__)
+            self._record(EventKind.ERROR, "outbox write failed: an episode was lost")
+            raise MemoryUnavailable("writeback failed and the outbox could not keep it") from None
+        self._kick_replay()
+        return seq
+
+    def _put_soon(self, text: str) -> None:
+        """Submit one episode to the outbox without waiting (cancellation, shutdown)."""
+        assert self._outbox is not None
+        try:
+            self._outbox.put(text, EPISODE_NODE_TYPE).add_done_callback(_ignore_result)
+        except OutboxClosed:
+            logger.error("an in-flight writeback was lost: the outbox is already closed")
+
+    async def _queue_behind(self, text: str) -> WritebackOutcome:
+        """Queue behind earlier episodes; wait (bounded) for this one to be stored."""
+        seq = await self._keep(text)
+        if self._breaker.state is BreakerState.OPEN:
+            raise MemoryUnavailable("writeback queued in the outbox: memory breaker open")
+        stored = self._replayed.get(seq)
+        if stored is not None:
+            return WritebackOutcome(stored=True, node_id=stored)
+        waiter = self._waiters.setdefault(seq, asyncio.get_running_loop().create_future())
+        assert self._client is not None
+        try:
+            async with asyncio.timeout(self._client.timeout_s):
+                node_id = await waiter
+        except TimeoutError:
+            raise MemoryTimeout("writeback queued in the outbox: not replayed in time") from None
+        finally:
+            self._waiters.pop(seq, None)
+        return WritebackOutcome(stored=True, node_id=node_id)
+
+    def _succeeded(self, permit: Permit) -> None:
+        self._breaker.success(permit)
+        # Philia answers: a replay waiting out its back-off can go on now.
+        if self._outbox is not None and self._outbox.pending:
+            self._wake.set()
+            self._kick_replay()
+
+    def _kick_replay(self) -> None:
+        if self._closing or self._client is None or self._outbox is None:
+            return
+        if self._replay_task is None or self._replay_task.done():
+            task = asyncio.get_running_loop().create_task(self._replay(), name="outbox-replay")
+            self._replay_task = task
+
+    async def _replay(self) -> None:
+        """Store the outbox oldest first; stop when empty, closing or failing repeatedly."""
+        assert self._client is not None and self._outbox is not None
+        failures = 0
+        while not self._closing:
+            entry = await self._outbox.oldest()
+            if entry is None:
+                return
+            permit = self._breaker.admit()
+            if permit is None:
+                self._fail_waiters("writeback queued in the outbox: memory breaker open")
+                await self._pause(self._breaker.cooldown_left())
+                continue
+            try:
+                node_id = await self._client.store(entry.text, entry.node_type)
+            except PhiliaError as exc:
+                self._breaker.failure(permit)
+                failures += 1
+                message = self._safe(f"outbox replay failed: {exc}")
+                logger.warning("%s (%d episode(s) kept)", message, self._outbox.depth)
+                self._fail_waiters(f"writeback queued in the outbox: {message}")
+                if failures >= MAX_REPLAY_FAILURES:
+                    self._record(EventKind.ERROR, message)
+                    return
+                backoff = self._settings.memory_breaker_cooldown_s * 2 ** (failures - 1)
+                await self._pause(
+                    max(self._breaker.cooldown_left(), min(backoff, MAX_REPLAY_BACKOFF_S))
+                )
+                continue
+            except asyncio.CancelledError:
+                self._breaker.abandon(permit)
+                raise
+            failures = 0
+            self._breaker.success(permit)
+            await self._outbox.remove(entry.seq)
+            self._record(EventKind.WRITEBACK, node_id)
+            self._replayed[entry.seq] = node_id
+            if len(self._replayed) > _REPLAYED_MEMORY:
+                self._replayed.popitem(last=False)
+            waiter = self._waiters.pop(entry.seq, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(node_id)
+        logger.debug("outbox replay stopped: shutting down")
+
+    async def _pause(self, delay_s: float) -> None:
+        """Wait ``delay_s`` or until woken (a successful call, shutdown)."""
+        try:
+            async with asyncio.timeout(max(delay_s, 0.0)):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+        if not self._closing:
+            self._wake.clear()
+
+    def _fail_waiters(self, message: str) -> None:
+        waiters = list(self._waiters.values())
+        self._waiters.clear()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(MemoryUnavailable(message))
+
+    # --- helpers -------------------------------------------------------------------
+
+    def _fault(self, action: str, exc: PhiliaError, suffix: str = "") -> MemoryDomainError:
+        message = self._safe(f"{action} failed: {exc}{suffix}")
         logger.warning("%s", message)
         self._record(EventKind.ERROR, message)
         if isinstance(exc, PhiliaTimeout):
@@ -212,3 +575,10 @@ class MemoryDomain:
 
     def _record(self, kind: EventKind, detail: str) -> None:
         self._events.append(MemoryEvent(kind, detail, datetime.now(UTC)))
+
+
+def _ignore_result(future: asyncio.Future[int]) -> None:
+    # Retrieve the outcome so a failed write is not reported as "never retrieved";
+    # the outbox has already logged it.
+    if not future.cancelled():
+        future.exception()

@@ -17,6 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.breaker import BreakerState
 from arona_grpc.service import (
     EventKind,
     InvalidArgument,
@@ -47,6 +48,12 @@ _STATES = {
     MemoryState.OFFLINE: pb.MEMORY_STATE_OFFLINE,
 }
 
+_BREAKER_STATES = {
+    BreakerState.CLOSED: pb.BREAKER_STATE_CLOSED,
+    BreakerState.OPEN: pb.BREAKER_STATE_OPEN,
+    BreakerState.HALF_OPEN: pb.BREAKER_STATE_HALF_OPEN,
+}
+
 _KINDS = {
     EventKind.RECALL: pb.EVENT_KIND_RECALL,
     EventKind.WRITEBACK: pb.EVENT_KIND_WRITEBACK,
@@ -62,7 +69,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self._domain = domain
 
     async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
-        return await self._guard(context, "Recall", self._recall(request))
+        # The caller's deadline bounds the recall too: the service never outlasts it.
+        remaining = context.time_remaining()
+        return await self._guard(context, "Recall", self._recall(request, remaining))
 
     async def Writeback(
         self, request: pb.WritebackRequest, context: Context
@@ -75,8 +84,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         return await self._guard(context, "Status", self._status(request))
 
-    async def _recall(self, request: pb.RecallRequest) -> pb.RecallResponse:
-        outcome = await self._domain.recall(request.query, request.limit)
+    async def _recall(
+        self, request: pb.RecallRequest, remaining_s: float | None
+    ) -> pb.RecallResponse:
+        outcome = await self._domain.recall(request.query, request.limit, deadline_s=remaining_s)
         return pb.RecallResponse(
             state=_STATES[outcome.state],
             memories=[
@@ -95,12 +106,17 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def _status(self, request: pb.StatusRequest) -> pb.StatusResponse:
         snapshot = self._domain.status(request.limit)
-        return pb.StatusResponse(
+        reply = pb.StatusResponse(
             enabled=snapshot.enabled,
             writeback=snapshot.writeback,
             events=[_event(e) for e in snapshot.events],
-            breaker=pb.BREAKER_STATE_CLOSED,
+            breaker=_BREAKER_STATES[snapshot.breaker],
+            outbox_depth=snapshot.outbox_depth,
+            outbox_dropped=snapshot.outbox_dropped,
         )
+        if snapshot.breaker_opened_at is not None:
+            reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
+        return reply
 
     async def _guard(
         self,

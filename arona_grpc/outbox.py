@@ -1,0 +1,242 @@
+"""The writeback outbox: episodes that could not be stored, kept in SQLite until replayed.
+
+One SQLite file (``outbox.db`` under ``ARONA_DATA_DIR``) holds a FIFO of episodes, keyed
+by an ever-growing sequence number so that replay order is queue order. It is bounded by
+``ARONA_MEMORY_OUTBOX_MAX`` entries: when a new episode would overflow it, the **oldest**
+entries are dropped (the newest turns are the ones a user is most likely to ask about
+next) and counted; the count survives restarts and is reported by Status.
+
+The file is created only when the first episode has to be kept, so a healthy gateway
+never pays for SQLite: the domain stores episodes straight to Philia and consults only
+:attr:`Outbox.pending`, an in-memory mirror. All SQLite work runs on one worker thread
+that owns the connection, in submission order (a commit may wait on the disk, which must
+not stall the event loop). Work already submitted completes even if its caller is
+cancelled, which is what keeps an episode queued during shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OUTBOX_FILE = "outbox.db"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS episodes (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    text       TEXT NOT NULL,
+    node_type  TEXT NOT NULL,
+    queued_us  INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name   TEXT PRIMARY KEY,
+    value  INTEGER NOT NULL
+);
+"""
+
+
+class OutboxClosed(RuntimeError):
+    """The outbox was closed; nothing more can be queued."""
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    seq: int
+    text: str
+    node_type: str
+
+
+@dataclass(frozen=True)
+class _Counts:
+    depth: int
+    dropped: int
+
+
+class _OutboxFile:
+    """The SQLite side; every method runs on the worker thread."""
+
+    def __init__(self, path: Path, max_entries: int) -> None:
+        self._path = path
+        self._max = max_entries
+        self._db: sqlite3.Connection | None = None
+        self._depth = 0
+        self._dropped = 0
+
+    def load(self) -> _Counts:
+        """Open an existing file (a fresh start creates nothing) and read its counts."""
+        if self._db is None and self._path.exists():
+            self._open()
+        return self._counts()
+
+    def put(self, text: str, node_type: str) -> tuple[int, _Counts]:
+        if self._db is None:
+            self._open()
+        assert self._db is not None
+        with self._db:
+            cursor = self._db.execute(
+                "INSERT INTO episodes (text, node_type, queued_us) VALUES (?, ?, ?)",
+                (text, node_type, int(time.time() * 1_000_000)),
+            )
+            seq = int(cursor.lastrowid or 0)
+            self._depth += 1
+            overflow = self._depth - self._max
+            if overflow > 0:
+                self._db.execute(
+                    "DELETE FROM episodes WHERE seq IN "
+                    "(SELECT seq FROM episodes ORDER BY seq LIMIT ?)",
+                    (overflow,),
+                )
+                self._depth -= overflow
+                self._dropped += overflow
+                self._db.execute(
+                    "INSERT INTO counters (name, value) VALUES ('dropped', ?) "
+                    "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                    (self._dropped,),
+                )
+        return seq, self._counts()
+
+    def oldest(self) -> OutboxEntry | None:
+        if self._db is None:
+            return None
+        row = self._db.execute(
+            "SELECT seq, text, node_type FROM episodes ORDER BY seq LIMIT 1"
+        ).fetchone()
+        return None if row is None else OutboxEntry(int(row[0]), str(row[1]), str(row[2]))
+
+    def remove(self, seq: int) -> _Counts:
+        if self._db is not None:
+            with self._db:
+                removed = self._db.execute("DELETE FROM episodes WHERE seq = ?", (seq,)).rowcount
+            self._depth -= max(0, removed)
+        return self._counts()
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _open(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self._path, isolation_level=None)
+        try:
+            # WAL + NORMAL: a commit survives a crash of this process without an fsync each.
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=2000")
+            db.executescript(_SCHEMA)
+            db.isolation_level = "DEFERRED"
+            self._depth = int(db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0])
+            row = db.execute("SELECT value FROM counters WHERE name = 'dropped'").fetchone()
+            self._dropped = int(row[0]) if row else 0
+        except BaseException:
+            db.close()
+            raise
+        self._db = db
+
+    def _counts(self) -> _Counts:
+        return _Counts(self._depth, self._dropped)
+
+
+class Outbox:
+    """Bounded FIFO of episodes in ``<data_dir>/outbox.db``; see the module docstring."""
+
+    def __init__(self, data_dir: Path, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError("the outbox needs room for at least one episode")
+        self.path = data_dir / OUTBOX_FILE
+        self._file = _OutboxFile(self.path, max_entries)
+        self._worker: ThreadPoolExecutor | None = None
+        self._depth = 0
+        self._dropped = 0
+        # Puts submitted but not yet committed: the queue is non-empty from the moment
+        # an episode is handed over, so later writebacks line up behind it at once.
+        self._unsettled = 0
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        """Episodes waiting (including ones handed over but not yet committed)."""
+        return self._depth + self._unsettled
+
+    @property
+    def dropped(self) -> int:
+        """Episodes dropped on overflow, over the file's whole life."""
+        return self._dropped
+
+    @property
+    def pending(self) -> bool:
+        return self.depth > 0
+
+    async def load(self) -> None:
+        """Read the depth of an outbox left by an earlier run (creates no file)."""
+        self._settle(await self._run(self._file.load))
+
+    def put(self, text: str, node_type: str) -> asyncio.Future[int]:
+        """Queue one episode; a future of its sequence number.
+
+        The write is submitted now and commits even if the future is never awaited
+        (a cancelled caller's episode is still kept). Raises :class:`OutboxClosed`
+        after :meth:`aclose`.
+        """
+        if self._closed:
+            raise OutboxClosed("the outbox is closed")
+        self._unsettled += 1
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def committed(job: asyncio.Future[tuple[int, _Counts]]) -> None:
+            self._unsettled -= 1
+            if job.cancelled():
+                done.cancel()
+            elif (exc := job.exception()) is not None:
+                logger.error("could not keep an episode in the outbox: %s", exc)
+                done.set_exception(exc)
+            else:
+                before = self._dropped
+                seq, counts = job.result()
+                self._settle(counts)
+                if self._dropped > before:
+                    logger.warning(
+                        "outbox full: dropped %d oldest episode(s)", self._dropped - before
+                    )
+                done.set_result(seq)
+
+        self._submit(self._file.put, text, node_type).add_done_callback(committed)
+        return done
+
+    async def oldest(self) -> OutboxEntry | None:
+        return await self._run(self._file.oldest)
+
+    async def remove(self, seq: int) -> None:
+        self._settle(await self._run(self._file.remove, seq))
+
+    async def aclose(self) -> None:
+        """Finish every submitted write, then close the file."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            # FIFO worker: once close ran, every earlier write has committed.
+            await asyncio.shield(self._submit(self._file.close))
+            self._worker.shutdown(wait=False)
+
+    def _settle(self, counts: _Counts) -> None:
+        self._depth, self._dropped = counts.depth, counts.dropped
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        # Shielded: an abandoned caller must not leave the worker half-way through.
+        return await asyncio.shield(self._submit(fn, *args))
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-outbox")
+        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)

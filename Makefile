@@ -35,8 +35,17 @@ test: lint typecheck proto-check
 gen: install
 	$(BIN)/python scripts/gen_protos.py
 
-bench: install
-	$(BIN)/python -m bench
+# LiteLLM (the peer) goes into a venv of its own so its pins cannot change the gateway's
+# packages; if it cannot be installed, the benchmark says so and measures the rest.
+BENCH_VENV := bench/.venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	-$(BENCH_VENV)/bin/python -m pip install --quiet -e '.[dev,bench]' && touch $(BENCH_STAMP)
+
+bench: install $(BENCH_STAMP)
+	$(BIN)/python -m bench --litellm $(BENCH_VENV)/bin/litellm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

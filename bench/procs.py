@@ -1,0 +1,106 @@
+"""Child processes of a benchmark run: started with their output in log files, waited on for a
+readiness line with a deadline, and stopped with SIGTERM (then SIGKILL) by their own pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+class ProcError(RuntimeError):
+    """A child process did not come up; the message names it and the tail of its log."""
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Proc:
+    """One child process whose stdout and stderr go to ``<logs>/<name>.log``."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        logs: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.log = logs / f"{name}.log"
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+            )
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """The first match of ``pattern`` in the log, polled until ``timeout_s`` passes."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                found = regex.search(self.log.read_text(errors="replace"))
+            except OSError:
+                found = None
+            if found:
+                return found
+            if self.popen.poll() is not None:
+                raise ProcError(f"{self.name} exited ({self.popen.returncode}):\n{_tail(self.log)}")
+            time.sleep(0.05)
+        raise ProcError(f"{self.name} not ready after {timeout_s:.0f} s:\n{_tail(self.log)}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1, for a child that cannot report the one it bound."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_http(port: int, path: str, timeout_s: float, proc: Proc) -> None:
+    """Poll ``GET path`` on ``127.0.0.1:port`` until it answers 200 or ``timeout_s`` passes."""
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise ProcError(f"{proc.name} exited ({proc.popen.returncode}):\n{_tail(proc.log)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                sock.sendall(request)
+                if sock.recv(64).startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise ProcError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{_tail(proc.log)}")
+
+
+def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without any ``ARONA_*`` setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(extra)
+    return env

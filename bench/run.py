@@ -1,0 +1,585 @@
+"""The benchmark harness behind ``python -m bench``: start the parts, measure, report.
+
+Everything runs on 127.0.0.1 in separate processes: the zero-latency upstream
+(:mod:`bench.upstream`), the embedded memory store preloaded with a generated corpus
+(``arona-gateway store``), three gateways (``arona-gateway serve``: memory disabled, memory
+enabled, memory pointed at a blackholed Philia), the LiteLLM proxy as a peer when it is
+installed, and the load generator (:mod:`bench.loadgen`) once per measurement. Each
+configuration runs at concurrency 1 and 32 with a warm-up first; every loop is bounded in
+turns and in seconds. The table goes to stdout and, as Markdown, under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import corpus
+from bench.procs import Proc, ProcError, clean_env, free_port, wait_http
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+STORE_TOKEN = "bench-store-token"
+# LiteLLM refuses to start without a master key; this one only ever exists on loopback.
+LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 2
+MODEL = "bench-model"
+CONCURRENCIES = (1, 32)
+BLACKHOLE_TIMEOUT_S = "0.5"
+PY = sys.executable
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    target: str
+    stream: bool = False
+    expect: str = "any"
+    baseline: str = "direct"
+
+
+CONFIGS = (
+    Config("direct", "1. direct to the upstream (no gateway)", "upstream"),
+    Config("mem_off", "2. gateway, memory disabled", "gw_off", expect="disabled"),
+    Config("mem_on", "3. gateway, memory enabled (recall + writeback)", "gw_on", expect="enabled"),
+    Config(
+        "blackhole",
+        "4. gateway, memory enabled, Philia blackholed",
+        "gw_blackhole",
+        expect="offline",
+    ),
+    Config("stream_direct", "5a. streaming direct: time to first event", "upstream", True),
+    Config(
+        "stream_mem_on",
+        "5b. streaming via gateway, memory enabled: time to first event",
+        "gw_on",
+        True,
+        expect="enabled",
+        baseline="stream_direct",
+    ),
+    Config("litellm", "LiteLLM proxy, no memory (peer)", "litellm"),
+)
+
+
+@dataclass
+class Options:
+    quick: bool
+    nodes: int
+    big_nodes: int
+    turns: int
+    warmup: int
+    max_seconds: float
+    litellm: str | None
+    litellm_note: str
+    out: Path
+    keep: bool
+
+
+@dataclass
+class Run:
+    options: Options
+    work: Path
+    procs: list[Proc] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+    grpc_targets: dict[str, str] = field(default_factory=dict)
+    results: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    recall: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    litellm_version: str | None = None
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name, argv, self.work, env=env or clean_env({}), cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+
+def preload(db_path: Path, count: int) -> int:
+    """Fill a fresh store at ``db_path`` with ``count`` episodes from the last 90 days."""
+    from arona_store.store import MemoryStore
+
+    rng = random.Random(corpus.SEED + count)
+    now = time.time()
+    store = MemoryStore.open(db_path)
+    try:
+        batch: list[tuple[str, str, float]] = []
+        for text in corpus.episodes(count):
+            batch.append((text, "episode", now - rng.uniform(0, 90 * 86400)))
+            if len(batch) == 5000:
+                store.add_many(batch)
+                batch = []
+        if batch:
+            store.add_many(batch)
+        return store.count()
+    finally:
+        store.close()
+
+
+def start_store(run: Run, name: str, data_dir: Path) -> str:
+    env = clean_env({"ARONA_DATA_DIR": str(data_dir), "ARONA_MEMORY_TOKEN": STORE_TOKEN})
+    proc = run.start(
+        name, [PY, "-m", "gateway_http.cli", "store", "--host", "127.0.0.1", "--port", "0"], env
+    )
+    return proc.wait_for(r"embedded memory store on (ws://\S+)", 30).group(1)
+
+
+def start_gateway(run: Run, name: str, extra: dict[str, str], only: str | None = None) -> None:
+    env = clean_env(
+        {
+            "ARONA_HTTP_PORT": "0",
+            "ARONA_GRPC_PORT": "0",
+            "ARONA_DATA_DIR": str(run.work / name),
+            "ARONA_UPSTREAM_URL": f"http://127.0.0.1:{run.ports['upstream']}/v1",
+            "ARONA_LOG_LEVEL": "info",
+            **extra,
+        }
+    )
+    argv = [PY, "-m", "gateway_http.cli", "serve"] + (["--only", only] if only else [])
+    proc = run.start(name, argv, env)
+    ready = r"serving on (.+)\n" + (
+        r"" if only == "grpc" else r"[\s\S]*Application startup complete"
+    )
+    found = proc.wait_for(ready, 60).group(1).split(", ")
+    for part in found:
+        if part.startswith("http://"):
+            run.ports[name] = int(part.rsplit(":", 1)[1])
+        elif part:
+            run.grpc_targets[name] = part
+
+
+def start_litellm(run: Run, binary: str) -> Proc:
+    port = free_port()
+    config = run.work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{run.ports['upstream']}/v1\n"
+        "      api_key: sk-upstream-unused\n"
+        "general_settings:\n"
+        f"  master_key: {LITELLM_KEY}\n"
+    )
+    env = clean_env(
+        {
+            # No network here: use the cost map shipped in the package, send no telemetry.
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+        }
+    )
+    argv = [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    proc = run.start("litellm", [*argv, "--num_workers", "1"], env)
+    run.ports["litellm"] = port
+    return proc
+
+
+def find_litellm(requested: str | None) -> tuple[str | None, str]:
+    """The ``litellm`` executable to run, or None and why not."""
+    candidates = [requested] if requested else [str(BENCH_DIR / ".venv" / "bin" / "litellm")]
+    if not requested and shutil.which("litellm"):
+        candidates.append(str(shutil.which("litellm")))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate, ""
+    return None, "LiteLLM is not installed (make bench installs it into bench/.venv)"
+
+
+def litellm_version(binary: str) -> str | None:
+    python = Path(binary).parent / "python"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def loadgen(run: Run, argv: Sequence[str]) -> dict[str, Any]:
+    o = run.options
+    common = [
+        "--turns",
+        str(o.turns),
+        "--warmup",
+        str(o.warmup),
+        "--max-seconds",
+        str(o.max_seconds),
+    ]
+    proc = subprocess.run(
+        [PY, "-m", "bench.loadgen", *argv, *common],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=3 * o.max_seconds + 120,
+    )
+    if proc.returncode != 0:
+        raise ProcError(f"load generator failed: {proc.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def measure(run: Run, config: Config, concurrency: int) -> dict[str, Any]:
+    argv = [
+        "http",
+        "--port",
+        str(run.ports[config.target]),
+        "--concurrency",
+        str(concurrency),
+        "--model",
+        MODEL,
+        "--expect-memory",
+        config.expect,
+    ]
+    if config.stream:
+        argv.append("--stream")
+    if config.target == "litellm":
+        argv += ["--api-key", LITELLM_KEY]
+    result = loadgen(run, argv)
+    log(
+        f"{config.key:>14} c={concurrency:<2} p50 {result['p50_ms']:.3f} ms  "
+        f"p99 {result['p99_ms']:.3f} ms  ttft p50 {result['ttft_p50_ms']:.3f} ms  "
+        f"{result['turns_per_s']:.0f}/s  errors {result['errors']}  "
+        f"wrong header {result['wrong_header']}{'  (time cap hit)' if result['capped'] else ''}"
+    )
+    return result
+
+
+def measure_recall(run: Run, target: str, nodes: int) -> None:
+    for concurrency in CONCURRENCIES:
+        result = loadgen(run, ["recall", "--target", target, "--concurrency", str(concurrency)])
+        run.recall[(nodes, concurrency)] = result
+        log(
+            f"recall {nodes} nodes c={concurrency:<2} p50 {result['p50_ms']:.3f} ms  "
+            f"p99 {result['p99_ms']:.3f} ms  {result['turns_per_s']:.0f}/s  "
+            f"errors {result['errors']}  empty {result['wrong_header']}"
+        )
+
+
+def breaker_state(target: str) -> str:
+    """The gateway's circuit-breaker state as its Status RPC reports it."""
+    import grpc
+
+    from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+    from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+
+    names = {
+        pb.BREAKER_STATE_CLOSED: "closed",
+        pb.BREAKER_STATE_OPEN: "open",
+        pb.BREAKER_STATE_HALF_OPEN: "half-open",
+    }
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = pb_grpc.MemoryServiceStub(channel).Status(pb.StatusRequest(), timeout=5)
+        except grpc.RpcError:
+            return "unknown"
+    return names.get(reply.breaker, "unknown")
+
+
+def execute(run: Run) -> None:
+    o = run.options
+    work = run.work
+    log(f"working in {work}")
+    up = run.start("upstream", [PY, "-m", "bench.upstream"])
+    run.ports["upstream"] = int(up.wait_for(r"READY (\d+)", 30).group(1))
+    litellm_proc = start_litellm(run, o.litellm) if o.litellm else None
+
+    started = time.monotonic()
+    nodes = preload(work / "store" / "memory.db", o.nodes)
+    log(f"store preloaded with {nodes} episodes in {time.monotonic() - started:.1f} s")
+    store_url = start_store(run, "store", work / "store")
+    hole = run.start("blackhole", [PY, "-m", "bench.blackhole"])
+    hole_port = int(hole.wait_for(r"READY (\d+)", 30).group(1))
+
+    start_gateway(run, "gw_off", {})
+    memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
+    start_gateway(run, "gw_on", memory)
+    start_gateway(
+        run,
+        "gw_blackhole",
+        {
+            "ARONA_MEMORY_URL": f"ws://127.0.0.1:{hole_port}/ws",
+            "ARONA_MEMORY_TOKEN": STORE_TOKEN,
+            "ARONA_MEMORY_TIMEOUT_S": BLACKHOLE_TIMEOUT_S,
+        },
+    )
+    if litellm_proc is not None:
+        try:
+            wait_http(run.ports["litellm"], "/health/liveliness", 180, litellm_proc)
+            run.litellm_version = litellm_version(o.litellm or "")
+        except ProcError as exc:
+            run.notes.append(f"LiteLLM did not start, so it was not measured: {exc}")
+            log(str(exc))
+            litellm_proc.stop()
+            litellm_proc = None
+
+    # Recall alone against the freshly loaded store, before writebacks grow it.
+    measure_recall(run, run.grpc_targets["gw_on"], nodes)
+
+    for concurrency in CONCURRENCIES:
+        for config in CONFIGS:
+            if config.target == "litellm" and litellm_proc is None:
+                continue
+            run.results[(config.key, concurrency)] = measure(run, config, concurrency)
+    state = breaker_state(run.grpc_targets["gw_blackhole"])
+    run.notes.append(
+        f"Blackholed Philia: recall timeout {BLACKHOLE_TIMEOUT_S} s; the gateway's circuit "
+        f"breaker was **{state}** after the run."
+    )
+    run.stop_all()
+
+    started = time.monotonic()
+    big = preload(work / "store_big" / "memory.db", o.big_nodes)
+    log(f"big store preloaded with {big} episodes in {time.monotonic() - started:.1f} s")
+    big_url = start_store(run, "store_big", work / "store_big")
+    start_gateway(
+        run,
+        "grpc_big",
+        {"ARONA_MEMORY_URL": big_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN},
+        only="grpc",
+    )
+    measure_recall(run, run.grpc_targets["grpc_big"], big)
+    run.stop_all()
+
+
+# Reporting
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def _row_cells(run: Run, config: Config, concurrency: int) -> list[str] | None:
+    result = run.results.get((config.key, concurrency))
+    if result is None:
+        return None
+    base = run.results.get((config.baseline, concurrency))
+    p50_key, p99_key = ("ttft_p50_ms", "ttft_p99_ms") if config.stream else ("p50_ms", "p99_ms")
+    p50, p99, tps = result[p50_key], result[p99_key], result["turns_per_s"]
+    if base is not None and base[p50_key] > 0 and base["turns_per_s"] > 0:
+        ratio_p50 = f"{p50 / base[p50_key]:.2f}×"
+        ratio_tps = f"{tps / base['turns_per_s']:.2f}"
+        added = _ms(p50 - base[p50_key])
+    else:
+        ratio_p50 = ratio_tps = added = "—"
+    failures = f"{result['errors']} / {result['wrong_header']}"
+    if result["capped"]:
+        failures += " (time cap)"
+    return [
+        config.label,
+        str(concurrency),
+        str(result["ok"]),
+        _ms(p50),
+        _ms(p99),
+        f"{tps:.0f}",
+        ratio_p50,
+        ratio_tps,
+        added,
+        failures,
+    ]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def targets(run: Run) -> list[list[str]]:
+    r = run.results
+    out: list[list[str]] = []
+
+    def add(name: str, value: str, met: bool | None) -> None:
+        out.append([name, value, "—" if met is None else ("met" if met else "**not met**")])
+
+    on1, direct1 = r.get(("mem_on", 1)), r.get(("direct", 1))
+    if on1 and direct1:
+        added = on1["p50_ms"] - direct1["p50_ms"]
+        add("memory-enabled p50 over direct, c=1 ≤ 1.5 ms", f"{added:.3f} ms", added <= 1.5)
+    on32, off32 = r.get(("mem_on", 32)), r.get(("mem_off", 32))
+    if on32 and off32 and off32["turns_per_s"] > 0:
+        share = on32["turns_per_s"] / off32["turns_per_s"]
+        add("memory-enabled turns/s ≥ 75% of memory-disabled, c=32", f"{share:.0%}", share >= 0.75)
+    lite32, lite1 = r.get(("litellm", 32)), r.get(("litellm", 1))
+    if on32 and lite32 and lite32["turns_per_s"] > 0:
+        times = on32["turns_per_s"] / lite32["turns_per_s"]
+        add("memory-enabled turns/s ≥ 5× LiteLLM, c=32", f"{times:.1f}×", times >= 5)
+    if on1 and lite1 and direct1:
+        ours = on1["p50_ms"] - direct1["p50_ms"]
+        theirs = lite1["p50_ms"] - direct1["p50_ms"]
+        add(
+            "our added p50 (memory on) below LiteLLM's (no memory), c=1",
+            f"{ours:.3f} ms vs {theirs:.3f} ms",
+            ours < theirs,
+        )
+    if not lite32:
+        add("LiteLLM comparisons", "LiteLLM not measured in this run", None)
+    return out
+
+
+def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
+    o = run.options
+    lines = [
+        f"# Arona gateway benchmark — {started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"- machine: {os.cpu_count()} cores, {platform.machine()}, {platform.system()} "
+        f"{platform.release()}",
+        f"- Python {platform.python_version()} ({platform.python_implementation()})",
+        f"- mode: {'quick (smoke)' if o.quick else 'full'}; {o.turns} turns per measurement "
+        f"after {o.warmup} warm-up turns, at most {o.max_seconds:.0f} s each; concurrency "
+        f"{' and '.join(map(str, CONCURRENCIES))} over keep-alive connections",
+        f"- store: {o.nodes} generated episodes (recall alone also at {o.big_nodes}); every "
+        "query matches stored episodes",
+        "- LiteLLM: "
+        + (
+            f"{run.litellm_version or 'installed'} proxy, 1 worker, same upstream"
+            if ("litellm", 1) in run.results
+            else (o.litellm_note or "not measured")
+        ),
+        f"- whole run: {elapsed_s:.0f} s",
+        "",
+        "Latency in ms. For streaming rows (5a, 5b) p50/p99 are the time to the first event "
+        "and 5b is compared with 5a; every other row is compared with row 1 (direct). "
+        "`× direct` is the p50 ratio, `÷ direct` the throughput ratio, `added` the p50 "
+        "difference. Failures = non-200 or broken / missing or wrong `X-Arona-Memory` header.",
+        "",
+    ]
+    header = [
+        "configuration",
+        "conc.",
+        "turns",
+        "p50",
+        "p99",
+        "turns/s",
+        "p50 × direct",
+        "turns/s ÷ direct",
+        "added p50",
+        "failures",
+    ]
+    rows = [
+        cells
+        for concurrency in CONCURRENCIES
+        for config in CONFIGS
+        if (cells := _row_cells(run, config, concurrency)) is not None
+    ]
+    lines += _table(header, rows)
+    lines += ["", "## Recall alone (gRPC `Recall` → embedded store)", ""]
+    recall_rows = [
+        [
+            f"{nodes:,}",
+            str(concurrency),
+            str(res["ok"]),
+            _ms(res["p50_ms"]),
+            _ms(res["p99_ms"]),
+            f"{res['turns_per_s']:.0f}",
+            f"{res['errors']} / {res['wrong_header']}",
+        ]
+        for (nodes, concurrency), res in sorted(run.recall.items())
+    ]
+    lines += _table(
+        ["store nodes", "conc.", "calls", "p50", "p99", "calls/s", "failures / empty"],
+        recall_rows,
+    )
+    lines += ["", "## Targets (ratios from this run)", ""]
+    lines += _table(["target", "this run", "verdict"], targets(run))
+    if run.notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in run.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Measure what the gateway and its memory add to a chat turn.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--nodes", type=int, help="episodes in the store (default 10000)")
+    parser.add_argument("--big-nodes", type=int, help="episodes for recall alone (100000)")
+    parser.add_argument("--turns", type=int, help="measured turns per configuration (2000)")
+    parser.add_argument("--warmup", type=int, help="warm-up turns per configuration (200)")
+    parser.add_argument("--max-seconds", type=float, help="time cap per measurement (30)")
+    parser.add_argument("--litellm", help="path of the litellm executable")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
+    parser.add_argument("--out", type=Path, help="Markdown file to write")
+    parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    return parser
+
+
+def options(argv: Sequence[str] | None) -> Options:
+    args = _parser().parse_args(argv)
+    quick = bool(args.quick)
+
+    def pick(value: Any, full: Any, small: Any) -> Any:
+        return value if value is not None else (small if quick else full)
+
+    litellm: str | None = None
+    note = "skipped (--no-litellm)"
+    if not args.no_litellm:
+        litellm, note = find_litellm(args.litellm)
+    default_out = RESULTS_DIR / ("quick.md" if quick else "latest.md")
+    return Options(
+        quick=quick,
+        nodes=pick(args.nodes, 10_000, 1_000),
+        big_nodes=pick(args.big_nodes, 100_000, 2_000),
+        turns=pick(args.turns, 2_000, 60),
+        warmup=pick(args.warmup, 200, 10),
+        max_seconds=pick(args.max_seconds, 30.0, 10.0),
+        litellm=litellm,
+        litellm_note=note,
+        out=args.out or default_out,
+        keep=bool(args.keep),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    o = options(argv)
+    if o.litellm is None:
+        log(f"LiteLLM peer: {o.litellm_note}")
+    started = dt.datetime.now(dt.UTC)
+    clock = time.monotonic()
+    run = Run(o, Path(tempfile.mkdtemp(prefix="arona-bench-")))
+    if o.litellm is None:
+        run.notes.append(f"LiteLLM peer not measured: {o.litellm_note}.")
+    try:
+        execute(run)
+    except (ProcError, subprocess.TimeoutExpired, OSError) as exc:
+        log(f"benchmark failed: {exc}")
+        log(f"logs kept in {run.work}")
+        return 1
+    finally:
+        run.stop_all()
+    text = report(run, started, time.monotonic() - clock)
+    print(text)
+    o.out.parent.mkdir(parents=True, exist_ok=True)
+    o.out.write_text(text)
+    log(f"table written to {o.out}")
+    if o.keep:
+        log(f"logs kept in {run.work}")
+    else:
+        shutil.rmtree(run.work, ignore_errors=True)
+    return 0

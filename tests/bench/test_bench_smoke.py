@@ -1,0 +1,60 @@
+"""The benchmark harness in its quickest mode, so that ``make bench`` cannot rot unnoticed.
+
+It runs ``python -m bench`` for real (upstream, store, three gateways, load generator, recall
+at two store sizes, each in its own process on 127.0.0.1) with tiny counts and no LiteLLM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path) -> None:
+    out = tmp_path / "result.md"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--no-litellm",
+            "--nodes",
+            "500",
+            "--big-nodes",
+            "1000",
+            "--turns",
+            "30",
+            "--warmup",
+            "5",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = out.read_text()
+    assert done.stdout.strip() == table.strip()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "|---" not in line]
+    for label in (
+        "1. direct to the upstream",
+        "2. gateway, memory disabled",
+        "3. gateway, memory enabled",
+        "4. gateway, memory enabled, Philia blackholed",
+        "5a. streaming direct",
+        "5b. streaming via gateway, memory enabled",
+    ):
+        measured = [row for row in rows if row.startswith(f"| {label}")]
+        # One row per concurrency, every turn answered 200 with the expected memory header.
+        assert len(measured) == 2, (label, table)
+        assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
+    recall = [row for row in rows if row.startswith(("| 500 |", "| 1,000 |"))]
+    assert len(recall) == 4 and all(row.endswith("| 0 / 0 |") for row in recall), table
+    assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
+    assert "memory-enabled p50 over direct" in table

@@ -284,6 +284,13 @@ class PhiliaClient:
             "Sync.MemoryDeleteRequest", {"node_id": node_id}, _parse_deleted, timeout_s
         )
 
+    async def disconnect(self) -> None:
+        """Drop the current link now (abort); the next call connects afresh."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort(PhiliaUnavailable("disconnected on request"))
+            await conn.wait_stopped()
+
     async def aclose(self) -> None:
         """Drop the link and refuse further calls."""
         self._closed = True
@@ -320,7 +327,7 @@ class PhiliaClient:
             return parse(result)
         except TimeoutError:
             error: PhiliaError = PhiliaTimeout(
-                f"{method}: no answer from Philia within {deadline_s:g} s"
+                f"{method}: no answer from Philia within {deadline_s:.3g} s"
             )
             if conn is not None and conn.usable and conn.last_frame_at > sent_at:
                 # The link is alive (frames keep coming), only this answer is slow:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 
 from arona_grpc.config import Settings
 from arona_grpc.server import GrpcServer
+from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app
 from gateway_http.auth import mint_token
 from tests.support.fake_philia import FakePhilia
@@ -154,9 +155,13 @@ async def running_stack(
     memory: bool = True,
     timeout_s: float = 0.5,
     grpc_target: str | None = None,
+    clock: Callable[[], float] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
-    """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started)."""
+    """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started).
+
+    ``clock`` replaces the monotonic clock of the memory breaker (tests skip its cooldown).
+    """
     async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
         fields: dict[str, Any] = {
             "memory_url": philia.url if memory else None,
@@ -170,7 +175,8 @@ async def running_stack(
         settings = Settings(**{**fields, **overrides})
         grpc: GrpcServer | None = None
         if grpc_target is None:
-            grpc = await GrpcServer.start(settings)
+            domain = MemoryDomain(settings, clock=clock) if clock is not None else None
+            grpc = await GrpcServer.start(settings, domain)
             grpc_target = grpc.target
         try:
             settings = dataclasses.replace(settings, grpc_target=grpc_target)

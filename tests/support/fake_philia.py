@@ -72,7 +72,10 @@ class Step:
     - ``"garbage"``: send ``garbage`` as the answer.
 
     ``before`` frames are sent first (dicts as JSON, ``str`` as raw text, ``bytes`` as
-    a binary frame); ``gate``, when set, is awaited before anything.
+    a binary frame); ``gate``, when set, is awaited before anything; ``hold``, when
+    set, is awaited after the ``before`` frames and before the answer (a late reply).
+    ``error_data`` goes into the error object as ``data``; ``repeat`` sends the answer
+    that many times (duplicate replies).
     """
 
     result: Any = _DEFAULT
@@ -82,6 +85,9 @@ class Step:
     gate: asyncio.Event | None = None
     close_code: int = 4000
     garbage: str | bytes = "this is not json"
+    hold: asyncio.Event | None = None
+    error_data: Any = None
+    repeat: int = 1
 
 
 class FakePhilia:
@@ -104,6 +110,10 @@ class FakePhilia:
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: Server | None = None
         self._open = 0
+        # When set, every upgrade is answered with this HTTP status (e.g. 401).
+        self.upgrade_status: int | None = None
+        # Calls fully answered (or acted on), for tests that await a late reply.
+        self.answered = 0
 
     @property
     def url(self) -> str:
@@ -127,6 +137,11 @@ class FakePhilia:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.frames_of(method)) >= count)
         return self.frames_of(method)
+
+    async def wait_answered(self, count: int) -> None:
+        """Return once ``count`` calls in all have been answered (late replies included)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.answered >= count)
 
     async def wait_all_closed(self) -> None:
         """Return once no client connection is open (e.g. after the client aborted)."""
@@ -173,6 +188,8 @@ class FakePhilia:
     def _check_upgrade(self, connection: ServerConnection, request: Request) -> Response | None:
         self.upgrades.append(request.path)
         target = urlsplit(request.path)
+        if self.upgrade_status is not None:
+            return connection.respond(self.upgrade_status, "refused by the test\n")
         if target.path != self.path:
             return connection.respond(404, "not found\n")
         if parse_qs(target.query).get("token") != [self.token]:
@@ -225,23 +242,36 @@ class FakePhilia:
             await step.gate.wait()
         for extra in step.before:
             await ws.send(json.dumps(extra) if isinstance(extra, dict) else extra)
+        if step.hold is not None:
+            await step.hold.wait()
         if step.action == "hang":
             await asyncio.Future()  # until the connection goes away
         elif step.action == "close":
             await ws.close(step.close_code)
         elif step.action == "garbage":
             await ws.send(step.garbage)
-        elif step.error is not None and step.result is _DEFAULT:
-            code, message = step.error
-            await self._send(ws, {"id": frame["id"], "error": {"code": code, "message": message}})
         else:
-            params = frame.get("params") or {}
-            result = step.result
-            if result is _DEFAULT:
-                result = self._default(method, params)
-            elif callable(result):
-                result = result(params)
-            await self._send(ws, {"id": frame["id"], "result": result})
+            reply = self._reply(method, frame, step)
+            for _ in range(step.repeat):
+                await self._send(ws, reply)
+        async with self._changed:
+            self.answered += 1
+            self._changed.notify_all()
+
+    def _reply(self, method: str, frame: dict[str, Any], step: Step) -> dict[str, Any]:
+        if step.error is not None and step.result is _DEFAULT:
+            code, message = step.error
+            error: dict[str, Any] = {"code": code, "message": message}
+            if step.error_data is not None:
+                error["data"] = step.error_data
+            return {"id": frame["id"], "error": error}
+        params = frame.get("params") or {}
+        result = step.result
+        if result is _DEFAULT:
+            result = self._default(method, params)
+        elif callable(result):
+            result = result(params)
+        return {"id": frame["id"], "result": result}
 
     async def _send(self, ws: ServerConnection, reply: dict[str, Any]) -> None:
         await ws.send(json.dumps({"jsonrpc": "2.0", **reply}))

@@ -1,0 +1,182 @@
+"""Bounded load: 200 concurrent chat turns while Philia is refused, blackholed, then flapping.
+
+Every turn answers 200. Once the breaker is open, turns no longer wait for the recall
+budget: they answer ``offline`` at once without touching the network, and after the
+cooldown exactly one probe goes out. The breaker's cooldown runs on a test clock, so
+nothing here sleeps. Loopback only; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect
+
+from arona_grpc.service import RecallOutcome
+from tests.faults.harness import FaultStack, fault_stack
+
+pytestmark = pytest.mark.asyncio
+
+TURNS = 200
+SOCKETS = 4
+# Large beside the stack's own latency under 200 concurrent turns on a busy 2-core box.
+BUDGET_MS = 5000
+BUDGET_S = BUDGET_MS / 1000
+COOLDOWN_S = 60.0
+
+
+class RecallTimes:
+    """Wraps the domain's recall to record how long each one took inside the service."""
+
+    def __init__(self, fs: FaultStack, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert fs.stack.grpc is not None
+        domain = fs.stack.grpc.domain
+        original = domain.recall
+        self.times: list[float] = []
+
+        async def timed(
+            query: str, limit: int = 0, *, deadline_s: float | None = None
+        ) -> RecallOutcome:
+            started = time.monotonic()
+            try:
+                return await original(query, limit, deadline_s=deadline_s)
+            finally:
+                self.times.append(time.monotonic() - started)
+
+        monkeypatch.setattr(domain, "recall", timed)
+
+    def take(self) -> list[float]:
+        times, self.times = self.times, []
+        return sorted(times)
+
+
+@pytest_asyncio.fixture
+async def fs(tmp_path: Path) -> AsyncIterator[FaultStack]:
+    async with fault_stack(
+        tmp_path,
+        timeout_s=BUDGET_S,
+        memory_recall_budget_ms=BUDGET_MS,
+        memory_breaker_cooldown_s=COOLDOWN_S,
+    ) as stack:
+        yield stack
+
+
+async def burst(fs: FaultStack, n: int, *, memory: bool = True) -> list[tuple[str, float]]:
+    """``n`` concurrent ``chat.send`` turns: (memory state, seconds) each.
+
+    Spread over :data:`SOCKETS` JSON-RPC WebSockets (each carries up to 64 calls at
+    once): the turns run concurrently in the gateway without opening hundreds of
+    short-lived TCP connections to a test server in the same process.
+    """
+    url = fs.stack.base_url.replace("http://", "ws://") + f"/api/rpc?token={fs.stack.jwt}"
+    share = -(-n // SOCKETS)
+
+    async def on_socket(first: int, count: int) -> list[tuple[str, float]]:
+        started: dict[str, float] = {}
+        results: list[tuple[str, float]] = []
+        async with connect(url, proxy=None, max_size=2**22) as ws:
+            for i in range(first, first + count):
+                request_id = f"t{i}"
+                params = {
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": f"q{i}"}],
+                    "memory": memory,
+                }
+                started[request_id] = time.monotonic()
+                await ws.send(
+                    json.dumps(
+                        {
+                            "jsonrpc": "2.0",
+                            "id": request_id,
+                            "method": "chat.send",
+                            "params": params,
+                        }
+                    )
+                )
+            while len(results) < count:
+                reply = json.loads(await ws.recv())
+                request_id = reply.get("id")
+                if request_id not in started:
+                    continue  # a notification
+                assert "result" in reply, reply  # every turn answers, never an error
+                results.append(
+                    (reply["result"]["memory"], time.monotonic() - started.pop(request_id))
+                )
+        return results
+
+    groups = await asyncio.gather(
+        *(on_socket(first, min(share, n - first)) for first in range(0, n, share))
+    )
+    return [turn for group in groups for turn in group]
+
+
+async def test_200_concurrent_turns_refused_blackholed_flapping(
+    fs: FaultStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recalls = RecallTimes(fs, monkeypatch)
+    # Refused: every turn fails fast (one shared connect attempt) and the breaker opens.
+    await fs.raw.refuse()
+    await fs.relink()
+    recalls.take()
+    refused = await burst(fs, TURNS)
+    assert {m for m, _ in refused} == {"offline"}
+    assert recalls.take()[-1] < BUDGET_S / 2
+    status = await fs.status()
+    assert status["breaker"] == "open"
+    assert status["breaker_opened_at"] is not None
+
+    # Blackholed, breaker open: no turn waits for the budget, nothing is dialled.
+    await fs.raw.listen()
+    fs.raw.mode = "silent"
+    accepted = fs.raw.accepted
+    open_burst = await burst(fs, TURNS)
+    assert {m for m, _ in open_burst} == {"offline"}
+    assert fs.raw.accepted == accepted
+    open_recalls = recalls.take()
+    assert len(open_recalls) == TURNS
+    assert open_recalls[-1] < 0.05 * BUDGET_S, open_recalls[-1]
+    open_turns = sorted(t for _, t in open_burst)
+    assert open_turns[-1] < BUDGET_S / 2, open_turns
+
+    # Cooldown over: exactly one probe meets the blackhole and waits the budget;
+    # the other turns answer at once meanwhile, and the breaker opens again.
+    fs.clock.advance(COOLDOWN_S + 1)
+    probed = await burst(fs, TURNS)
+    assert {m for m, _ in probed} == {"offline"}
+    assert fs.raw.accepted == accepted + 1
+    probe_recalls = recalls.take()
+    assert probe_recalls[-1] >= BUDGET_S * 0.8  # the probe
+    assert probe_recalls[-2] < 0.05 * BUDGET_S, probe_recalls[-2]
+    assert (await fs.status())["breaker"] == "open"
+
+    # Flapping: down and up in turn, each after a cooldown; every turn is a 200.
+    for round_ in range(4):
+        up = round_ % 2 == 1
+        fs.raw.mode = "pass" if up else "reset"
+        await fs.relink()
+        fs.clock.advance(COOLDOWN_S + 1)
+        flap = await burst(fs, TURNS // 4)
+        memories = [m for m, _ in flap]
+        if up:
+            # The probe succeeds and closes the breaker; turns admitted before that
+            # answered offline at once.
+            assert "enabled" in memories
+            assert set(memories) <= {"enabled", "offline"}
+        else:
+            assert set(memories) == {"offline"}
+        assert recalls.take()[-1] < BUDGET_S / 2
+
+    after = await fs.turn()
+    assert (after.turn.status, after.turn.memory) == (200, "enabled")
+    print(
+        f"\nload: open-breaker turns median {statistics.median(open_turns):.3f} s "
+        f"(max {open_turns[-1]:.3f} s), recall inside the service max "
+        f"{open_recalls[-1] * 1000:.2f} ms; budget {BUDGET_S:g} s"
+    )

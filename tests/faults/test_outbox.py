@@ -1,0 +1,122 @@
+"""No writeback is lost: episodes Philia could not take wait in the outbox and replay in order.
+
+Chat level: real turns through the gateway while Philia is refused, then back (all
+episodes stored once each, in order), and across a restart of the gRPC service with
+episodes still queued (the rest stored after the restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from arona_grpc.service import MemoryDomain, WritebackOutcome
+from tests.e2e.stack import running_stack
+from tests.faults.harness import FaultStack, fault_stack
+from tests.support.fake_philia import STORE, Step
+
+pytestmark = pytest.mark.asyncio
+
+N = 6
+
+
+class Writebacks:
+    """Counts finished Writeback calls in the domain, so a test can await them."""
+
+    def __init__(self, domain: MemoryDomain, monkeypatch: pytest.MonkeyPatch) -> None:
+        original = domain.writeback
+        self.done = 0
+        self._changed = asyncio.Condition()
+
+        async def counted(user: str, assistant: str) -> WritebackOutcome:
+            try:
+                return await original(user, assistant)
+            finally:
+                async with self._changed:
+                    self.done += 1
+                    self._changed.notify_all()
+
+        monkeypatch.setattr(domain, "writeback", counted)
+
+    async def wait(self, count: int) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: self.done >= count), 10)
+
+
+def episode(i: int) -> str:
+    return f"User: turn {i}\nAssistant: reply to: turn {i}"
+
+
+def domain_of(fs: FaultStack) -> MemoryDomain:
+    assert fs.stack.grpc is not None
+    return fs.stack.grpc.domain
+
+
+async def turns_while_down(fs: FaultStack, writebacks: Writebacks, count: int) -> None:
+    for i in range(1, count + 1):
+        turn = await fs.turn(f"turn {i}")
+        assert (turn.turn.status, turn.turn.memory) == (200, "offline")
+        # One at a time, as a user chats: the episode is queued before the next turn.
+        await writebacks.wait(i)
+
+
+async def test_down_for_n_turns_then_back_stores_all_in_order_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+        writebacks = Writebacks(domain_of(fs), monkeypatch)
+        await fs.raw.refuse()
+        await turns_while_down(fs, writebacks, N)
+        status = await fs.status()
+        assert (status["outbox_depth"], status["outbox_dropped"]) == (N, 0)
+        assert status["breaker"] == "open"
+        assert fs.stack.philia.stored == []
+
+        # Philia is back; after the cooldown the next turn's recall is the probe, and its
+        # success starts the replay. That turn's own episode lines up behind the queue.
+        await fs.raw.listen()
+        fs.clock.advance(31.0)
+        back = await fs.turn(f"turn {N + 1}")
+        assert back.turn.memory == "enabled"
+        await asyncio.wait_for(fs.stack.philia.wait_frames(STORE, N + 1), 10)
+        await writebacks.wait(N + 1)
+
+        texts = [s["text"] for s in fs.stack.philia.stored]
+        assert texts == [episode(i) for i in range(1, N + 2)]
+        status = await fs.status()
+        assert (status["outbox_depth"], status["breaker"]) == (0, "closed")
+        stored_events = [e for e in status["events"] if e["kind"] == "writeback"]
+        assert len(stored_events) == N + 1
+
+
+async def test_restart_with_a_non_empty_outbox_stores_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+        writebacks = Writebacks(domain_of(fs), monkeypatch)
+        await fs.raw.refuse()
+        await turns_while_down(fs, writebacks, N)
+
+        # Philia comes back but takes only two episodes before it stalls on the third;
+        # the service is then stopped (its grace runs out on the stalled replay).
+        fs.stack.philia.script(STORE, Step(), Step(), Step(action="hang"))
+        await fs.raw.listen()
+        fs.clock.advance(31.0)
+        await fs.stack.turn("rest", [{"role": "user", "content": "hello"}], memory=True)
+        await asyncio.wait_for(fs.stack.philia.wait_frames(STORE, 3), 10)
+        assert [s["text"] for s in fs.stack.philia.stored] == [episode(1), episode(2)]
+
+    assert (tmp_path / "outbox.db").exists()
+    # Next start: a fresh Philia (nothing stored yet) and the same data directory.
+    async with running_stack(tmp_path, memory_writeback=True) as stack:
+        rest = [episode(i) for i in range(3, N + 1)]
+        # The stalled episode and the ones behind it, then the "hello" turn's own.
+        await asyncio.wait_for(stack.philia.wait_frames(STORE, len(rest) + 1), 10)
+    texts = [s["text"] for s in stack.philia.stored]
+    assert texts == [*rest, "User: hello\nAssistant: reply to: hello"]
+    with contextlib.closing(sqlite3.connect(tmp_path / "outbox.db")) as db:
+        assert db.execute("SELECT COUNT(*) FROM episodes").fetchone() == (0,)

@@ -21,7 +21,7 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,21 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop (installed with uvicorn[standard]) or, without it, plain asyncio.
+
+    uvloop roughly halves the event-loop cost of a turn (socket writes, selector wake-ups,
+    callbacks), and grpc.aio, uvicorn and websockets all run on it unchanged.
+    """
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a platform without uvloop wheels
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
 
 
 def _configure_logging(level: str) -> None:
@@ -324,11 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise StartupError("--sub must be non-empty and --ttl positive")
             print(_token(env, args.sub, args.ttl))
         elif args.command == "up":
-            asyncio.run(_up(env))
+            _run(_up(env))
         elif args.command == "serve":
-            asyncio.run(_serve(env, args.only))
+            _run(_serve(env, args.only))
         else:
-            asyncio.run(_store(env, args.host, args.port))
+            _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError) as exc:
         print(f"arona-gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import re
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ import orjson
 
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
+from gateway_http.http1 import Http1Error, Http1Pool, Http1Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,11 @@ class OpenAIUpstream:
         self._safe_url = redact_url(base)
         self._api_key = api_key or None
         self._owns_client = client is None
+        # Whole requests over plain http go through the lean client (see gateway_http.http1);
+        # httpx serves streaming, TLS, proxies and a client passed in.
+        self._fast: Http1Pool | None = None
+        if client is None:
+            self._fast = _fast_pool(base, timeout_s)
         self._client = client or httpx.AsyncClient(
             # The read timeout bounds the silence between two received bytes, so a long
             # streamed answer is fine as long as tokens keep coming.
@@ -134,6 +141,18 @@ class OpenAIUpstream:
             limits=_POOL_LIMITS,
         )
         auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        if self._fast is not None:
+            url = httpx.URL(base)
+            head = f"Host: {url.netloc.decode('ascii')}\r\nAccept: application/json\r\n"
+            head += "User-Agent: arona-gateway\r\n"
+            if self._api_key:
+                head += f"Authorization: Bearer {self._api_key}\r\n"
+            path = url.raw_path.decode("ascii").rstrip("/")
+            self._fast_chat = (
+                f"POST {path}/chat/completions HTTP/1.1\r\n{head}"
+                "Content-Type: application/json\r\nContent-Length: "
+            ).encode("latin-1")
+            self._fast_models = f"GET {path}/models HTTP/1.1\r\n{head}\r\n".encode("latin-1")
         self._json_headers = {
             **auth,
             "Content-Type": "application/json",
@@ -149,6 +168,9 @@ class OpenAIUpstream:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         payload = self._encode(body, stream=False)
+        if self._fast is not None:
+            request = b"%s%d\r\n\r\n%s" % (self._fast_chat, len(payload), payload)
+            return await self._fast_call(self._fast, request)
         try:
             response = await self._client.post(
                 self._chat_url, content=payload, headers=self._json_headers
@@ -194,6 +216,8 @@ class OpenAIUpstream:
             await response.aclose()
 
     async def models(self) -> dict[str, Any]:
+        if self._fast is not None:
+            return await self._fast_call(self._fast, self._fast_models)
         try:
             response = await self._client.get(self._models_url, headers=self._json_headers)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -203,8 +227,23 @@ class OpenAIUpstream:
         return self._decode_object(response.content)
 
     async def aclose(self) -> None:
+        if self._fast is not None:
+            await self._fast.aclose()
         if self._owns_client:
             await self._client.aclose()
+
+    async def _fast_call(self, pool: Http1Pool, request: bytes) -> dict[str, Any]:
+        try:
+            response = await pool.request(request)
+        except Http1Error as exc:
+            # Only the type is logged: the same rule as for httpx errors below.
+            logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
+            if isinstance(exc, Http1Timeout):
+                raise UpstreamError("upstream timed out", None) from None
+            raise UpstreamError("upstream unreachable", None) from None
+        if response.status >= 400:
+            raise self._http_error(response.status, response.content[:_MAX_ERROR_BODY_BYTES])
+        return self._decode_object(response.content)
 
     def _encode(self, body: dict[str, Any], *, stream: bool) -> bytes:
         # A shallow copy only when needed: the caller's body stays untouched and the messages
@@ -292,6 +331,28 @@ def _check_base_url(base: str) -> None:
 
 
 _PORTS = range(1, 65536)
+
+
+def _fast_pool(base: str, timeout_s: float) -> Http1Pool | None:
+    """The lean client for ``base``, or None where httpx must serve it.
+
+    That is https (TLS), credentials in the URL (httpx sends them as basic auth) and an
+    upstream reached through a proxy from the environment (httpx honours those variables).
+    """
+    url = httpx.URL(base)
+    if url.scheme != "http" or url.userinfo:
+        return None
+    proxies = urllib.request.getproxies_environment()
+    if (proxies.get("http") or proxies.get("all")) and not urllib.request.proxy_bypass(url.host):
+        return None
+    return Http1Pool(
+        url.host,
+        url.port or 80,
+        connect_timeout_s=min(timeout_s, _CONNECT_TIMEOUT_S),
+        read_timeout_s=timeout_s,
+        max_idle=_POOL_LIMITS.max_keepalive_connections or 256,
+        idle_expiry_s=_POOL_LIMITS.keepalive_expiry or 30.0,
+    )
 
 
 async def _read_capped(response: httpx.Response) -> bytes:

@@ -1,0 +1,147 @@
+"""Outbox: a bounded FIFO in SQLite, and the domain's shutdown keeping in-flight episodes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from arona_grpc.config import Settings
+from arona_grpc.outbox import Outbox, OutboxClosed
+from arona_grpc.service import MemoryDomain, MemoryUnavailable
+from tests.support.fake_philia import STORE, FakePhilia, Step
+
+pytestmark = pytest.mark.asyncio
+
+TOKEN = "t0k3n"
+
+
+async def texts_of(outbox: Outbox) -> list[str]:
+    found = []
+    for _ in range(outbox.depth):
+        entry = await outbox.oldest()
+        assert entry is not None
+        found.append(entry.text)
+        await outbox.remove(entry.seq)
+    return found
+
+
+async def test_nothing_is_created_until_an_episode_is_kept(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "data", 10)
+    await outbox.load()
+    assert (outbox.depth, outbox.dropped, outbox.pending) == (0, 0, False)
+    assert not (tmp_path / "data").exists()
+    await outbox.aclose()
+
+
+async def test_fifo_across_a_reopen(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, 10)
+    first = outbox.put("one", "episode")
+    assert outbox.pending  # visible before the write commits
+    seqs = [await first, await outbox.put("two", "episode"), await outbox.put("three", "x")]
+    assert seqs == sorted(seqs)
+    await outbox.aclose()
+    with pytest.raises(OutboxClosed):
+        outbox.put("late", "episode")
+
+    again = Outbox(tmp_path, 10)
+    await again.load()
+    assert again.depth == 3
+    entry = await again.oldest()
+    assert entry is not None and (entry.text, entry.node_type) == ("one", "episode")
+    assert await texts_of(again) == ["one", "two", "three"]
+    assert again.depth == 0
+    await again.aclose()
+
+
+async def test_overflow_drops_the_oldest_and_counts_them_across_restarts(
+    tmp_path: Path,
+) -> None:
+    outbox = Outbox(tmp_path, 3)
+    for i in range(5):
+        await outbox.put(f"e{i}", "episode")
+    assert (outbox.depth, outbox.dropped) == (3, 2)
+    await outbox.aclose()
+
+    again = Outbox(tmp_path, 3)
+    await again.load()
+    assert (again.depth, again.dropped) == (3, 2)
+    assert await texts_of(again) == ["e2", "e3", "e4"]
+    await again.aclose()
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[FakePhilia]:
+    async with FakePhilia(token=TOKEN) as server:
+        yield server
+
+
+def settings_for(fake: FakePhilia, tmp_path: Path, **overrides: object) -> Settings:
+    base = Settings(
+        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=5.0, data_dir=tmp_path
+    )
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
+    fake: FakePhilia, tmp_path: Path
+) -> None:
+    fake.script(STORE, Step(action="hang"))
+    domain = MemoryDomain(settings_for(fake, tmp_path))
+    await domain.start()
+    in_flight = asyncio.ensure_future(domain.writeback("remember me", "noted"))
+    await fake.wait_frames(STORE)
+
+    await domain.aclose(grace_s=0.1)
+    with pytest.raises(MemoryUnavailable):
+        await in_flight
+    assert domain.status().outbox_depth == 1
+    assert fake.stored == []
+
+    restarted = MemoryDomain(settings_for(fake, tmp_path))
+    await restarted.start()
+    await asyncio.wait_for(fake.wait_frames(STORE, 2), 5)
+    await restarted.aclose()
+    assert [s["text"] for s in fake.stored] == ["User: remember me\nAssistant: noted"]
+    assert restarted.status().outbox_depth == 0
+
+
+async def test_cancelled_writeback_is_kept(fake: FakePhilia, tmp_path: Path) -> None:
+    fake.script(STORE, Step(action="hang"))
+    domain = MemoryDomain(settings_for(fake, tmp_path))
+    try:
+        call = asyncio.ensure_future(domain.writeback("u", "a"))
+        await fake.wait_frames(STORE)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        outbox = domain.outbox
+        assert outbox is not None and outbox.depth == 1
+    finally:
+        await domain.aclose(grace_s=0.1)
+
+
+async def test_writeback_while_open_fails_fast_and_is_queued(
+    fake: FakePhilia, tmp_path: Path
+) -> None:
+    await fake.stop()  # refused
+    domain = MemoryDomain(
+        settings_for(fake, tmp_path, memory_breaker_failures=1, memory_breaker_cooldown_s=60.0)
+    )
+    try:
+        with pytest.raises(MemoryUnavailable, match="queued in the outbox"):
+            await domain.writeback("one", "")
+        with pytest.raises(MemoryUnavailable, match="breaker open"):
+            await domain.writeback("two", "")
+        snapshot = domain.status()
+        assert snapshot.breaker.value == "open"
+        assert snapshot.breaker_opened_at is not None
+        assert snapshot.outbox_depth == 2
+        with pytest.raises(MemoryUnavailable, match="breaker open"):
+            await domain.delete("n-1")
+    finally:
+        await domain.aclose(grace_s=0.1)

@@ -1,0 +1,119 @@
+"""Recall limits: the section cap, the budget and the caller's deadline, and their settings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from arona_grpc.config import ConfigError, Settings
+from arona_grpc.philia import PhiliaMemory
+from arona_grpc.service import (
+    ELLIPSIS,
+    MAX_MEMORY_CHARS,
+    MAX_SECTION_CHARS,
+    EventKind,
+    MemoryDomain,
+    MemoryState,
+    cap_memories,
+    render_section,
+)
+from tests.support.fake_philia import QUERY, FakePhilia, Step
+
+TOKEN = "t0k3n"
+
+
+def test_cap_keeps_small_sections_as_they_are() -> None:
+    memories = [
+        PhiliaMemory("a", 0.9, "x"),
+        PhiliaMemory("  ", 0.8, "x"),
+        PhiliaMemory("b", 0.1, "x"),
+    ]
+    assert cap_memories(memories) == (PhiliaMemory("a", 0.9, "x"), PhiliaMemory("b", 0.1, "x"))
+
+
+def test_cap_drops_the_lowest_scores_first_and_keeps_the_order() -> None:
+    # Ten 900-character memories cannot all fit in 4,000 characters.
+    scores = [0.5, 0.9, 0.1, 0.7, 0.3, 0.8, 0.2, 0.6, 0.4, 0.95]
+    memories = [PhiliaMemory(f"{i}" * 900, s, "x") for i, s in enumerate(scores)]
+    kept = cap_memories(memories)
+    section = render_section(kept)
+    assert len(section) <= MAX_SECTION_CHARS
+    # The four best, in Philia's order.
+    assert [m.score for m in kept] == [0.9, 0.7, 0.8, 0.95]
+
+
+def test_cap_cuts_one_overlong_memory_with_an_ellipsis() -> None:
+    [kept] = cap_memories([PhiliaMemory("word " * 5000, 0.5, "x")])
+    assert len(kept.text) <= MAX_MEMORY_CHARS
+    assert kept.text.endswith(ELLIPSIS)
+    assert kept.text.startswith("word word")
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[FakePhilia]:
+    async with FakePhilia(token=TOKEN) as server:
+        yield server
+
+
+@pytest.mark.asyncio
+async def test_recall_section_never_exceeds_the_cap(fake: FakePhilia) -> None:
+    fake.memories = [
+        {"text": f"memory {i} " + "x" * 3000, "score": 1 - i / 100, "node_type": "x"}
+        for i in range(100)
+    ]
+    domain = MemoryDomain(Settings(memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=2))
+    try:
+        outcome = await domain.recall("q", limit=100)
+    finally:
+        await domain.aclose()
+    assert outcome.state is MemoryState.ENABLED
+    assert len(outcome.section) <= MAX_SECTION_CHARS
+    # The best memories survived, best first as Philia ranked them.
+    assert [m.text.split()[1] for m in outcome.memories] == ["0", "1", "2"]
+    assert all(m.text.endswith(ELLIPSIS) for m in outcome.memories)
+
+
+@pytest.mark.asyncio
+async def test_recall_gives_up_before_the_callers_deadline(fake: FakePhilia) -> None:
+    fake.script(QUERY, Step(action="hang"))
+    settings = Settings(
+        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=10, memory_recall_budget_ms=10_000
+    )
+    domain = MemoryDomain(settings)
+    try:
+        started = time.monotonic()
+        outcome = await asyncio.wait_for(domain.recall("q", deadline_s=0.3), 5)
+        elapsed = time.monotonic() - started
+    finally:
+        await domain.aclose()
+    assert outcome.state is MemoryState.OFFLINE
+    assert elapsed < 0.3 + 1.0  # far from the 10 s budget
+    [error] = [e for e in domain.status().events if e.kind is EventKind.ERROR]
+    assert "no answer from Philia within 0.25 s" in error.detail
+
+
+@pytest.mark.asyncio
+async def test_recall_budget_bounds_a_hanging_query(fake: FakePhilia) -> None:
+    fake.script(QUERY, Step(action="hang"))
+    settings = Settings(
+        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=10, memory_recall_budget_ms=200
+    )
+    domain = MemoryDomain(settings)
+    try:
+        outcome = await asyncio.wait_for(domain.recall("q"), 5)
+    finally:
+        await domain.aclose()
+    assert outcome.state is MemoryState.OFFLINE
+    [error] = [e for e in domain.status().events if e.kind is EventKind.ERROR]
+    assert "within 0.2 s" in error.detail
+
+
+def test_outbox_bound_from_the_environment() -> None:
+    assert Settings.from_env({}).memory_outbox_max == 1000
+    assert Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX": "25"}).memory_outbox_max == 25
+    with pytest.raises(ConfigError, match="ARONA_MEMORY_OUTBOX_MAX"):
+        Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX": "0"})

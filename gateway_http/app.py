@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from arona_grpc.config import Settings
 from gateway_http.auth import ApiKeys, JwtVerifier
@@ -49,6 +50,43 @@ def _error_response(error: GatewayError) -> Response:
         status_code=error.mapping.http_status,
         media_type="application/json",
     )
+
+
+def _internal_error(request: Request) -> Response:
+    logger.exception("unexpected error on %s %s", request.method, request.url.path)
+    return _error_response(GatewayError(ErrorKind.INTERNAL, "Internal error", "internal_error"))
+
+
+class GatewayApp(FastAPI):
+    """The FastAPI app, with the chat-completions route served without the framework layers.
+
+    Under load, FastAPI's per-request middleware stack and routing (exception, body-limit,
+    exit-stack and telemetry middleware, route matching, endpoint wrapping) cost more than
+    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
+    dependencies, so it is dispatched here straight to the same handler, with the same error
+    mapping as the exception handlers below; every other request goes through FastAPI.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] == rest.CHAT_COMPLETIONS_PATH
+            and scope["method"] == "POST"
+        ):
+            scope["app"] = self
+            request = Request(scope, receive, send)
+            try:
+                response = await rest.chat_completions(request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                return
+            except Exception:
+                response = _internal_error(request)
+            await response(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -95,7 +133,7 @@ def create_app(
             if channel is not None:
                 await channel.close(grace=None)
 
-    app = FastAPI(
+    app = GatewayApp(
         title="Arona Memory Gateway",
         lifespan=lifespan,
         docs_url=None,
@@ -131,7 +169,6 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(GatewayError(ErrorKind.INTERNAL, "Internal error", "internal_error"))
+        return _internal_error(request)
 
     return app

@@ -23,6 +23,8 @@ from gateway_http.views import conversation_errors, conversation_view
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+# Also dispatched directly by gateway_http.app.GatewayApp (the hot path).
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MEMORY_HEADER = "X-Arona-Memory"
 _DONE = b"data: [DONE]\n\n"
 
@@ -73,7 +75,7 @@ def _event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-@router.post("/v1/chat/completions")
+@router.post(CHAT_COMPLETIONS_PATH)
 async def chat_completions(request: Request) -> Response:
     gw = gateway_of(request)
     owner = rest_owner(gw, request)

@@ -120,3 +120,21 @@ async def test_restart_with_a_non_empty_outbox_stores_the_rest(
     assert texts == [*rest, "User: hello\nAssistant: reply to: hello"]
     with contextlib.closing(sqlite3.connect(tmp_path / "outbox.db")) as db:
         assert db.execute("SELECT COUNT(*) FROM episodes").fetchone() == (0,)
+
+
+async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(tmp_path: Path) -> None:
+    """The stop order of the command line: HTTP drains its writebacks, then gRPC stops."""
+    # A long RPC timeout: the store is still waiting when the shutdown begins.
+    async with running_stack(tmp_path, memory_writeback=True, timeout_s=30.0) as stack:
+        stack.philia.script(STORE, Step(action="hang"))
+        turn = await stack.turn("rest", [{"role": "user", "content": "keep me"}])
+        assert turn.status == 200
+        await asyncio.wait_for(stack.philia.wait_frames(STORE), 5)
+        # Leaving the block stops HTTP (the writeback's grace runs out on the hang),
+        # then the gRPC service, which keeps the episode in the outbox.
+
+    async with running_stack(tmp_path, memory_writeback=True) as stack:
+        await asyncio.wait_for(stack.philia.wait_frames(STORE), 10)
+    assert [s["text"] for s in stack.philia.stored] == [
+        "User: keep me\nAssistant: reply to: keep me"
+    ]

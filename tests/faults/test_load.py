@@ -19,7 +19,6 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from arona_grpc.service import RecallOutcome
 from tests.faults.harness import FaultStack, fault_stack
 
 pytestmark = pytest.mark.asyncio
@@ -30,31 +29,6 @@ SOCKETS = 4
 BUDGET_MS = 5000
 BUDGET_S = BUDGET_MS / 1000
 COOLDOWN_S = 60.0
-
-
-class RecallTimes:
-    """Wraps the domain's recall to record how long each one took inside the service."""
-
-    def __init__(self, fs: FaultStack, monkeypatch: pytest.MonkeyPatch) -> None:
-        assert fs.stack.grpc is not None
-        domain = fs.stack.grpc.domain
-        original = domain.recall
-        self.times: list[float] = []
-
-        async def timed(
-            query: str, limit: int = 0, *, deadline_s: float | None = None
-        ) -> RecallOutcome:
-            started = time.monotonic()
-            try:
-                return await original(query, limit, deadline_s=deadline_s)
-            finally:
-                self.times.append(time.monotonic() - started)
-
-        monkeypatch.setattr(domain, "recall", timed)
-
-    def take(self) -> list[float]:
-        times, self.times = self.times, []
-        return sorted(times)
 
 
 @pytest_asyncio.fixture
@@ -117,17 +91,17 @@ async def burst(fs: FaultStack, n: int, *, memory: bool = True) -> list[tuple[st
     return [turn for group in groups for turn in group]
 
 
-async def test_200_concurrent_turns_refused_blackholed_flapping(
-    fs: FaultStack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    recalls = RecallTimes(fs, monkeypatch)
+def _slowest(turns: list[tuple[str, float]]) -> list[float]:
+    return sorted((t for _, t in turns), reverse=True)
+
+
+async def test_200_concurrent_turns_refused_blackholed_flapping(fs: FaultStack) -> None:
     # Refused: every turn fails fast (one shared connect attempt) and the breaker opens.
     await fs.raw.refuse()
     await fs.relink()
-    recalls.take()
     refused = await burst(fs, TURNS)
     assert {m for m, _ in refused} == {"offline"}
-    assert recalls.take()[-1] < BUDGET_S / 2
+    assert _slowest(refused)[0] < BUDGET_S / 2
     status = await fs.status()
     assert status["breaker"] == "open"
     assert status["breaker_opened_at"] is not None
@@ -139,10 +113,8 @@ async def test_200_concurrent_turns_refused_blackholed_flapping(
     open_burst = await burst(fs, TURNS)
     assert {m for m, _ in open_burst} == {"offline"}
     assert fs.raw.accepted == accepted
-    open_recalls = recalls.take()
-    assert len(open_recalls) == TURNS
-    assert open_recalls[-1] < 0.05 * BUDGET_S, open_recalls[-1]
     open_turns = sorted(t for _, t in open_burst)
+    assert len(open_turns) == TURNS
     assert open_turns[-1] < BUDGET_S / 2, open_turns
 
     # Cooldown over: exactly one probe meets the blackhole and waits the budget;
@@ -151,9 +123,9 @@ async def test_200_concurrent_turns_refused_blackholed_flapping(
     probed = await burst(fs, TURNS)
     assert {m for m, _ in probed} == {"offline"}
     assert fs.raw.accepted == accepted + 1
-    probe_recalls = recalls.take()
-    assert probe_recalls[-1] >= BUDGET_S * 0.8  # the probe
-    assert probe_recalls[-2] < 0.05 * BUDGET_S, probe_recalls[-2]
+    slowest = _slowest(probed)
+    assert slowest[0] >= BUDGET_S * 0.8  # the probe's turn waited for its budget
+    assert slowest[1] < BUDGET_S / 2, slowest[:3]  # no other turn did
     assert (await fs.status())["breaker"] == "open"
 
     # Flapping: down and up in turn, each after a cooldown; every turn is a 200.
@@ -171,12 +143,11 @@ async def test_200_concurrent_turns_refused_blackholed_flapping(
             assert set(memories) <= {"enabled", "offline"}
         else:
             assert set(memories) == {"offline"}
-        assert recalls.take()[-1] < BUDGET_S / 2
+        assert _slowest(flap)[0] < BUDGET_S / 2
 
     after = await fs.turn()
     assert (after.turn.status, after.turn.memory) == (200, "enabled")
     print(
         f"\nload: open-breaker turns median {statistics.median(open_turns):.3f} s "
-        f"(max {open_turns[-1]:.3f} s), recall inside the service max "
-        f"{open_recalls[-1] * 1000:.2f} ms; budget {BUDGET_S:g} s"
+        f"(max {open_turns[-1]:.3f} s); budget {BUDGET_S:g} s"
     )

@@ -6,10 +6,12 @@ upstream, much of it two socket writes per request (headers, then body) and the 
 layers of pool bookkeeping, cancel scopes and events. This client is one asyncio protocol per
 connection with the C ``httptools`` parser (already installed with ``uvicorn[standard]``): one
 write per request, a LIFO pool of keep-alive connections, a connect timeout and a read
-timeout that, as in httpx, bounds the silence between two received bytes.
+timeout that, as in httpx, bounds the silence between two received bytes. A response is read
+whole (:meth:`Http1Pool.request`) or as its body arrives (:meth:`Http1Pool.open`, for the
+event stream of a streamed answer).
 
 It only speaks plain ``http://`` without a proxy; :mod:`gateway_http.upstream` keeps httpx for
-everything else (TLS, proxies, credentials in the URL, streaming).
+everything else (TLS, proxies, credentials in the URL).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class Http1Response:
     content: bytes
 
 
+# A streamed body is buffered up to this size before the socket stops being read.
+_STREAM_HIGH_WATER = 256 * 1024
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection carrying one request at a time."""
 
@@ -64,6 +70,13 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.reusable = False
         self.idle_since = 0.0
+        # Streaming mode: the waiter resolves at the headers; the body is read chunk by chunk.
+        self._streaming = False
+        self._buffered = 0
+        self._paused = False
+        self._finished = False
+        self._error: Http1Error | None = None
+        self._wake: asyncio.Future[None] | None = None
 
     # asyncio.Protocol
 
@@ -84,6 +97,12 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.reusable = False
+        if self._streaming and not self._finished:
+            if self._headers_done and not self._framed:
+                self._finished = True
+            elif self._error is None:
+                self._error = Http1ProtocolError("connection closed")
+            self._wake_reader()
         if self._waiter is not None and not self._waiter.done():
             if self._headers_done and not self._framed:
                 # A body without Content-Length or chunking ends when the connection does.
@@ -105,20 +124,39 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._headers_done = True
         self._status = self._parser.get_status_code()
+        if self._streaming and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(Http1Response(self._status, b""))
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
+        if self._streaming:
+            self._buffered += len(body)
+            if self._buffered > _STREAM_HIGH_WATER and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+            self._wake_reader()
 
     def on_message_complete(self) -> None:
         self.reusable = self._parser.should_keep_alive()
-        self._complete()
+        if self._streaming:
+            self._finished = True
+            self._wake_reader()
+        else:
+            self._complete()
 
     # the request
 
-    async def exchange(self, payload: bytes, read_timeout_s: float) -> Http1Response:
+    async def exchange(
+        self, payload: bytes, read_timeout_s: float, *, stream: bool = False
+    ) -> Http1Response:
+        """Send ``payload``; the whole response, or (``stream``) its status once headers came."""
         transport = self.transport
         if transport is None:
             raise Http1ProtocolError("connection closed")
+        self._streaming = stream
+        self._buffered = 0
+        self._paused = self._finished = False
+        self._error = None
         self._body = []
         self._status = 0
         self._headers_done = self._framed = self.received = self.reusable = False
@@ -132,16 +170,58 @@ class _Connection(asyncio.Protocol):
             return await self._waiter
         finally:
             self._waiter = None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            if not stream:
+                self.stop_timer()
+
+    async def read(self) -> bytes | None:
+        """The next piece of a streamed body; None at its end."""
+        while True:
+            if self._body:
+                data = b"".join(self._body)
+                self._body = []
+                self._buffered = 0
+                if self._paused and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self._error is not None:
+                raise self._error
+            if self._finished:
+                self.stop_timer()
+                return None
+            self._wake = self._loop.create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finished and not self._body
+
+    def _wake_reader(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def close(self) -> None:
         self.reusable = False
+        self.stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
     def _check_silence(self) -> None:
+        if self._finished:
+            # The whole body is in: any wait from here on is the reader's, not the upstream's.
+            self._timer = None
+            return
+        if self._paused:
+            # Not reading on purpose (the reader is behind): the upstream is not silent.
+            self._last_read = self._loop.time()
         silent_for = self._loop.time() - self._last_read
         if silent_for >= self._read_timeout_s:
             self._timer = None
@@ -168,6 +248,9 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: Http1Error) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(error)
+        if self._streaming and self._error is None:
+            self._error = error
+            self._wake_reader()
         self.close()
 
 
@@ -209,6 +292,36 @@ class Http1Pool:
                     raise
         return await self._exchange(await self._connect(), payload)
 
+    async def open(self, payload: bytes) -> Http1Stream:
+        """Send one request and return once the response headers are in; read the body from
+        the returned stream and close it when done (a connection whose body was read to its
+        end goes back to the pool, any other is closed)."""
+        if self._closed:
+            raise Http1ConnectError("the client is closed")
+        conn = self._take_idle()
+        if conn is not None:
+            try:
+                return await self._open_on(conn, payload)
+            except Http1ProtocolError:
+                if conn.received:
+                    raise
+        return await self._open_on(await self._connect(), payload)
+
+    async def _open_on(self, conn: _Connection, payload: bytes) -> Http1Stream:
+        try:
+            head = await conn.exchange(payload, self._read_timeout_s, stream=True)
+        except BaseException:
+            conn.close()
+            raise
+        return Http1Stream(self, conn, head.status)
+
+    def _release(self, conn: _Connection) -> None:
+        if conn.reusable and not self._closed and len(self._idle) < self._max_idle:
+            conn.idle_since = asyncio.get_running_loop().time()
+            self._idle.append(conn)
+        else:
+            conn.close()
+
     async def aclose(self) -> None:
         self._closed = True
         while self._idle:
@@ -222,11 +335,7 @@ class Http1Pool:
             # and closing it tells the upstream the request went away.
             conn.close()
             raise
-        if conn.reusable and not self._closed and len(self._idle) < self._max_idle:
-            conn.idle_since = asyncio.get_running_loop().time()
-            self._idle.append(conn)
-        else:
-            conn.close()
+        self._release(conn)
         return response
 
     def _take_idle(self) -> _Connection | None:
@@ -248,3 +357,36 @@ class Http1Pool:
         except OSError as exc:
             raise Http1ConnectError(type(exc).__name__) from None
         return conn
+
+
+class Http1Stream:
+    """A response whose body is read as it arrives; always :meth:`close` it."""
+
+    def __init__(self, pool: Http1Pool, conn: _Connection, status: int) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self.status = status
+
+    async def read(self) -> bytes | None:
+        """The next piece of the body (raises :class:`Http1Error`); None at its end."""
+        if self._conn is None:
+            return None
+        return await self._conn.read()
+
+    async def read_capped(self, limit: int) -> bytes:
+        """The body, or its first ``limit`` bytes and a bit."""
+        body = bytearray()
+        while len(body) <= limit and (part := await self.read()) is not None:
+            body += part
+        return bytes(body)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.finished:
+            conn.stop_timer()
+            self._pool._release(conn)
+        else:
+            # Stopped early: closing tells the upstream that nobody reads the answer.
+            conn.close()

@@ -27,7 +27,7 @@ import orjson
 
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
-from gateway_http.http1 import Http1Error, Http1Pool, Http1Timeout
+from gateway_http.http1 import Http1Error, Http1Pool, Http1Stream, Http1Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,11 @@ class OpenAIUpstream:
                 f"POST {path}/chat/completions HTTP/1.1\r\n{head}"
                 "Content-Type: application/json\r\nContent-Length: "
             ).encode("latin-1")
+            self._fast_stream = (
+                f"POST {path}/chat/completions HTTP/1.1\r\n"
+                + head.replace("Accept: application/json", "Accept: text/event-stream")
+                + "Content-Type: application/json\r\nContent-Length: "
+            ).encode("latin-1")
             self._fast_models = f"GET {path}/models HTTP/1.1\r\n{head}\r\n".encode("latin-1")
         self._json_headers = {
             **auth,
@@ -183,6 +188,26 @@ class OpenAIUpstream:
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._encode(body, stream=True)
+        if self._fast is not None:
+            head = b"%s%d\r\n\r\n" % (self._fast_stream, len(payload))
+            try:
+                stream = await self._fast.open(head + payload)
+            except Http1Error as exc:
+                raise self._fast_error(exc) from None
+            # As below: whatever ends the iteration closes the response; an unfinished one
+            # closes its connection, so the upstream sees the request go away.
+            try:
+                if stream.status >= 400:
+                    error_body = await stream.read_capped(_MAX_ERROR_BODY_BYTES)
+                    raise self._http_error(stream.status, error_body)
+                async with contextlib.aclosing(self._chunks(_pieces(stream))) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            except Http1Error as exc:
+                raise self._fast_error(exc, mid_stream=True) from None
+            finally:
+                stream.close()
+            return
         try:
             request = self._client.build_request(
                 "POST", self._chat_url, content=payload, headers=self._stream_headers
@@ -196,24 +221,30 @@ class OpenAIUpstream:
         try:
             if response.status_code >= 400:
                 raise self._http_error(response.status_code, await _read_capped(response))
-            finished = False
-            async with contextlib.aclosing(_sse_data(response)) as events:
-                async for data in events:
-                    if data == b"[DONE]":
-                        return
-                    chunk = self._decode_chunk(data)
-                    if _has_finish_reason(chunk):
-                        finished = True
+            async with contextlib.aclosing(self._chunks(response.aiter_bytes())) as chunks:
+                async for chunk in chunks:
                     yield chunk
-            # Some servers end the body without ``[DONE]``; a finished choice means the answer
-            # is whole, anything else means it was cut off.
-            if not finished:
-                logger.warning("upstream %s: stream ended before the answer", self._safe_url)
-                raise UpstreamError("upstream stream ended early", None)
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, mid_stream=True) from None
         finally:
             await response.aclose()
+
+    async def _chunks(self, pieces: AsyncIterator[bytes]) -> AsyncGenerator[dict[str, Any], None]:
+        """The ``chat.completion.chunk`` objects of an event stream, up to ``[DONE]``."""
+        finished = False
+        async with contextlib.aclosing(_sse_data(pieces)) as events:
+            async for data in events:
+                if data == b"[DONE]":
+                    return
+                chunk = self._decode_chunk(data)
+                if _has_finish_reason(chunk):
+                    finished = True
+                yield chunk
+        # Some servers end the body without ``[DONE]``; a finished choice means the answer
+        # is whole, anything else means it was cut off.
+        if not finished:
+            logger.warning("upstream %s: stream ended before the answer", self._safe_url)
+            raise UpstreamError("upstream stream ended early", None)
 
     async def models(self) -> dict[str, Any]:
         if self._fast is not None:
@@ -236,11 +267,7 @@ class OpenAIUpstream:
         try:
             response = await pool.request(request)
         except Http1Error as exc:
-            # Only the type is logged: the same rule as for httpx errors below.
-            logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
-            if isinstance(exc, Http1Timeout):
-                raise UpstreamError("upstream timed out", None) from None
-            raise UpstreamError("upstream unreachable", None) from None
+            raise self._fast_error(exc) from None
         if response.status >= 400:
             raise self._http_error(response.status, response.content[:_MAX_ERROR_BODY_BYTES])
         return self._decode_object(response.content)
@@ -254,6 +281,15 @@ class OpenAIUpstream:
             return orjson.dumps(body)
         except orjson.JSONEncodeError:
             raise UpstreamError("the request could not be encoded for the upstream", None) from None
+
+    def _fast_error(self, exc: Http1Error, *, mid_stream: bool = False) -> UpstreamError:
+        # Only the type is logged: the same rule as for httpx errors below.
+        logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
+        if isinstance(exc, Http1Timeout):
+            return UpstreamError("upstream timed out", None)
+        if mid_stream:
+            return UpstreamError("upstream stream broke off", None)
+        return UpstreamError("upstream unreachable", None)
 
     def _decode_object(self, content: bytes) -> dict[str, Any]:
         try:
@@ -364,7 +400,12 @@ async def _read_capped(response: httpx.Response) -> bytes:
     return bytes(body)
 
 
-async def _sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+async def _pieces(stream: Http1Stream) -> AsyncGenerator[bytes, None]:
+    while (part := await stream.read()) is not None:
+        yield part
+
+
+async def _sse_data(pieces: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     """The ``data`` payload of each server-sent event, as raw bytes.
 
     Bytes are split by hand instead of ``aiter_lines`` so each payload goes to ``orjson``
@@ -373,7 +414,7 @@ async def _sse_data(response: httpx.Response) -> AsyncGenerator[bytes, None]:
     """
     buffer = b""
     pending: list[bytes] = []
-    async for part in response.aiter_bytes():
+    async for part in pieces:
         buffer += part
         *lines, buffer = buffer.split(b"\n")
         for line in lines:

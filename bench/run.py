@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -556,7 +557,13 @@ def options(argv: Sequence[str] | None) -> Options:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    # SIGTERM ends the run like Ctrl-C: the children are stopped on the way out.
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     o = options(argv)
     if o.litellm is None:
         log(f"LiteLLM peer: {o.litellm_note}")
@@ -571,6 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"benchmark failed: {exc}")
         log(f"logs kept in {run.work}")
         return 1
+    except KeyboardInterrupt:
+        log("interrupted; every part stopped")
+        return 130
     finally:
         run.stop_all()
     text = report(run, started, time.monotonic() - clock)

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
 from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, bearer
+from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ INTERNAL_ERROR = -32603
 APPLICATION_ERROR = -32000
 AUTH_REQUIRED = -32005
 
-MAX_BODY_BYTES = 1024 * 1024
+
 RPC_PATH = "/api/rpc"
 # Bound on concurrently running messages per WebSocket: beyond it the socket stops reading
 # (back-pressure) instead of piling up tasks for a client that floods it.
@@ -281,26 +282,6 @@ def _too_large() -> bytes:
     )
 
 
-async def _read_body(request: Request) -> bytes | None:
-    """The request body, or ``None`` as soon as it exceeds :data:`MAX_BODY_BYTES`."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > MAX_BODY_BYTES:
-                return None
-        except ValueError:
-            pass  # the server rejects a malformed Content-Length before we get here
-    # Content-Length may be absent (chunked) or wrong, so count what actually arrives.
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 class _RpcSocket:
     """One WebSocket connection: concurrent message handling with serialized sends."""
 
@@ -375,7 +356,7 @@ def rpc_router(get_dispatcher: Callable[[], Dispatcher]) -> APIRouter:
 
     @router.post(RPC_PATH, response_class=Response)
     async def rpc_post(request: Request) -> Response:
-        body = await _read_body(request)
+        body = await read_limited(request, MAX_BODY_BYTES)
         if body is None:
             return Response(_too_large(), status_code=413, media_type="application/json")
         token = bearer(request.headers.get("authorization"))

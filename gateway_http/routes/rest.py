@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway_http.auth import AuthError
+from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.state import Gateway, gateway_of
@@ -22,7 +23,6 @@ from gateway_http.views import conversation_errors, conversation_view
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
 # Also dispatched directly by gateway_http.app.GatewayApp (the hot path).
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MEMORY_HEADER = "X-Arona-Memory"
@@ -38,20 +38,12 @@ class ClientGone(Exception):
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The request body, refused with 413 as soon as it grows past ``limit``."""
-    too_large = GatewayError(
-        ErrorKind.TOO_LARGE, f"request body is larger than {limit} bytes", "request_too_large"
-    )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    body = await read_limited(request, limit)
+    if body is None:
+        raise GatewayError(
+            ErrorKind.TOO_LARGE, f"request body is larger than {limit} bytes", "request_too_large"
+        )
+    return body
 
 
 def rest_owner(gw: Gateway, request: Request) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
@@ -151,3 +152,31 @@ async def test_200_concurrent_turns_refused_blackholed_flapping(fs: FaultStack) 
         f"\nload: open-breaker turns median {statistics.median(open_turns):.3f} s "
         f"(max {open_turns[-1]:.3f} s); budget {BUDGET_S:g} s"
     )
+
+
+async def test_200_concurrent_rest_turns_with_philia_refused(fs: FaultStack) -> None:
+    """The same over plain REST: 200 concurrent POSTs, each its own connection."""
+    await fs.raw.refuse()
+    await fs.relink()
+    limits = httpx.Limits(max_connections=TURNS)
+    async with httpx.AsyncClient(base_url=fs.stack.base_url, timeout=30, limits=limits) as client:
+
+        async def one(i: int) -> tuple[int, str | None, float]:
+            started = time.monotonic()
+            response = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": f"q{i}"}],
+                },
+            )
+            return (
+                response.status_code,
+                response.headers.get("x-arona-memory"),
+                time.monotonic() - started,
+            )
+
+        results = await asyncio.gather(*(one(i) for i in range(TURNS)))
+    assert {(status, memory) for status, memory, _ in results} == {(200, "offline")}
+    assert max(t for _, _, t in results) < BUDGET_S / 2
+    assert (await fs.status())["breaker"] == "open"

@@ -54,7 +54,7 @@ async def serve_app(
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
+        sock.listen(2048)
         sock.setblocking(False)
         port = sock.getsockname()[1]
     except BaseException:

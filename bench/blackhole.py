@@ -7,9 +7,9 @@ waits out its deadline until the gateway's circuit breaker opens. Prints ``READY
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
+
+from bench.loop import main
 
 
 class _Silent(asyncio.Protocol):
@@ -17,24 +17,5 @@ class _Silent(asyncio.Protocol):
         pass
 
 
-async def serve(host: str, port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Silent, host, port, backlog=1024)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"READY {server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await stop.wait()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="a Philia that never answers")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port))
-
-
 if __name__ == "__main__":
-    main()
+    main(_Silent, "a Philia that never answers", backlog=1024)

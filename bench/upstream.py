@@ -10,14 +10,14 @@ lists one model. Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
-import signal
 from typing import cast
 
 import httptools
 import orjson
+
+from bench.loop import main
 
 MODEL = "bench-model"
 REPLY = "Noted. I will keep that in mind for next time."
@@ -132,26 +132,5 @@ class _Upstream(asyncio.Protocol):
             transport.close()
 
 
-async def serve(host: str, port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Upstream, host, port, backlog=4096)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"READY {server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await stop.wait()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="zero-latency OpenAI-compatible upstream")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args()
-    from bench.loop import run
-
-    run(serve(args.host, args.port))
-
-
 if __name__ == "__main__":
-    main()
+    main(_Upstream, "zero-latency OpenAI-compatible upstream", backlog=4096)

@@ -2,10 +2,9 @@
 
 :class:`MemoryStore` owns one SQLite database in WAL mode holding a ``nodes`` table and an
 FTS5 external-content index over the node text, kept in sync by triggers. It is synchronous
-and thread-safe (one lock around the connection); the WebSocket server calls it from a single
-worker thread so SQLite never blocks the event loop.
+and thread-safe (one lock around the connection).
 
-Ranking (the formula :meth:`MemoryStore.query` implements)::
+Ranking (the formula :meth:`MemoryStore.query` implements, evaluated by SQLite per row)::
 
     r         = max(0, -bm25(nodes_fts))              # FTS5 BM25, bigger is better
     relevance = 0.2 + 0.8 * r / (r + 4)               # in [0.2, 1): any match counts a bit
@@ -15,10 +14,27 @@ Ranking (the formula :meth:`MemoryStore.query` implements)::
 
 Results are ordered by score, then newer ``created_at``, then later insertion. The floor on
 ``relevance`` exists because FTS5 clamps the IDF of a term present in half the documents or
-more to almost zero, which on a small store would report every match as worthless. Because
-``score <= relevance`` and ``relevance`` is monotone in BM25, candidates are read in BM25
-order and the scan stops as soon as no later candidate can beat the current top ``limit``;
-the result is exact, not an approximation.
+more to almost zero, which on a small store would report every match as worthless.
+
+Time-ordered keys. A node's ``seq`` (the rowid of both ``nodes`` and the FTS index) is its
+``created_at`` in whole microseconds, bumped to the next free integer on a collision; so the
+``created_at`` the formula uses is ``seq / 1e6`` (exact to the microsecond; a bulk load of
+nodes sharing one timestamp spreads them by a microsecond each, nothing a 14-day half-life
+can see). FTS5 walks a match list in rowid order for free, so matches arrive newest first
+and SQLite computes BM25 and the blended score in C for only the rows actually read.
+
+Why the scan may stop early and stay exact: BM25 is below ``(k1 + 1) * sum(idf)`` over the
+query's words (k1 = 1.2, IDFs from the words' document counts), which bounds ``relevance``
+by some ``R``. A node of age ``a`` can score at most ``R * (0.6 + 0.4 * recency(a))``, and
+older nodes only less; once the ``limit``-th best score so far reaches that bound, no node
+still unread can enter the top ``limit``, so the scan stops. Recent, relevant matches end it
+after a few hundred rows whatever the store size; a store that only holds weak matches is
+read to its end, which is exactly the full ranking, except that at most
+:data:`MAX_SCAN_ROWS` matches are read: a query made only of weak words on a huge store then
+ranks the newest that many matches, which caps the worst case (about a microsecond per row).
+
+Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
+already merged): a bulk-loaded index otherwise costs every query a probe per segment.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import re
 import sqlite3
 import threading
@@ -49,7 +66,20 @@ MAX_QUERY_TERMS = 32
 # Below this many nodes every query is cheap, so no word is ever pruned as too common.
 PRUNE_MIN_NODES = 1000
 DOC_COUNT_CACHE_SIZE = 10_000
+# A node's seq is its created_at in these units (microseconds).
+KEY_SCALE = 1_000_000
+# Timestamps further than this from 1970 (about year 5138) are refused: their keys would not
+# fit a 64-bit rowid with room to spare.
+MAX_ABS_EPOCH_S = 1e11
+# FTS5's bm25() constant k1: one word adds at most (k1 + 1) * idf to BM25, whatever its
+# frequency in the node and the node's length.
+BM25_K1 = 1.2
+SCHEMA_VERSION = 2
+# Most matches one query reads (see the module docstring).
+MAX_SCAN_ROWS = 4000
 _SECONDS_PER_DAY = 86400.0
+# recency = exp((seq - now_key) * _DECAY_PER_KEY) for a node older than now.
+_DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
 
 # Same notion of a token as FTS5's unicode61 tokenizer: runs of letters and digits; the
 # underscore separates, as it does there.
@@ -72,7 +102,7 @@ STOP_WORDS = frozenset(
 
 Timestamp = datetime | float | int
 
-_SCHEMA = """
+_TABLES = """
 CREATE TABLE IF NOT EXISTS nodes (
     seq INTEGER PRIMARY KEY,
     id TEXT NOT NULL UNIQUE,
@@ -89,7 +119,6 @@ CREATE VIRTUAL TABLE IF NOT EXISTS nodes_fts USING fts5(
     content_rowid='seq',
     tokenize='porter unicode61 remove_diacritics 2'
 );
-CREATE INDEX IF NOT EXISTS nodes_created ON nodes(created_at, seq);
 CREATE TRIGGER IF NOT EXISTS nodes_ai AFTER INSERT ON nodes BEGIN
     INSERT INTO nodes_fts(rowid, text) VALUES (new.seq, new.text);
 END;
@@ -103,26 +132,26 @@ END;
 """
 
 _INSERT = (
-    "INSERT INTO nodes (id, node_type, text, created_at, source_episode_id, related_node_ids,"
-    " properties) VALUES (?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO nodes (seq, id, node_type, text, created_at, source_episode_id,"
+    " related_node_ids, properties) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# Candidates in BM25 order (FTS5 `rank` is bm25(), ascending = best first). Only the cheap
-# columns are read here; the text of the winners is fetched afterwards.
-_CANDIDATES = (
-    "SELECT f.rowid, f.rank, n.created_at FROM nodes_fts AS f"
-    " JOIN nodes AS n ON n.seq = f.rowid"
-    " WHERE nodes_fts MATCH ? ORDER BY f.rank"
+# Every match, newest first, with its blended score computed by SQLite (see the module
+# docstring; 1 - 3.2 / (r + 4) is 0.2 + 0.8 * r / (r + 4) with bm25() called once). Rows are
+# produced one at a time as the caller reads, so stopping early saves the BM25 of the rest.
+_RANKED_MATCHES = (
+    "SELECT rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_fts))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, rowid - :now) * :decay))"
+    " FROM nodes_fts WHERE nodes_fts MATCH :expr ORDER BY rowid DESC LIMIT :cap"
 )
-
-
-# Matches of a word found in most nodes, newest first: walks the created_at index backwards
-# and stops after `limit`, instead of scoring every node.
-_NEWEST_MATCHES = (
-    "SELECT seq, 0.0, created_at FROM nodes INDEXED BY nodes_created"
-    " WHERE +seq IN (SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ?)"
-    " ORDER BY created_at DESC, seq DESC LIMIT ?"
-)
+# Matches of a word found in most nodes: the newest `limit`, read straight off the index.
+_NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
+_NODE = "SELECT id, node_type, text, created_at FROM nodes WHERE seq = ?"
+# The taken keys from a candidate upwards, to find the first free one.
+_KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 
 
 class StoreError(Exception):
@@ -205,12 +234,35 @@ def score_of(bm25: float, created_at: float, now: float) -> float:
     return relevance_of(bm25) * ((1.0 - RECENCY_WEIGHT) + RECENCY_WEIGHT * recency)
 
 
+def idf_bound(total: int, docs: int) -> float:
+    """An upper bound of FTS5's IDF for a word in at least ``docs`` of ``total`` nodes.
+
+    FTS5 computes ``log((N - n + 0.5) / (n + 0.5))`` and lifts anything not positive to 1e-6;
+    the value only grows as ``n`` shrinks, so a lower bound of ``n`` gives an upper bound.
+    """
+    n = max(0, docs)
+    idf = math.log((max(total, n) - n + 0.5) / (n + 0.5))
+    return idf if idf > 1e-6 else 1e-6
+
+
 def _epoch(value: Timestamp | None) -> float:
     if value is None:
         return time.time()
     if isinstance(value, datetime):
         return value.timestamp()
     return float(value)
+
+
+def _key_of(created_at: float) -> int:
+    """The time-ordered key of a node created at ``created_at`` (before collisions)."""
+    if not math.isfinite(created_at) or abs(created_at) > MAX_ABS_EPOCH_S:
+        raise StoreError("created_at must be a finite time within a few thousand years")
+    return math.floor(created_at * KEY_SCALE)
+
+
+def _now_key(now: float) -> int:
+    # Clamped like a stored key so a far-off `now` cannot overflow SQLite's integers.
+    return math.floor(max(-MAX_ABS_EPOCH_S, min(MAX_ABS_EPOCH_S, now)) * KEY_SCALE)
 
 
 class MemoryStore:
@@ -220,8 +272,14 @@ class MemoryStore:
         self._conn = conn
         self._lock = threading.Lock()
         self._closed = False
-        # term -> (nodes holding it, store size when counted); see _docs_with.
+        # term -> (nodes holding it, self._writes when counted); see _docs_with.
         self._doc_counts: dict[str, tuple[int, int]] = {}
+        # Nodes added or removed through this connection, ever; bounds how stale a count is.
+        self._writes = 0
+        # The node count, kept current by our own writes; recounted when another
+        # connection has committed (PRAGMA data_version moves only for those).
+        self._total = -1
+        self._data_version = -1
         self.path = path
 
     @classmethod
@@ -229,14 +287,16 @@ class MemoryStore:
         """Open (creating as needed, parent folders included) the database at ``path``."""
         db_path = Path(path)
         db_path.parent.mkdir(parents=True, exist_ok=True)
-        # The server drives the store from one worker thread that is not the opener's;
-        # the lock below serialises every use, so sharing the connection is safe.
+        # The server may drive the store from a thread that is not the opener's; the lock
+        # below serialises every use, so sharing the connection is safe.
         conn = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
-            conn.executescript(_SCHEMA)
+            _prepare_schema(conn)
+            conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
+            _ensure_exp(conn)
         except sqlite3.Error:
             conn.close()
             raise
@@ -275,19 +335,21 @@ class MemoryStore:
 
         Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples.
         """
-        rows: list[tuple[str, str, str, float, str | None, str, str]] = []
+        rows: list[tuple[int, str, str, str, float, str | None, str, str]] = []
         for item in nodes:
             node = item if isinstance(item, NewNode) else NewNode(*item)
             if not isinstance(node.text, str) or not node.text.strip():
                 raise StoreError("text must be a non-empty string")
             if not isinstance(node.node_type, str) or not node.node_type:
                 raise StoreError("node_type must be a non-empty string")
+            created_at = _epoch(node.created_at)
             rows.append(
                 (
+                    _key_of(created_at),
                     str(uuid.uuid4()),
                     node.node_type,
                     node.text,
-                    _epoch(node.created_at),
+                    created_at,
                     node.source_episode_id,
                     json.dumps(list(node.related_node_ids)),
                     json.dumps(dict(node.properties), sort_keys=True),
@@ -295,14 +357,36 @@ class MemoryStore:
             )
         with self._lock:
             self._check_open()
+            self._sync_total()
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(_INSERT, rows)
+                # Where to resume probing for each wanted key, so a batch sharing one
+                # timestamp does not walk the same run of taken keys again for every node.
+                resume: dict[int, int] = {}
+                for row in rows:
+                    wanted = row[0]
+                    key = self._free_key(resume.get(wanted, wanted))
+                    resume[wanted] = key + 1
+                    self._conn.execute(_INSERT, (key, *row[1:]))
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-        return [row[0] for row in rows]
+            self._writes += len(rows)
+            self._total += len(rows)
+        return [row[1] for row in rows]
+
+    def _free_key(self, key: int) -> int:
+        """The first key at or after ``key`` that no node holds (lock held)."""
+        cursor = self._conn.execute(_KEYS_FROM, (key,))
+        try:
+            for (taken,) in cursor:
+                if taken != key:
+                    break
+                key += 1
+        finally:
+            cursor.close()
+        return key
 
     def query(
         self, text: str, limit: int = DEFAULT_LIMIT, now: Timestamp | None = None
@@ -313,35 +397,23 @@ class MemoryStore:
         terms = query_terms(text)
         if not terms:
             return []
-        now_s = _epoch(now)
-        # Min-heap of the best `limit` so far, keyed so the root is the weakest kept result.
-        best: list[tuple[float, float, int]] = []
+        now_key = _now_key(_epoch(now))
         with self._lock:
             self._check_open()
-            kept, all_common = self._plan(terms)
+            total = self._sync_total()
+            kept, counts, all_common = self._plan(terms, total)
             expression = fts_expression(kept)
-            cursor = self._conn.execute(
-                _NEWEST_MATCHES if all_common else _CANDIDATES,
-                (expression, limit) if all_common else (expression,),
-            )
-            try:
-                for seq, bm25, created_at in cursor:
-                    if len(best) == limit and relevance_of(bm25) < best[0][0]:
-                        # score <= relevance, and relevance only falls from here on.
-                        break
-                    key = (score_of(bm25, created_at, now_s), created_at, seq)
-                    if len(best) < limit:
-                        heapq.heappush(best, key)
-                    elif key > best[0]:
-                        heapq.heapreplace(best, key)
-            finally:
-                cursor.close()
-            ranked = sorted(best, reverse=True)
+            if all_common:
+                ranked = self._newest(expression, limit, now_key)
+            else:
+                bound = 1.0
+                if counts is not None:
+                    r_max = (BM25_K1 + 1.0) * sum(idf_bound(total, n) for n in counts)
+                    bound = relevance_of(-r_max)
+                ranked = self._best(expression, limit, now_key, bound)
             hits: list[MemoryHit] = []
-            for score, created_at, seq in ranked:
-                row = self._conn.execute(
-                    "SELECT id, node_type, text FROM nodes WHERE seq = ?", (seq,)
-                ).fetchone()
+            for score, seq in ranked:
+                row = self._conn.execute(_NODE, (seq,)).fetchone()
                 if row is None:  # pragma: no cover - the lock rules out a concurrent delete
                     continue
                 hits.append(
@@ -350,13 +422,78 @@ class MemoryStore:
                         node_type=row[1],
                         text=row[2],
                         score=min(1.0, max(0.0, score)),
-                        created_at=created_at,
+                        created_at=row[3],
                     )
                 )
         return hits
 
-    def _plan(self, terms: list[str]) -> tuple[list[str], bool]:
-        """Choose the words worth matching on a large store; True when all of them are common.
+    def _best(
+        self, expression: str | None, limit: int, now_key: int, bound: float
+    ) -> list[tuple[float, int]]:
+        """The top ``limit`` (score, seq) of a match, best first (lock held).
+
+        Rows arrive newest first with their score; ``bound`` is the most relevance any match
+        can have. The scan stops at the first key no older node can beat (module docstring).
+        """
+        # Min-heap of the best `limit` so far: the root is the weakest kept result. Equal
+        # scores keep the larger (newer) seq, which is the one read first.
+        best: list[tuple[float, int]] = []
+        stop_at: int | None = None  # scanning ends at keys <= this
+        cursor = self._conn.execute(
+            _RANKED_MATCHES,
+            {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS},
+        )
+        try:
+            for seq, score in cursor:
+                if stop_at is not None and seq <= stop_at:
+                    break
+                item = (score, seq)
+                if len(best) < limit:
+                    heapq.heappush(best, item)
+                    if len(best) < limit:
+                        continue
+                elif item > best[0]:
+                    heapq.heapreplace(best, item)
+                else:
+                    continue
+                stop_at = _stop_key(best[0][0], bound, now_key)
+        finally:
+            cursor.close()
+        return sorted(best, reverse=True)
+
+    def _newest(self, expression: str | None, limit: int, now_key: int) -> list[tuple[float, int]]:
+        """The newest ``limit`` matches scored with a BM25 of 0 (lock held): words in most
+        nodes get an IDF of about zero, so recency alone orders them."""
+        floor = relevance_of(0.0)
+        rows = self._conn.execute(_NEWEST_MATCHES, (expression, limit)).fetchall()
+        return [
+            (
+                floor
+                * (
+                    (1.0 - RECENCY_WEIGHT)
+                    + RECENCY_WEIGHT * math.exp(min(0, seq - now_key) * _DECAY_PER_KEY)
+                ),
+                seq,
+            )
+            for (seq,) in rows
+        ]
+
+    def _sync_total(self) -> int:
+        """The node count (lock held): cached, recounted after another connection's commit."""
+        version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        if version != self._data_version or self._total < 0:
+            if self._data_version != -1:
+                # Another process wrote: cached word counts no longer bound anything.
+                self._doc_counts.clear()
+            self._total = int(self._conn.execute("SELECT count(*) FROM nodes").fetchone()[0])
+            self._data_version = version
+        return self._total
+
+    def _plan(self, terms: list[str], total: int) -> tuple[list[str], list[int] | None, bool]:
+        """Choose the words worth matching on a large store (lock held).
+
+        Returns the kept words, a lower bound of how many nodes hold each (None on a small
+        store, where nothing is counted) and whether all of the words are common.
 
         A word found in at least half the nodes gets an IDF clamped to almost zero by FTS5, so
         it adds nothing to BM25, yet every node holding it would have to be scored (in an
@@ -364,47 +501,52 @@ class MemoryStore:
         remain; the only loss is that nodes matching nothing but common words no longer fill up
         a short result list. When every word is common, the rarest is kept and the caller ranks
         its matches by recency alone, which is what the formula yields for a BM25 of ~0.
-        Runs with the lock held.
         """
-        total = int(self._conn.execute("SELECT count(*) FROM nodes").fetchone()[0])
         if total < PRUNE_MIN_NODES:
-            return terms, False
-        counted = [(self._docs_with(term, total), term) for term in terms]
-        kept = [term for docs, term in counted if docs * 2 < total]
+            return terms, None, False
+        counted = [(*self._docs_with(term), term) for term in terms]
+        kept = [(low, term) for docs, low, term in counted if docs * 2 < total]
         if kept:
-            return kept, False
-        return [min(counted)[1]], True
+            return [term for _, term in kept], [low for low, _ in kept], False
+        rarest = min(counted)
+        return [rarest[2]], [rarest[1]], True
 
-    def _docs_with(self, term: str, total: int) -> int:
-        """How many nodes hold ``term`` (lock held), from a cache while the store size holds.
+    def _docs_with(self, term: str) -> tuple[int, int]:
+        """How many nodes held ``term`` when counted, and a lower bound of how many hold it now.
 
-        Counting a word found in most of 100,000 nodes takes milliseconds, and the answer only
-        matters as a fraction of the store, which moves slowly; so a count is reused until the
-        store has grown or shrunk by a tenth since it was taken.
+        Counting a word found in most of 100,000 nodes takes milliseconds, so counts are
+        cached. Each node written since moves the true count by at most one, so the count minus
+        those writes is a safe lower bound; the count is taken again once the writes since
+        exceed a tenth of it. Runs with the lock held.
         """
         cached = self._doc_counts.get(term)
-        if cached is not None and abs(total - cached[1]) * 10 <= cached[1]:
-            return cached[0]
+        if cached is not None:
+            drift = self._writes - cached[1]
+            if drift * 10 <= cached[0]:
+                return cached[0], max(0, cached[0] - drift)
         row = self._conn.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
         docs = int(row[0])
         if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
             self._doc_counts.clear()
-        self._doc_counts[term] = (docs, total)
-        return docs
+        self._doc_counts[term] = (docs, self._writes)
+        return docs, docs
 
     def delete(self, node_id: str) -> bool:
         """Remove a node (and its index entry); True if it existed."""
         with self._lock:
             self._check_open()
+            self._sync_total()
             cursor = self._conn.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
-            return cursor.rowcount > 0
+            removed = cursor.rowcount
+            self._writes += removed
+            self._total -= removed
+            return removed > 0
 
     def count(self) -> int:
         """How many nodes are stored."""
         with self._lock:
             self._check_open()
-            row = self._conn.execute("SELECT count(*) FROM nodes").fetchone()
-        return int(row[0])
+            return self._sync_total()
 
     def close(self) -> None:
         """Close the database; idempotent. Later calls raise :class:`StoreError`."""
@@ -414,3 +556,96 @@ class MemoryStore:
             self._closed = True
             self._conn.close()
         logger.info("memory store closed")
+
+
+def _stop_key(weakest: float, bound: float, now_key: int) -> int | None:
+    """The newest key at which no match can beat ``weakest`` any more; None if none is.
+
+    A match at key ``k <= now_key`` scores at most ``bound * (0.6 + 0.4 * recency(k))``; this
+    solves ``bound * (0.6 + 0.4 * recency) <= weakest`` for the key, erring towards older.
+    """
+    floor = 1.0 - RECENCY_WEIGHT
+    # Slightly under, so float rounding can only make the scan go on, never stop too soon.
+    recency = (weakest / bound - floor) / RECENCY_WEIGHT * (1.0 - 1e-9)
+    if recency <= 0.0:
+        return None
+    if recency >= 1.0:
+        # Even a brand-new match could not beat it: only keys in the future still can.
+        return now_key
+    return math.floor(now_key + math.log(recency) / _DECAY_PER_KEY) - 1
+
+
+def _prepare_schema(conn: sqlite3.Connection) -> None:
+    """Create the tables, or move a database written with insertion-ordered keys to
+    time-ordered ones (once, in one transaction)."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version >= SCHEMA_VERSION:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        exists = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'nodes'"
+        ).fetchone()
+        if exists is not None:
+            _rekey(conn)
+        for statement in _split_script(_TABLES):
+            conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _rekey(conn: sqlite3.Connection) -> None:
+    """Renumber every node by time (transaction open) and rebuild the index to match."""
+    count = int(conn.execute("SELECT count(*) FROM nodes").fetchone()[0])
+    logger.info("memory store: re-keying %d nodes by creation time (one-time upgrade)", count)
+    for name in ("nodes_ai", "nodes_ad", "nodes_au"):
+        conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+    conn.execute("DROP TABLE IF EXISTS nodes_fts")
+    conn.execute("DROP INDEX IF EXISTS nodes_created")
+    conn.execute("ALTER TABLE nodes RENAME TO nodes_old")
+    for statement in _split_script(_TABLES):
+        conn.execute(statement)
+    columns = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
+    previous: int | None = None
+    for row in conn.execute(f"SELECT {columns} FROM nodes_old ORDER BY created_at, seq"):
+        created_at = float(row[3])
+        key = math.floor(max(-MAX_ABS_EPOCH_S, min(MAX_ABS_EPOCH_S, created_at)) * KEY_SCALE)
+        if previous is not None and key <= previous:
+            key = previous + 1
+        previous = key
+        conn.execute(_INSERT, (key, *row))
+    conn.execute("DROP TABLE nodes_old")
+
+
+def _split_script(script: str) -> list[str]:
+    """The statements of :data:`_TABLES` (triggers hold inner semicolons), for execute()."""
+    statements: list[str] = []
+    current: list[str] = []
+    for line in script.strip().splitlines():
+        current.append(line)
+        text = "\n".join(current)
+        if line.rstrip().endswith(";") and sqlite3.complete_statement(text):
+            statements.append(text)
+            current = []
+    return statements
+
+
+def _ensure_exp(conn: sqlite3.Connection) -> None:
+    """Make sure SQL ``exp()`` exists: builds of SQLite without its math functions get a
+    deterministic Python one (slower per row, same results)."""
+    try:
+        conn.execute("SELECT exp(0)").fetchone()
+    except sqlite3.OperationalError:
+        conn.create_function("exp", 1, _sql_exp, deterministic=True)
+
+
+def _sql_exp(value: float | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return math.exp(value)
+    except OverflowError:
+        return math.inf

@@ -392,13 +392,32 @@ class MemoryStore:
         self, text: str, limit: int = DEFAULT_LIMIT, now: Timestamp | None = None
     ) -> list[MemoryHit]:
         """The best ``limit`` nodes for ``text``, best first (see the module docstring)."""
+        hits = self._query(text, limit, now, wait=True)
+        assert hits is not None  # a waiting call always gets the lock
+        return hits
+
+    def try_query(
+        self, text: str, limit: int = DEFAULT_LIMIT, now: Timestamp | None = None
+    ) -> list[MemoryHit] | None:
+        """Like :meth:`query`, but None at once if another caller holds the store.
+
+        For callers that must not wait behind a write (an event loop thread): they can run
+        the query elsewhere when it returns None.
+        """
+        return self._query(text, limit, now, wait=False)
+
+    def _query(
+        self, text: str, limit: int, now: Timestamp | None, *, wait: bool
+    ) -> list[MemoryHit] | None:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise StoreError(f"limit must be an integer between 1 and {MAX_LIMIT}")
         terms = query_terms(text)
         if not terms:
             return []
         now_key = _now_key(_epoch(now))
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             self._check_open()
             total = self._sync_total()
             kept, counts, all_common = self._plan(terms, total)
@@ -425,6 +444,8 @@ class MemoryStore:
                         created_at=row[3],
                     )
                 )
+        finally:
+            self._lock.release()
         return hits
 
     def _best(

@@ -437,6 +437,32 @@ async def test_limit_caps_the_results(client: StoreClient) -> None:
     assert three["total"] == 3 and len(three["results"]) == 3
 
 
+@pytest.mark.asyncio
+async def test_a_recall_waiting_for_a_busy_store_never_stalls_other_clients(
+    server: StoreServer, client: StoreClient
+) -> None:
+    await client.call("Sync.MemoryStoreRequest", {"text": "I prefer oolong tea", "node_type": "e"})
+    async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+        other = StoreClient(ws)
+        await other.handshake()
+        # Stands in for a long write holding the store.
+        assert server.store._lock.acquire(timeout=WAIT_S)
+        try:
+            await client.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": "held",
+                    "method": "Sync.MemoryQueryRequest",
+                    "params": {"query": "oolong"},
+                }
+            )
+            assert await other.call("Base.Heartbeat", {}) == {"ok": True}
+        finally:
+            server.store._lock.release()
+        reply = await client.reply_to("held")
+    assert [r["text"] for r in reply["result"]["results"]] == ["I prefer oolong tea"]
+
+
 # -- operations -----------------------------------------------------------------------------
 
 

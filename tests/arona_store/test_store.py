@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -173,3 +174,143 @@ def test_concurrent_callers_from_threads_are_safe(store: MemoryStore) -> None:
         t.join(timeout=30)
     assert errors == []
     assert store.count() == 120
+
+
+def _words(rng: random.Random, vocabulary: list[str], count: int) -> str:
+    return " ".join(rng.choice(vocabulary) for _ in range(count))
+
+
+def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
+    # Large enough for word counts and the early stop to be used; no word is in half the
+    # nodes, so the store matches every query word and a brute-force ranking can check it.
+    rng = random.Random(7)
+    vocabulary = [f"w{i}" for i in range(60)]
+    now = NOW.timestamp()
+    store = MemoryStore.open(tmp_path / "s.db")
+    try:
+        store.add_many(
+            (
+                _words(rng, vocabulary, rng.randint(3, 12)),
+                "episode",
+                now - rng.uniform(0, 120 * DAY),
+            )
+            for _ in range(PRUNE_MIN_NODES + 500)
+        )
+        with sqlite3.connect(tmp_path / "s.db") as check:
+            for query in ("w1 w2 w3", "w7", "w10 w20 w30 w40", "w5 w5 w6", "w59 w0"):
+                expression = build_fts_query(query)
+                rows = check.execute(
+                    "SELECT n.id, bm25(nodes_fts), n.created_at FROM nodes_fts"
+                    " JOIN nodes AS n ON n.seq = nodes_fts.rowid WHERE nodes_fts MATCH ?",
+                    (expression,),
+                ).fetchall()
+                expected = sorted(
+                    ((score_of(b, created, now), created, node_id) for node_id, b, created in rows),
+                    reverse=True,
+                )
+                for limit in (1, 5, 40):
+                    hits = store.query(query, limit, now=NOW)
+                    assert [h.node_id for h in hits] == [e[2] for e in expected[:limit]], query
+                    assert [h.score for h in hits] == pytest.approx(
+                        [e[0] for e in expected[:limit]], abs=1e-9
+                    )
+    finally:
+        store.close()
+
+
+def test_nodes_sharing_a_timestamp_are_all_kept_newest_insert_first(store: MemoryStore) -> None:
+    first = store.add_many([(f"lantern {i}", "episode", NOW) for i in range(50)])
+    later = store.add("lantern 50", "episode", NOW)
+    assert store.count() == 51
+    hits = store.query("lantern", 100, now=NOW)
+    assert len(hits) == 51
+    # Same relevance and time: the later insertion ranks first.
+    assert hits[0].node_id == later
+    assert {h.node_id for h in hits} == {*first, later}
+    assert all(h.created_at == NOW.timestamp() for h in hits)
+
+
+@pytest.mark.parametrize("created_at", [float("nan"), float("inf"), -float("inf"), 1e13])
+def test_impossible_timestamps_are_refused(store: MemoryStore, created_at: float) -> None:
+    with pytest.raises(StoreError, match="created_at"):
+        store.add_many([("fine", "episode"), ("bad", "episode", created_at)])
+    assert store.count() == 0
+
+
+def test_timestamps_before_1970_and_in_the_future_rank_by_time(store: MemoryStore) -> None:
+    ancient = store.add("kite flying", "episode", -5e8)
+    future = store.add("kite flying", "episode", NOW + timedelta(days=400))
+    recent = store.add("kite flying", "episode", NOW - timedelta(days=1))
+    hits = store.query("kite", 5, now=NOW)
+    assert [h.node_id for h in hits] == [future, recent, ancient]
+    assert hits[0].score == pytest.approx(score_of(-1e-6, NOW.timestamp(), NOW.timestamp()))
+
+
+_OLD_LAYOUT = """
+CREATE TABLE nodes (
+    seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, node_type TEXT NOT NULL,
+    text TEXT NOT NULL, created_at REAL NOT NULL, source_episode_id TEXT,
+    related_node_ids TEXT NOT NULL DEFAULT '[]', properties TEXT NOT NULL DEFAULT '{}'
+);
+CREATE VIRTUAL TABLE nodes_fts USING fts5(
+    text, content='nodes', content_rowid='seq', tokenize='porter unicode61 remove_diacritics 2'
+);
+CREATE INDEX nodes_created ON nodes(created_at, seq);
+CREATE TRIGGER nodes_ai AFTER INSERT ON nodes BEGIN
+    INSERT INTO nodes_fts(rowid, text) VALUES (new.seq, new.text);
+END;
+"""
+
+
+def test_a_database_with_insertion_ordered_keys_is_upgraded(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.executescript(_OLD_LAYOUT)
+        # Inserted oldest last, so insertion order and time order disagree.
+        for i, days in enumerate((1, 5, 30, 2)):
+            old.execute(
+                "INSERT INTO nodes (id, node_type, text, created_at) VALUES (?, ?, ?, ?)",
+                (f"id-{i}", "episode", f"ferry ride {i}", (NOW - timedelta(days=days)).timestamp()),
+            )
+    store = MemoryStore.open(path)
+    try:
+        assert store.count() == 4
+        hits = store.query("ferry", 10, now=NOW)
+        assert [h.node_id for h in hits] == ["id-0", "id-3", "id-1", "id-2"]
+        assert store.delete("id-3") is True
+        assert [h.node_id for h in store.query("ferry", 10, now=NOW)] == ["id-0", "id-1", "id-2"]
+    finally:
+        store.close()
+    reopened = MemoryStore.open(path)
+    try:
+        assert [h.node_id for h in reopened.query("ride", 10, now=NOW)] == ["id-0", "id-1", "id-2"]
+    finally:
+        reopened.close()
+
+
+def test_writes_through_another_connection_are_seen(tmp_path: Path) -> None:
+    path = tmp_path / "shared.db"
+    reader = MemoryStore.open(path)
+    writer = MemoryStore.open(path)
+    try:
+        assert reader.query("harbour", 5) == []
+        assert reader.count() == 0
+        writer.add_many((f"errand {i}", "episode") for i in range(PRUNE_MIN_NODES))
+        planted = writer.add("the harbour opens at six", "episode")
+        assert reader.count() == PRUNE_MIN_NODES + 1
+        assert [h.node_id for h in reader.query("harbour", 5)] == [planted]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_try_query_gives_way_to_a_busy_store(store: MemoryStore) -> None:
+    store.add("quiet pond", "episode", NOW)
+    acquired = store._lock.acquire(timeout=5)
+    assert acquired
+    try:
+        assert store.try_query("pond", 5, now=NOW) is None
+    finally:
+        store._lock.release()
+    hits = store.try_query("pond", 5, now=NOW)
+    assert hits is not None and [h.text for h in hits] == ["quiet pond"]

@@ -15,6 +15,10 @@ answer must not fail the others, and its late reply is simply skipped because no
 waiter is left for its id. A link the peer has started to close (a close frame, even
 with the TCP connection left open) is never reused.
 
+Frames are encoded and decoded with ``orjson`` (the standard ``json`` module is the
+fallback only for what orjson refuses but JSON allows, such as an escaped lone surrogate),
+and request ids come from a counter: both are paid on every call.
+
 The token travels on the upgrade URL and in the handshake, so nothing here ever
 prints it: URLs go through :func:`~arona_grpc.redact.redact_url`, free text through
 :func:`~arona_grpc.redact.redact_text`, and the websockets library's own debug lines
@@ -24,15 +28,16 @@ prints it: URLs go through :func:`~arona_grpc.redact.redact_url`, free text thro
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
+import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.protocol import State
@@ -112,14 +117,20 @@ class _RedactingAdapter(logging.LoggerAdapter[logging.Logger]):
 class _Connection:
     """One open WebSocket: the reader task and the callers waiting for replies."""
 
-    def __init__(self, ws: ClientConnection, redact: Callable[[str], str]) -> None:
+    def __init__(
+        self, ws: ClientConnection, redact: Callable[[str], str], ids: Iterator[int]
+    ) -> None:
         self.ws = ws
         self._redact = redact
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.closed = False
         # Loop time of the last frame received: tells a dead link from a slow answer.
         self.last_frame_at = 0.0
-        self.reader = asyncio.get_running_loop().create_task(self._read())
+        # The client's id counter: an id is never reused, not even on a later link, so
+        # a late reply can only find its own (gone) caller. Far cheaper than a UUID.
+        self._ids = ids
+        self._loop = asyncio.get_running_loop()
+        self.reader = self._loop.create_task(self._read())
 
     @property
     def usable(self) -> bool:
@@ -130,13 +141,14 @@ class _Connection:
         """Send one request and return its ``result``; raise on an error reply."""
         if self.closed:
             raise PhiliaUnavailable("the Philia connection is closed")
-        request_id = str(uuid.uuid4())
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        request_id = str(next(self._ids))
+        reply: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         self.pending[request_id] = reply
         try:
             frame = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
             try:
-                await self.ws.send(json.dumps(frame))
+                # UTF-8 bytes sent as a text frame: no str round trip.
+                await self.ws.send(_encode(frame), text=True)
             except ConnectionClosed:
                 raise PhiliaUnavailable("Philia closed the connection") from None
             answer = await reply
@@ -165,14 +177,15 @@ class _Connection:
         """Route replies to waiting callers until the link ends; never raises."""
         reason: PhiliaError
         try:
-            loop = asyncio.get_running_loop()
+            clock = self._loop.time
+            pending = self.pending
             async for raw in self.ws:
-                self.last_frame_at = loop.time()
+                self.last_frame_at = clock()
                 frame = _decode(raw)
                 request_id = frame.get("id")
                 if not isinstance(request_id, str):
                     continue  # notification, greeting, heartbeat ack, broadcast
-                waiter = self.pending.get(request_id)
+                waiter = pending.get(request_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(frame)
             reason = PhiliaUnavailable("Philia closed the connection")
@@ -205,14 +218,28 @@ class _Connection:
         await asyncio.wait([self.reader])
 
 
+def _encode(frame: dict[str, Any]) -> bytes:
+    """One request as UTF-8 JSON."""
+    try:
+        return orjson.dumps(frame)
+    except TypeError:
+        # orjson refuses lone surrogates in a str; json escapes them, as before.
+        return json.dumps(frame).encode()
+
+
 def _decode(raw: str | bytes) -> dict[str, Any]:
     """Parse one frame; anything but a JSON object in a text frame is malformed."""
     if not isinstance(raw, str):
         raise PhiliaUnavailable("malformed frame from Philia (binary)")
     try:
-        frame = json.loads(raw, parse_constant=_reject_constant)
+        frame = orjson.loads(raw)
     except ValueError:
-        raise PhiliaUnavailable("malformed frame from Philia (not JSON)") from None
+        # orjson refuses a few things JSON allows (an escaped lone surrogate, a number
+        # too large for a double): the standard parser decides those rare frames.
+        try:
+            frame = json.loads(raw, parse_constant=_reject_constant)
+        except ValueError:
+            raise PhiliaUnavailable("malformed frame from Philia (not JSON)") from None
     if not isinstance(frame, dict):
         raise PhiliaUnavailable("malformed frame from Philia (not an object)")
     return frame
@@ -233,6 +260,7 @@ class PhiliaClient:
         self._secrets = _secret_forms(token)
         self._ws_logger = _RedactingAdapter(logging.getLogger("websockets.client"), self._secrets)
         self._conn: _Connection | None = None
+        self._ids = itertools.count(1)
         self._connecting: asyncio.Task[_Connection] | None = None
         self._closed = False
 
@@ -396,7 +424,7 @@ class PhiliaClient:
         try:
             async with asyncio.timeout(self._timeout_s):
                 ws = await self._upgrade()
-                conn = _Connection(ws, self.redact)
+                conn = _Connection(ws, self.redact, self._ids)
                 result = await conn.request(
                     "Sync.ConnectHandshake",
                     {

@@ -2,9 +2,10 @@
 
 This module owns everything the gateway sends to, and reads back from, the LLM that answers a
 turn. :class:`OpenAIUpstream` talks to any OpenAI-compatible API over one shared
-``httpx.AsyncClient`` (one connection pool for the life of the process); :class:`EchoModel` is
-the deterministic development default used when no upstream is configured: it repeats the last
-user message and shows the memory section it received, so recall is visible without an LLM.
+``aiohttp.ClientSession`` (one keep-alive connection pool for the life of the process, plain
+http or TLS, proxies from the environment); :class:`EchoModel` is the deterministic development
+default used when no upstream is configured: it repeats the last user message and shows the
+memory section it received, so recall is visible without an LLM.
 
 Both speak plain ``dict`` request and response bodies in OpenAI's shape. Every failure surfaces
 as :class:`UpstreamError` whose message is safe to show a client: it never carries the API key or
@@ -17,17 +18,17 @@ import contextlib
 import logging
 import re
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
 import orjson
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
-from gateway_http.http1 import Http1Error, Http1Pool, Http1Stream, Http1Timeout
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,16 @@ _MAX_DETAIL_CHARS = 300
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _CONNECT_TIMEOUT_S = 10.0
 # Sized for a gateway fanning many concurrent turns out to one or two upstream hosts: enough
-# keep-alive connections that a burst does not pay a TCP/TLS handshake per request.
-_POOL_LIMITS = httpx.Limits(
-    max_connections=1000, max_keepalive_connections=256, keepalive_expiry=30.0
-)
+# connections that a burst does not queue, kept alive so it does not pay a TCP/TLS handshake
+# per request.
+_MAX_CONNECTIONS = 1000
+_KEEPALIVE_S = 30.0
+_USER_AGENT = "arona-gateway"
 _ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
 _WORDS = re.compile(r"\s*\S+\s*")
 _WHITESPACE = re.compile(r"\s+")
+# What a host may be made of once yarl has IDNA-encoded it (IPv6 literals and zone ids included).
+_HOST = re.compile(r"[A-Za-z0-9._~%:-]+")
 
 
 class UpstreamError(Exception):
@@ -107,9 +111,13 @@ def message_text(message: Any) -> str:
 
 
 class OpenAIUpstream:
-    """An OpenAI-compatible ``/v1`` API reached over one shared ``httpx.AsyncClient``.
+    """An OpenAI-compatible ``/v1`` API reached over one shared ``aiohttp.ClientSession``.
 
     A ``base_url`` that is not an http(s) URL with a host raises ``ConfigError`` at once.
+    Credentials in the URL are sent as basic auth (and then take the place of the bearer key,
+    as there is one ``Authorization`` header). The session is made on first use, inside the
+    running loop, and closed by :meth:`aclose`; a ``session`` passed in is used as it is
+    (its timeouts, pool and proxy settings) and left open for its owner to close.
     """
 
     name = "upstream"
@@ -120,114 +128,97 @@ class OpenAIUpstream:
         api_key: str | None = None,
         *,
         timeout_s: float = 600.0,
-        client: httpx.AsyncClient | None = None,
+        session: aiohttp.ClientSession | None = None,
     ) -> None:
         base = base_url.rstrip("/")
-        _check_base_url(base)
-        self._chat_url = f"{base}/chat/completions"
-        self._models_url = f"{base}/models"
+        url = _parse_base_url(base)
+        basic = aiohttp.BasicAuth.from_url(url, encoding="utf-8")
+        # Built once: aiohttp takes a URL object as it is, without parsing a string per request.
+        plain = str(url.with_user(None)).rstrip("/")
+        self._chat_url = URL(f"{plain}/chat/completions", encoded=True)
+        self._models_url = URL(f"{plain}/models", encoded=True)
         self._safe_url = redact_url(base)
         self._api_key = api_key or None
-        self._owns_client = client is None
-        # Whole requests over plain http go through the lean client (see gateway_http.http1);
-        # httpx serves streaming, TLS, proxies and a client passed in.
-        self._fast: Http1Pool | None = None
-        if client is None:
-            self._fast = _fast_pool(base, timeout_s)
-        self._client = client or httpx.AsyncClient(
-            # The read timeout bounds the silence between two received bytes, so a long
-            # streamed answer is fine as long as tokens keep coming.
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
-            limits=_POOL_LIMITS,
-        )
-        auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        if self._fast is not None:
-            url = httpx.URL(base)
-            head = f"Host: {url.netloc.decode('ascii')}\r\nAccept: application/json\r\n"
-            head += "User-Agent: arona-gateway\r\n"
-            if self._api_key:
-                head += f"Authorization: Bearer {self._api_key}\r\n"
-            path = url.raw_path.decode("ascii").rstrip("/")
-            self._fast_chat = (
-                f"POST {path}/chat/completions HTTP/1.1\r\n{head}"
-                "Content-Type: application/json\r\nContent-Length: "
-            ).encode("latin-1")
-            self._fast_stream = (
-                f"POST {path}/chat/completions HTTP/1.1\r\n"
-                + head.replace("Accept: application/json", "Accept: text/event-stream")
-                + "Content-Type: application/json\r\nContent-Length: "
-            ).encode("latin-1")
-            self._fast_models = f"GET {path}/models HTTP/1.1\r\n{head}\r\n".encode("latin-1")
-        self._json_headers = {
-            **auth,
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-        }
+        self._timeout_s = timeout_s
+        self._session = session
+        self._owns_session = session is None
+        self._closed = False
+        # The proxy is looked up once, from the same variables and in the same way as aiohttp's
+        # trust_env does; trust_env itself looks it up (and reads ~/.netrc) in a worker thread
+        # on every request, which costs several times the request itself.
+        self._proxy: URL | None = None
+        self._proxy_headers: dict[str, str] | None = None
+        auth: dict[str, str] = {}
+        if session is None:
+            self._proxy, proxy_auth = _env_proxy(url)
+            if proxy_auth is not None and url.scheme == "https":
+                # Tunnelled: the credentials go on the CONNECT request only.
+                self._proxy_headers = {"Proxy-Authorization": proxy_auth}
+            elif proxy_auth is not None:
+                # Forwarded: the proxy reads them off the request itself.
+                auth["Proxy-Authorization"] = proxy_auth
+        if basic is not None:
+            auth["Authorization"] = basic.encode()
+        elif self._api_key:
+            auth["Authorization"] = f"Bearer {self._api_key}"
+        self._models_headers = {**auth, "Accept": "application/json", "User-Agent": _USER_AGENT}
+        self._json_headers = {**self._models_headers, "Content-Type": "application/json"}
         # Compression would make a proxy or the upstream buffer the event stream.
         self._stream_headers = {
             **auth,
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
             "Accept-Encoding": "identity",
+            "User-Agent": _USER_AGENT,
         }
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         payload = self._encode(body, stream=False)
-        if self._fast is not None:
-            request = b"%s%d\r\n\r\n%s" % (self._fast_chat, len(payload), payload)
-            return await self._fast_call(self._fast, request)
+        session = self._current_session()
         try:
-            response = await self._client.post(
-                self._chat_url, content=payload, headers=self._json_headers
-            )
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            async with session.post(
+                self._chat_url,
+                data=payload,
+                headers=self._json_headers,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers,
+                allow_redirects=False,
+            ) as response:
+                if response.status >= 400:
+                    raise self._http_error(response.status, await _read_capped(response))
+                content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
-        if response.status_code >= 400:
-            raise self._http_error(response.status_code, response.content)
-        return self._decode_object(response.content)
+        return self._decode_object(content)
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._encode(body, stream=True)
-        if self._fast is not None:
-            head = b"%s%d\r\n\r\n" % (self._fast_stream, len(payload))
-            try:
-                stream = await self._fast.open(head + payload)
-            except Http1Error as exc:
-                raise self._fast_error(exc) from None
-            # As below: whatever ends the iteration closes the response; an unfinished one
-            # closes its connection, so the upstream sees the request go away.
-            try:
-                if stream.status >= 400:
-                    error_body = await stream.read_capped(_MAX_ERROR_BODY_BYTES)
-                    raise self._http_error(stream.status, error_body)
-                async with contextlib.aclosing(self._chunks(_pieces(stream))) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-            except Http1Error as exc:
-                raise self._fast_error(exc, mid_stream=True) from None
-            finally:
-                stream.close()
-            return
+        session = self._current_session()
         try:
-            request = self._client.build_request(
-                "POST", self._chat_url, content=payload, headers=self._stream_headers
+            response = await session.post(
+                self._chat_url,
+                data=payload,
+                headers=self._stream_headers,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers,
+                allow_redirects=False,
             )
-            response = await self._client.send(request, stream=True)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
         # Whatever ends the iteration (the last event, an error, the consumer closing the
-        # generator or being cancelled) closes the response here; an unfinished HTTP/1.1
-        # response is not returned to the pool, so the upstream sees the request go away.
+        # generator or being cancelled) closes the response here. A body read to its end gives
+        # the connection back to the pool; any other is closed, so the upstream sees the
+        # request go away at once.
         try:
-            if response.status_code >= 400:
-                raise self._http_error(response.status_code, await _read_capped(response))
-            async with contextlib.aclosing(self._chunks(response.aiter_bytes())) as chunks:
+            if response.status >= 400:
+                raise self._http_error(response.status, await _read_capped(response))
+            async with contextlib.aclosing(self._chunks(response.content.iter_any())) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc, mid_stream=True) from None
         finally:
-            await response.aclose()
+            response.release()
 
     async def _chunks(self, pieces: AsyncIterator[bytes]) -> AsyncGenerator[dict[str, Any], None]:
         """The ``chat.completion.chunk`` objects of an event stream, up to ``[DONE]``."""
@@ -247,30 +238,55 @@ class OpenAIUpstream:
             raise UpstreamError("upstream stream ended early", None)
 
     async def models(self) -> dict[str, Any]:
-        if self._fast is not None:
-            return await self._fast_call(self._fast, self._fast_models)
+        session = self._current_session()
         try:
-            response = await self._client.get(self._models_url, headers=self._json_headers)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            async with session.get(
+                self._models_url,
+                headers=self._models_headers,
+                proxy=self._proxy,
+                proxy_headers=self._proxy_headers,
+                allow_redirects=False,
+            ) as response:
+                if response.status >= 400:
+                    raise self._http_error(response.status, await _read_capped(response))
+                content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
-        if response.status_code >= 400:
-            raise self._http_error(response.status_code, response.content)
-        return self._decode_object(response.content)
+        return self._decode_object(content)
 
     async def aclose(self) -> None:
-        if self._fast is not None:
-            await self._fast.aclose()
-        if self._owns_client:
-            await self._client.aclose()
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None and self._owns_session:
+            await session.close()
 
-    async def _fast_call(self, pool: Http1Pool, request: bytes) -> dict[str, Any]:
-        try:
-            response = await pool.request(request)
-        except Http1Error as exc:
-            raise self._fast_error(exc) from None
-        if response.status >= 400:
-            raise self._http_error(response.status, response.content[:_MAX_ERROR_BODY_BYTES])
-        return self._decode_object(response.content)
+    def _current_session(self) -> aiohttp.ClientSession:
+        """The shared session, made on first use: aiohttp binds it to the running loop."""
+        if self._session is not None:
+            return self._session
+        if self._closed:
+            logger.warning("upstream %s: request after the client was closed", self._safe_url)
+            raise UpstreamError("upstream unreachable", None)
+        connect_s = min(self._timeout_s, _CONNECT_TIMEOUT_S)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=_MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S
+            ),
+            # sock_read bounds the silence between two received bytes, so a long streamed
+            # answer is fine as long as tokens keep coming; connect bounds the wait for a
+            # pooled connection, sock_connect the TCP (and TLS) handshake of a new one.
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=self._timeout_s,
+                sock_connect=connect_s,
+                sock_read=self._timeout_s,
+            ),
+            # The proxy from the environment is passed with each request (see __init__).
+            trust_env=False,
+            # Cookies from one upstream reply must not ride along on another user's turn.
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        return self._session
 
     def _encode(self, body: dict[str, Any], *, stream: bool) -> bytes:
         # A shallow copy only when needed: the caller's body stays untouched and the messages
@@ -281,15 +297,6 @@ class OpenAIUpstream:
             return orjson.dumps(body)
         except orjson.JSONEncodeError:
             raise UpstreamError("the request could not be encoded for the upstream", None) from None
-
-    def _fast_error(self, exc: Http1Error, *, mid_stream: bool = False) -> UpstreamError:
-        # Only the type is logged: the same rule as for httpx errors below.
-        logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
-        if isinstance(exc, Http1Timeout):
-            return UpstreamError("upstream timed out", None)
-        if mid_stream:
-            return UpstreamError("upstream stream broke off", None)
-        return UpstreamError("upstream unreachable", None)
 
     def _decode_object(self, content: bytes) -> dict[str, Any]:
         try:
@@ -342,75 +349,68 @@ class OpenAIUpstream:
         return text or None
 
     def _transport_error(
-        self, exc: httpx.HTTPError | httpx.InvalidURL, *, mid_stream: bool = False
+        self, exc: aiohttp.ClientError | TimeoutError, *, mid_stream: bool = False
     ) -> UpstreamError:
         # The exception text can contain the URL, so only its type is logged.
         logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, TimeoutError):
             return UpstreamError("upstream timed out", None)
         if mid_stream:
             return UpstreamError("upstream stream broke off", None)
         return UpstreamError("upstream unreachable", None)
 
 
-def _check_base_url(base: str) -> None:
-    """Refuse, at start-up, a base URL no request could ever be sent to."""
+def _parse_base_url(base: str) -> URL:
+    """The base URL, or ``ConfigError`` at start-up for one no request could ever be sent to."""
     try:
-        url = httpx.URL(base)
-        valid = url.scheme in ("http", "https") and bool(url.host) and url.port in (None, *_PORTS)
-    except (httpx.InvalidURL, ValueError):
+        url = URL(base)
+        host = url.raw_host or ""
+        port = url.explicit_port
+        valid = (
+            url.scheme in ("http", "https")
+            and _HOST.fullmatch(host) is not None
+            and (port is None or 0 < port < 65536)
+        )
+    except (ValueError, TypeError):
         valid = False
     if not valid:
         raise ConfigError(
             f"ARONA_UPSTREAM_URL must be an http:// or https:// URL, got {redact_url(base)!r}"
         )
+    return url
 
 
-_PORTS = range(1, 65536)
+def _env_proxy(url: URL) -> tuple[URL | None, str | None]:
+    """The proxy ``HTTP_PROXY`` / ``HTTPS_PROXY`` / ``NO_PROXY`` name for ``url`` (None for
+    none), and the ``Proxy-Authorization`` value for its credentials (from its URL or
+    ``~/.netrc``), if any."""
+    try:
+        proxy, proxy_auth = get_env_proxy_for_url(url)
+    except LookupError:
+        return None, None
+    except ValueError:
+        # The variable's value is not shown: a proxy URL can carry credentials.
+        raise ConfigError(
+            f"the proxy set in the environment for {url.scheme}:// is not a valid URL"
+        ) from None
+    return proxy, (proxy_auth.encode() if proxy_auth is not None else None)
 
 
-def _fast_pool(base: str, timeout_s: float) -> Http1Pool | None:
-    """The lean client for ``base``, or None where httpx must serve it.
-
-    That is https (TLS), credentials in the URL (httpx sends them as basic auth) and an
-    upstream reached through a proxy from the environment (httpx honours those variables).
-    """
-    url = httpx.URL(base)
-    if url.scheme != "http" or url.userinfo:
-        return None
-    proxies = urllib.request.getproxies_environment()
-    if (proxies.get("http") or proxies.get("all")) and not urllib.request.proxy_bypass(url.host):
-        return None
-    return Http1Pool(
-        url.host,
-        url.port or 80,
-        connect_timeout_s=min(timeout_s, _CONNECT_TIMEOUT_S),
-        read_timeout_s=timeout_s,
-        max_idle=_POOL_LIMITS.max_keepalive_connections or 256,
-        idle_expiry_s=_POOL_LIMITS.keepalive_expiry or 30.0,
-    )
-
-
-async def _read_capped(response: httpx.Response) -> bytes:
+async def _read_capped(response: aiohttp.ClientResponse) -> bytes:
+    """An error body, or its first ``_MAX_ERROR_BODY_BYTES`` and a bit."""
     body = bytearray()
-    async for part in response.aiter_bytes():
+    while len(body) <= _MAX_ERROR_BODY_BYTES and (part := await response.content.readany()):
         body += part
-        if len(body) > _MAX_ERROR_BODY_BYTES:
-            break
     return bytes(body)
-
-
-async def _pieces(stream: Http1Stream) -> AsyncGenerator[bytes, None]:
-    while (part := await stream.read()) is not None:
-        yield part
 
 
 async def _sse_data(pieces: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     """The ``data`` payload of each server-sent event, as raw bytes.
 
-    Bytes are split by hand instead of ``aiter_lines`` so each payload goes to ``orjson``
-    without a decode/encode round trip. Comments, ``event:``/``id:``/``retry:`` fields and
-    blank keep-alives are skipped; several ``data:`` lines of one event are joined by ``\\n``.
+    Bytes are split here rather than read line by line from aiohttp, so each payload goes to
+    ``orjson`` without a decode/encode round trip and no line length limit applies. Comments,
+    ``event:``/``id:``/``retry:`` fields and blank keep-alives are skipped; several ``data:``
+    lines of one event are joined by ``\\n``.
     """
     buffer = b""
     pending: list[bytes] = []

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
@@ -214,6 +217,135 @@ async def test_silent_upstream_times_out_and_the_request_is_dropped(fake: FakeUp
     assert info.value.status is None
     assert info.value.message == "upstream timed out"
     await asyncio.wait_for(hang.closed.wait(), WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_silence_mid_stream_times_out_and_the_request_is_dropped(fake: FakeUpstream) -> None:
+    # The timeout bounds silence, not the whole answer: the first chunks arrive, then nothing.
+    scripted = Stream(pieces=["slow ", "answer"], pause_after=1)
+    fake.script(scripted)
+    backend = OpenAIUpstream(fake.base_url, timeout_s=0.3)
+    received: list[dict[str, Any]] = []
+    try:
+        with pytest.raises(UpstreamError) as info:
+            async for chunk in backend.stream(chat()):
+                received.append(chunk)
+    finally:
+        await backend.aclose()
+
+    assert content_of(received) == "slow "
+    assert info.value.status is None
+    assert info.value.message == "upstream timed out"
+    await asyncio.wait_for(scripted.closed.wait(), WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_a_huge_error_body_is_not_read_for_its_message(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    # Well-formed, but far over the cap: only its first part is read, so no message is found.
+    huge = orjson.dumps({"error": {"message": "x" * 200_000}})
+    fake.script(Fail(status=500, raw=huge), Fail(status=500, raw=huge))
+
+    with pytest.raises(UpstreamError) as complete_error:
+        await backend.complete(chat())
+    with pytest.raises(UpstreamError) as stream_error:
+        await anext(backend.stream(chat()))
+
+    for error in (complete_error.value, stream_error.value):
+        assert error.status == 500
+        assert error.message == "upstream returned HTTP 500"
+    reply = await backend.complete(chat("still there?"))
+    assert reply["choices"][0]["message"]["content"] == "reply to: still there?"
+
+
+@pytest.mark.asyncio
+async def test_credentials_in_the_url_are_sent_as_basic_auth(fake: FakeUpstream) -> None:
+    port = fake.base_url.split(":")[2].split("/")[0]
+    backend = OpenAIUpstream(f"http://us%40er:p%3Ass@127.0.0.1:{port}/v1", KEY)
+    try:
+        await backend.complete(chat())
+        chunks = [chunk async for chunk in backend.stream(chat())]
+        await backend.models()
+    finally:
+        await backend.aclose()
+
+    assert content_of(chunks) == "reply to: hello there"
+    expected = "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+    assert [r.authorization for r in fake.requests] == [expected] * 3
+    assert all(KEY not in str(r.headers) for r in fake.requests)
+    assert [r.path for r in fake.requests] == ["/v1/chat/completions"] * 2 + ["/v1/models"]
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_from_the_environment_carries_every_request(
+    fake: FakeUpstream, refused_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The upstream itself refuses connections: an answer can only come through the proxy
+    # (the fake, which understands the absolute request target a proxy receives).
+    proxy = fake.base_url.removesuffix("/v1").replace("http://", "http://proxy:pa55@")
+    for name in ("HTTP_PROXY", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", proxy)
+    backend = OpenAIUpstream(f"http://127.0.0.1:{refused_port}/v1", KEY)
+    try:
+        reply = await backend.complete(chat("via the proxy"))
+        chunks = [chunk async for chunk in backend.stream(chat("streamed"))]
+        listing = await backend.models()
+    finally:
+        await backend.aclose()
+
+    assert reply["choices"][0]["message"]["content"] == "reply to: via the proxy"
+    assert content_of(chunks) == "reply to: streamed"
+    assert [m["id"] for m in listing["data"]] == ["fake-model"]
+    proxy_auth = "Basic " + base64.b64encode(b"proxy:pa55").decode()
+    for request in fake.requests:
+        assert request.headers["host"] == f"127.0.0.1:{refused_port}"
+        assert request.headers["proxy-authorization"] == proxy_auth
+        assert request.authorization == f"Bearer {KEY}"
+
+
+def test_a_malformed_proxy_in_the_environment_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("HTTP_PROXY", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", "http://proxy:hunter2@[not-a-host")
+
+    with pytest.raises(ConfigError, match="proxy") as info:
+        build_backend("http://127.0.0.1:9/v1", KEY)
+
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.asyncio
+async def test_a_session_passed_in_is_used_and_left_open(fake: FakeUpstream) -> None:
+    async with aiohttp.ClientSession() as session:
+        backend = OpenAIUpstream(fake.base_url, KEY, session=session)
+        reply = await backend.complete(chat("shared"))
+        await backend.aclose()
+
+        assert reply["choices"][0]["message"]["content"] == "reply to: shared"
+        assert not session.closed
+        with pytest.raises(UpstreamError) as info:
+            await backend.complete(chat())
+        assert info.value.message == "upstream unreachable"
+
+
+@pytest.mark.asyncio
+async def test_a_closed_backend_refuses_requests_with_an_upstream_error(
+    fake: FakeUpstream,
+) -> None:
+    backend = OpenAIUpstream(fake.base_url, KEY)
+    await backend.complete(chat())
+    await backend.aclose()
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.status is None
+    assert info.value.message == "upstream unreachable"
+    assert len(fake.requests) == 1
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The gRPC face of :class:`~arona_grpc.service.MemoryDomain`: proto <-> domain only.
 
-Every RPC runs through :meth:`MemoryServicer._guard`, so no exception escapes as
+Every RPC ends any failure through :func:`_abort`, so no exception escapes as
 ``UNKNOWN``: domain errors get the status code of :data:`STATUS_CODES` (the one
 table) and their own, secret-free message; anything else is ``INTERNAL`` with a
 generic message while the traceback goes to the log.
@@ -9,8 +9,7 @@ generic message while the traceback goes to the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
-from typing import TypeVar
+from typing import NoReturn
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -28,11 +27,11 @@ from arona_grpc.service import (
     MemoryTimeout,
     MemoryUnavailable,
     NotConfigured,
+    StatusSnapshot,
 )
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Context = grpc.aio.ServicerContext[object, object]
 
 STATUS_CODES: dict[type[MemoryDomainError], grpc.StatusCode] = {
@@ -68,70 +67,69 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     def __init__(self, domain: MemoryDomain) -> None:
         self._domain = domain
 
+    # Each RPC is one coroutine with its own try: no wrapper coroutine or closure per
+    # call on the hot path (Recall and Writeback run on every chat turn).
+
     async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
-        # The caller's deadline bounds the recall too: the service never outlasts it.
-        remaining = context.time_remaining()
-        return await self._guard(context, "Recall", self._recall(request, remaining))
+        try:
+            # The caller's deadline bounds the recall too: the service never outlasts it.
+            outcome = await self._domain.recall(
+                request.query, request.limit, deadline_s=context.time_remaining()
+            )
+            return pb.RecallResponse(
+                state=_STATES[outcome.state],
+                memories=[
+                    pb.Memory(text=m.text, score=m.score, node_type=m.node_type)
+                    for m in outcome.memories
+                ],
+                section=outcome.section,
+            )
+        except Exception as exc:
+            await _abort(context, "Recall", exc)
 
     async def Writeback(
         self, request: pb.WritebackRequest, context: Context
     ) -> pb.WritebackResponse:
-        return await self._guard(context, "Writeback", self._writeback(request))
+        try:
+            outcome = await self._domain.writeback(request.user, request.assistant)
+            return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
+        except Exception as exc:
+            await _abort(context, "Writeback", exc)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
-        return await self._guard(context, "Delete", self._delete(request))
+        try:
+            return pb.DeleteResponse(deleted=await self._domain.delete(request.node_id))
+        except Exception as exc:
+            await _abort(context, "Delete", exc)
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
-        return await self._guard(context, "Status", self._status(request))
-
-    async def _recall(
-        self, request: pb.RecallRequest, remaining_s: float | None
-    ) -> pb.RecallResponse:
-        outcome = await self._domain.recall(request.query, request.limit, deadline_s=remaining_s)
-        return pb.RecallResponse(
-            state=_STATES[outcome.state],
-            memories=[
-                pb.Memory(text=m.text, score=m.score, node_type=m.node_type)
-                for m in outcome.memories
-            ],
-            section=outcome.section,
-        )
-
-    async def _writeback(self, request: pb.WritebackRequest) -> pb.WritebackResponse:
-        outcome = await self._domain.writeback(request.user, request.assistant)
-        return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
-
-    async def _delete(self, request: pb.DeleteRequest) -> pb.DeleteResponse:
-        return pb.DeleteResponse(deleted=await self._domain.delete(request.node_id))
-
-    async def _status(self, request: pb.StatusRequest) -> pb.StatusResponse:
-        snapshot = self._domain.status(request.limit)
-        reply = pb.StatusResponse(
-            enabled=snapshot.enabled,
-            writeback=snapshot.writeback,
-            events=[_event(e) for e in snapshot.events],
-            breaker=_BREAKER_STATES[snapshot.breaker],
-            outbox_depth=snapshot.outbox_depth,
-            outbox_dropped=snapshot.outbox_dropped,
-        )
-        if snapshot.breaker_opened_at is not None:
-            reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
-        return reply
-
-    async def _guard(
-        self,
-        context: Context,
-        rpc: str,
-        call: Awaitable[T],
-    ) -> T:
         try:
-            return await call
-        except MemoryDomainError as exc:
-            code = STATUS_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
-            await context.abort(code, str(exc))
-        except Exception:
-            logger.exception("MemoryService/%s failed", rpc)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            return _status_reply(self._domain.status(request.limit))
+        except Exception as exc:
+            await _abort(context, "Status", exc)
+
+
+async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:
+    """End the RPC with the status of ``exc``: its own code and message, or INTERNAL."""
+    if isinstance(exc, MemoryDomainError):
+        code = STATUS_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
+        await context.abort(code, str(exc))
+    logger.error("MemoryService/%s failed", rpc, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
+    reply = pb.StatusResponse(
+        enabled=snapshot.enabled,
+        writeback=snapshot.writeback,
+        events=[_event(e) for e in snapshot.events],
+        breaker=_BREAKER_STATES[snapshot.breaker],
+        outbox_depth=snapshot.outbox_depth,
+        outbox_dropped=snapshot.outbox_dropped,
+    )
+    if snapshot.breaker_opened_at is not None:
+        reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
+    return reply
 
 
 def _event(event: MemoryEvent) -> pb.Event:

@@ -39,6 +39,11 @@ class Permit:
     probe: bool
 
 
+# The two possible permits, shared: admitting a call allocates nothing.
+_CALL = Permit(probe=False)
+_PROBE = Permit(probe=True)
+
+
 def _wall_now() -> datetime:
     return datetime.now(UTC)
 
@@ -86,11 +91,11 @@ class CircuitBreaker:
     def admit(self) -> Permit | None:
         """A permit for one call, or ``None`` when the call must not touch the network."""
         if not self._open:
-            return Permit(probe=False)
+            return _CALL
         if self._probing or self.cooldown_left() > 0.0:
             return None
         self._probing = True
-        return Permit(probe=True)
+        return _PROBE
 
     def success(self, permit: Permit) -> None:
         """The call reached Philia and got a well-formed answer."""

@@ -175,7 +175,8 @@ class Outbox:
 
     @property
     def pending(self) -> bool:
-        return self.depth > 0
+        # Asked on every writeback and every successful call: kept to two reads.
+        return self._depth > 0 or self._unsettled > 0
 
     async def load(self) -> None:
         """Read the depth of an outbox left by an earlier run (creates no file)."""

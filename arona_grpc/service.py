@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -173,6 +174,13 @@ def cap_memories(
     ends with ``…``; then the lowest score is dropped (the later one on a tie) until
     the rendered section fits. The order of the survivors is kept.
     """
+    return _capped_section(memories, max_chars, max_memory_chars)[0]
+
+
+def _capped_section(
+    memories: Iterable[PhiliaMemory], max_chars: int, max_memory_chars: int
+) -> tuple[tuple[PhiliaMemory, ...], str]:
+    """:func:`cap_memories` and the section it renders, rendered once when it fits."""
     kept: list[PhiliaMemory] = []
     for memory in memories:
         text = memory.text.strip()
@@ -180,11 +188,15 @@ def cap_memories(
             continue
         if len(text) > max_memory_chars:
             text = text[: max_memory_chars - len(ELLIPSIS)].rstrip() + ELLIPSIS
-        kept.append(PhiliaMemory(text=text, score=memory.score, node_type=memory.node_type))
-    while kept and len(render_section(kept)) > max_chars:
+        if text != memory.text:
+            memory = PhiliaMemory(text=text, score=memory.score, node_type=memory.node_type)
+        kept.append(memory)
+    section = render_section(kept)
+    while kept and len(section) > max_chars:
         lowest = min(range(len(kept)), key=lambda i: (kept[i].score, -i))
         del kept[lowest]
-    return tuple(kept)
+        section = render_section(kept)
+    return tuple(kept), section
 
 
 def episode_text(user: str, assistant: str) -> str:
@@ -224,7 +236,9 @@ class MemoryDomain:
             self._client = client or PhiliaClient(
                 settings.memory_url, settings.memory_token, settings.memory_timeout_s
             )
-        self._events: deque[MemoryEvent] = deque(maxlen=EVENT_BUFFER_SIZE)
+        # (kind, detail, wall-clock seconds): a turn records one or two events, Status
+        # reads them rarely, so the MemoryEvent and its datetime are made only then.
+        self._events: deque[tuple[EventKind, str, float]] = deque(maxlen=EVENT_BUFFER_SIZE)
         self._breaker = CircuitBreaker(
             settings.memory_breaker_failures,
             settings.memory_breaker_cooldown_s,
@@ -314,10 +328,10 @@ class MemoryDomain:
             raise
         self._succeeded(permit)
         self._record(EventKind.RECALL, query)
-        kept = cap_memories(found)
+        kept, section = _capped_section(found, MAX_SECTION_CHARS, MAX_MEMORY_CHARS)
         if not kept:
             return RecallOutcome(MemoryState.DISABLED, (), "")
-        return RecallOutcome(MemoryState.ENABLED, kept, render_section(kept))
+        return RecallOutcome(MemoryState.ENABLED, kept, section)
 
     async def writeback(self, user: str, assistant: str) -> WritebackOutcome:
         """Store the turn as an episode, unless memory or writeback is off or it is empty.
@@ -396,7 +410,10 @@ class MemoryDomain:
     def status(self, limit: int = 0) -> StatusSnapshot:
         """Configuration, breaker, outbox and the most recent events, newest first."""
         limit = min(limit or DEFAULT_STATUS_LIMIT, EVENT_BUFFER_SIZE)
-        newest_first = tuple(reversed(self._events))[:limit]
+        newest_first = tuple(
+            MemoryEvent(kind, detail, datetime.fromtimestamp(at, UTC))
+            for kind, detail, at in itertools.islice(reversed(self._events), limit)
+        )
         outbox = self._outbox
         return StatusSnapshot(
             self.enabled,
@@ -574,7 +591,7 @@ class MemoryDomain:
         return self._client.redact(text) if self._client is not None else text
 
     def _record(self, kind: EventKind, detail: str) -> None:
-        self._events.append(MemoryEvent(kind, detail, datetime.now(UTC)))
+        self._events.append((kind, detail, time.time()))
 
 
 def _ignore_result(future: asyncio.Future[int]) -> None:

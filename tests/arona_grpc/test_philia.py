@@ -219,6 +219,11 @@ async def test_handshake_without_answer_times_out_then_reconnects(
         (Step(action="garbage"), PhiliaUnavailable, "not JSON"),
         (Step(action="garbage", garbage="[1, 2]"), PhiliaUnavailable, "not an object"),
         (Step(action="garbage", garbage=b"\x00\x01"), PhiliaUnavailable, "binary"),
+        (
+            Step(action="garbage", garbage='{"jsonrpc": "2.0", "id": "x", "result": NaN}'),
+            PhiliaUnavailable,
+            "not JSON",
+        ),
         (Step(result={"results": "nope"}), PhiliaUnavailable, "malformed query result"),
         (Step(result={"results": [{"text": "t"}]}), PhiliaUnavailable, "malformed query result"),
         (Step(result=None), PhiliaUnavailable, "malformed query result"),
@@ -230,6 +235,7 @@ async def test_handshake_without_answer_times_out_then_reconnects(
         "garbage",
         "json-array",
         "binary",
+        "nan-literal",
         "results-not-a-list",
         "no-score",
         "null-result",
@@ -244,6 +250,19 @@ async def test_call_failure_then_next_call_reconnects(
         await client.query("q", 5)
     assert TOKEN not in str(caught.value)
     await assert_recovers(client, fake, upgrades_before=1)
+
+
+@pytest.mark.asyncio
+async def test_unusual_text_round_trips_both_ways(fake: FakePhilia, client: PhiliaClient) -> None:
+    # Non-ASCII, and a lone surrogate (legal escaped JSON the fast codec refuses): the
+    # query reaches Philia as sent and the memory comes back as stored, on one link.
+    query = "th\u00e9 \U0001f375 \ud800"
+    text = "User: caf\u00e9 \udc80\nAssistant: \u2615"
+    fake.script(QUERY, Step(result={"results": [memory(text, 0.75)]}))
+    assert await client.query(query, 5) == [PhiliaMemory(text, 0.75, "episode")]
+    [frame] = fake.frames_of(QUERY)
+    assert frame["params"]["query"] == query
+    assert len(fake.upgrades) == 1
 
 
 @pytest.mark.asyncio

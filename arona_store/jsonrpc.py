@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
@@ -55,9 +57,14 @@ def _valid_id(value: object) -> bool:
 def parse_call(text: str) -> Call:
     """Validate one text frame as a JSON-RPC 2.0 request; raises :class:`RpcError`."""
     try:
-        message = json.loads(text)
-    except (ValueError, RecursionError):
-        raise RpcError(PARSE_ERROR, "Parse error") from None
+        message = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        # orjson is stricter than JSON as Python reads it (lone surrogate escapes, NaN):
+        # the standard parser decides those rare frames, so nothing parses differently.
+        try:
+            message = json.loads(text)
+        except (ValueError, RecursionError):
+            raise RpcError(PARSE_ERROR, "Parse error") from None
     if not isinstance(message, dict):
         raise RpcError(INVALID_REQUEST, "Invalid Request: expected a JSON object")
     request_id = message.get("id")
@@ -84,7 +91,11 @@ def parse_call(text: str) -> Call:
 
 
 def _dump(message: dict[str, Any]) -> str:
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return orjson.dumps(message).decode()
+    except TypeError:
+        # Text with a lone surrogate is not UTF-8; the standard encoder escapes it.
+        return json.dumps(message, separators=(",", ":"))
 
 
 def result_frame(request_id: JsonId, result: dict[str, Any]) -> str:

@@ -174,22 +174,7 @@ class OpenAIUpstream:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         payload = self._encode(body, stream=False)
-        session = self._current_session()
-        try:
-            async with session.post(
-                self._chat_url,
-                data=payload,
-                headers=self._json_headers,
-                proxy=self._proxy,
-                proxy_headers=self._proxy_headers,
-                allow_redirects=False,
-            ) as response:
-                if response.status >= 400:
-                    raise self._http_error(response.status, await _read_capped(response))
-                content = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._transport_error(exc) from None
-        return self._decode_object(content)
+        return await self._fetch_object("POST", self._chat_url, self._json_headers, payload)
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._encode(body, stream=True)
@@ -238,11 +223,19 @@ class OpenAIUpstream:
             raise UpstreamError("upstream stream ended early", None)
 
     async def models(self) -> dict[str, Any]:
+        return await self._fetch_object("GET", self._models_url, self._models_headers)
+
+    async def _fetch_object(
+        self, method: str, url: URL, headers: dict[str, str], payload: bytes | None = None
+    ) -> dict[str, Any]:
+        """One whole request whose answer is a JSON object (a completion, the model list)."""
         session = self._current_session()
         try:
-            async with session.get(
-                self._models_url,
-                headers=self._models_headers,
+            async with session.request(
+                method,
+                url,
+                data=payload,
+                headers=headers,
                 proxy=self._proxy,
                 proxy_headers=self._proxy_headers,
                 allow_redirects=False,

@@ -24,12 +24,16 @@ from typing import Any
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import GatewayError
 from gateway_http.memory_client import DISABLED, MemoryClient
-from gateway_http.upstream import ChatBackend, message_text
+from gateway_http.upstream import (
+    MEMORY_SECTION_HEADER,
+    ChatBackend,
+    last_user_text,
+    message_text,
+)
 from gateway_http.views import conversation_errors
 
 logger = logging.getLogger(__name__)
 
-MEMORY_HEADER = "## Relevant Long-Term Memories"
 RECALL_LIMIT = 5
 
 
@@ -59,15 +63,8 @@ class TurnReply:
     usage: dict[str, Any] | None
 
 
-def last_user_text(messages: list[dict[str, Any]]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            return message_text(message)
-    return ""
-
-
 def has_memory_section(messages: list[dict[str, Any]]) -> bool:
-    return any(MEMORY_HEADER in message_text(m) for m in messages)
+    return any(MEMORY_SECTION_HEADER in message_text(m) for m in messages)
 
 
 class TurnPipeline:

@@ -110,6 +110,14 @@ def message_text(message: Any) -> str:
     return ""
 
 
+def last_user_text(messages: list[Any]) -> str:
+    """The text of the last ``user`` message (``""`` when there is none)."""
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return message_text(message)
+    return ""
+
+
 class OpenAIUpstream:
     """An OpenAI-compatible ``/v1`` API reached over one shared ``aiohttp.ClientSession``.
 
@@ -547,12 +555,7 @@ def _prompt_tokens(messages: list[Any]) -> int:
 
 
 def _echo_content(messages: list[Any]) -> str:
-    user_text = ""
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            user_text = message_text(message)
-            break
-    content = f"Echo: {user_text}"
+    content = f"Echo: {last_user_text(messages)}"
     for message in messages:
         if isinstance(message, dict) and message.get("role") == "system":
             section = memory_section(message_text(message))

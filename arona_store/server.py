@@ -384,6 +384,7 @@ class StoreServer:
                 source_episode_id=source_episode_id,
                 related_node_ids=related,
                 properties=properties,
+                refresh=True,
             )
 
         node_id = await self._in_db(add)

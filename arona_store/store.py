@@ -33,12 +33,20 @@ read to its end, which is exactly the full ranking, except that at most
 :data:`MAX_SCAN_ROWS` matches are read: a query made only of weak words on a huge store then
 ranks the newest that many matches, which caps the worst case (about a microsecond per row).
 
+Repeated memories. A write with ``refresh=True`` (what the wire server does for every
+``Sync.MemoryStoreRequest``) that is identical to a stored node (same text, type, source,
+related ids and properties) does not add a copy: that node moves to the new time, keeping its
+id. Saying the same thing twice is then one memory, recent again, instead of copies that all
+rank alike and crowd every other memory out of a recall (and that each recall would have to
+read). Identical nodes are found through a 16-byte digest of those fields, indexed.
+
 Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
 already merged): a bulk-loaded index otherwise costs every query a probe per segment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import logging
@@ -74,7 +82,7 @@ MAX_ABS_EPOCH_S = 1e11
 # FTS5's bm25() constant k1: one word adds at most (k1 + 1) * idf to BM25, whatever its
 # frequency in the node and the node's length.
 BM25_K1 = 1.2
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Most matches one query reads (see the module docstring).
 MAX_SCAN_ROWS = 4000
 _SECONDS_PER_DAY = 86400.0
@@ -111,8 +119,10 @@ CREATE TABLE IF NOT EXISTS nodes (
     created_at REAL NOT NULL,
     source_episode_id TEXT,
     related_node_ids TEXT NOT NULL DEFAULT '[]',
-    properties TEXT NOT NULL DEFAULT '{}'
+    properties TEXT NOT NULL DEFAULT '{}',
+    digest BLOB
 );
+CREATE INDEX IF NOT EXISTS nodes_digest ON nodes(digest);
 CREATE VIRTUAL TABLE IF NOT EXISTS nodes_fts USING fts5(
     text,
     content='nodes',
@@ -131,9 +141,13 @@ CREATE TRIGGER IF NOT EXISTS nodes_au AFTER UPDATE OF text ON nodes BEGIN
 END;
 """
 
-_INSERT = (
-    "INSERT INTO nodes (seq, id, node_type, text, created_at, source_episode_id,"
-    " related_node_ids, properties) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+_COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
+_INSERT = f"INSERT INTO nodes (seq, {_COLUMNS}, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+# A stored node identical to a new one (the digest narrows, the fields decide).
+_TWIN = (
+    "SELECT seq, id FROM nodes WHERE digest = ? AND node_type = ? AND text = ?"
+    " AND source_episode_id IS ? AND related_node_ids = ? AND properties = ?"
+    " ORDER BY seq DESC LIMIT 1"
 )
 # Every match, newest first, with its blended score computed by SQLite (see the module
 # docstring; 1 - 3.2 / (r + 4) is 0.2 + 0.8 * r / (r + 4) with bm25() called once). Rows are
@@ -265,6 +279,14 @@ def _now_key(now: float) -> int:
     return math.floor(max(-MAX_ABS_EPOCH_S, min(MAX_ABS_EPOCH_S, now)) * KEY_SCALE)
 
 
+def _digest(
+    node_type: str, text: str, source_episode_id: str | None, related: str, properties: str
+) -> bytes:
+    """The 16-byte digest that finds identical nodes (fields as stored, JSON-encoded)."""
+    canonical = json.dumps([node_type, text, source_episode_id, related, properties])
+    return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).digest()
+
+
 class MemoryStore:
     """Nodes persisted in SQLite with BM25 + recency recall. Thread-safe; use :meth:`open`."""
 
@@ -316,8 +338,13 @@ class MemoryStore:
         source_episode_id: str | None = None,
         related_node_ids: Sequence[str] = (),
         properties: Mapping[str, str] | None = None,
+        refresh: bool = False,
     ) -> str:
-        """Persist one node and return its new id (a UUID string)."""
+        """Persist one node and return its id (a new UUID string).
+
+        With ``refresh``, a node identical to a stored one moves that node to ``created_at``
+        instead (never back in time) and returns its id (module docstring).
+        """
         node = NewNode(
             text=text,
             node_type=node_type,
@@ -326,16 +353,20 @@ class MemoryStore:
             related_node_ids=related_node_ids,
             properties=dict(properties or {}),
         )
-        return self.add_many([node])[0]
+        return self.add_many([node], refresh=refresh)[0]
 
     def add_many(
-        self, nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]]
+        self,
+        nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
+        *,
+        refresh: bool = False,
     ) -> list[str]:
         """Persist many nodes in one transaction (the bulk-load path); returns their ids.
 
-        Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples.
+        Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
+        as for :meth:`add`.
         """
-        rows: list[tuple[int, str, str, str, float, str | None, str, str]] = []
+        rows: list[tuple[int, str, str, str, float, str | None, str, str, bytes]] = []
         for item in nodes:
             node = item if isinstance(item, NewNode) else NewNode(*item)
             if not isinstance(node.text, str) or not node.text.strip():
@@ -343,6 +374,8 @@ class MemoryStore:
             if not isinstance(node.node_type, str) or not node.node_type:
                 raise StoreError("node_type must be a non-empty string")
             created_at = _epoch(node.created_at)
+            related = json.dumps(list(node.related_node_ids))
+            properties = json.dumps(dict(node.properties), sort_keys=True)
             rows.append(
                 (
                     _key_of(created_at),
@@ -351,20 +384,35 @@ class MemoryStore:
                     node.text,
                     created_at,
                     node.source_episode_id,
-                    json.dumps(list(node.related_node_ids)),
-                    json.dumps(dict(node.properties), sort_keys=True),
+                    related,
+                    properties,
+                    _digest(node.node_type, node.text, node.source_episode_id, related, properties),
                 )
             )
+        ids: list[str] = []
         with self._lock:
             self._check_open()
             self._sync_total()
             self._conn.execute("BEGIN IMMEDIATE")
+            added = moved = 0
             try:
                 # Where to resume probing for each wanted key, so a batch sharing one
                 # timestamp does not walk the same run of taken keys again for every node.
                 resume: dict[int, int] = {}
                 for row in rows:
                     wanted = row[0]
+                    twin = self._twin(row) if refresh else None
+                    if twin is not None:
+                        twin_seq, twin_id = twin
+                        ids.append(twin_id)
+                        if twin_seq >= wanted:
+                            continue  # already at least that recent
+                        self._conn.execute("DELETE FROM nodes WHERE seq = ?", (twin_seq,))
+                        row = (wanted, twin_id, *row[2:])
+                        moved += 1
+                    else:
+                        ids.append(row[1])
+                        added += 1
                     key = self._free_key(resume.get(wanted, wanted))
                     resume[wanted] = key + 1
                     self._conn.execute(_INSERT, (key, *row[1:]))
@@ -372,9 +420,20 @@ class MemoryStore:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-            self._writes += len(rows)
-            self._total += len(rows)
-        return [row[1] for row in rows]
+            # A moved node left one key and took another: two changes for the word counts.
+            self._writes += added + 2 * moved
+            self._total += added
+        return ids
+
+    def _twin(
+        self, row: tuple[int, str, str, str, float, str | None, str, str, bytes]
+    ) -> tuple[int, str] | None:
+        """The newest stored node identical to ``row``, as (seq, id) (lock held)."""
+        _, _, node_type, text, _, source, related, properties, digest = row
+        found = self._conn.execute(
+            _TWIN, (digest, node_type, text, source, related, properties)
+        ).fetchone()
+        return None if found is None else (int(found[0]), str(found[1]))
 
     def _free_key(self, key: int) -> int:
         """The first key at or after ``key`` that no node holds (lock held)."""
@@ -597,8 +656,8 @@ def _stop_key(weakest: float, bound: float, now_key: int) -> int | None:
 
 
 def _prepare_schema(conn: sqlite3.Connection) -> None:
-    """Create the tables, or move a database written with insertion-ordered keys to
-    time-ordered ones (once, in one transaction)."""
+    """Create the tables, or bring an older database up to date (once, in one transaction):
+    version 1 had insertion-ordered keys, version 2 no digests."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version >= SCHEMA_VERSION:
         return
@@ -607,8 +666,10 @@ def _prepare_schema(conn: sqlite3.Connection) -> None:
         exists = conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'nodes'"
         ).fetchone()
-        if exists is not None:
+        if exists is not None and version < 2:
             _rekey(conn)
+        elif exists is not None:
+            _add_digests(conn)
         for statement in _split_script(_TABLES):
             conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -629,16 +690,27 @@ def _rekey(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE nodes RENAME TO nodes_old")
     for statement in _split_script(_TABLES):
         conn.execute(statement)
-    columns = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
     previous: int | None = None
-    for row in conn.execute(f"SELECT {columns} FROM nodes_old ORDER BY created_at, seq"):
+    for row in conn.execute(f"SELECT {_COLUMNS} FROM nodes_old ORDER BY created_at, seq"):
         created_at = float(row[3])
         key = math.floor(max(-MAX_ABS_EPOCH_S, min(MAX_ABS_EPOCH_S, created_at)) * KEY_SCALE)
         if previous is not None and key <= previous:
             key = previous + 1
         previous = key
-        conn.execute(_INSERT, (key, *row))
+        conn.execute(_INSERT, (key, *row, _digest(row[1], row[2], row[4], row[5], row[6])))
     conn.execute("DROP TABLE nodes_old")
+
+
+def _add_digests(conn: sqlite3.Connection) -> None:
+    """Give every node of a version-2 database its digest (transaction open)."""
+    conn.execute("ALTER TABLE nodes ADD COLUMN digest BLOB")
+    rows = conn.execute(
+        "SELECT seq, node_type, text, source_episode_id, related_node_ids, properties FROM nodes"
+    ).fetchall()
+    conn.executemany(
+        "UPDATE nodes SET digest = ? WHERE seq = ?",
+        ((_digest(*row[1:]), row[0]) for row in rows),
+    )
 
 
 def _split_script(script: str) -> list[str]:

@@ -309,6 +309,23 @@ async def test_store_query_delete_round_trip(client: StoreClient) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_same_episode_stored_again_is_one_memory(client: StoreClient) -> None:
+    episode = {"text": "User: my cat is Miso\nAssistant: Noted!", "node_type": "episode"}
+    other = {"text": "User: my cat likes tuna\nAssistant: Noted!", "node_type": "episode"}
+    first = (await client.call("Sync.MemoryStoreRequest", episode))["node_id"]
+    between = (await client.call("Sync.MemoryStoreRequest", other))["node_id"]
+    again = (await client.call("Sync.MemoryStoreRequest", episode))["node_id"]
+    assert again == first != between
+
+    found = await client.call("Sync.MemoryQueryRequest", {"query": "my cat", "limit": 5})
+    # One copy, and it ranks as the most recent of the two.
+    assert [r["text"] for r in found["results"]] == [episode["text"], other["text"]]
+    assert await client.call("Sync.MemoryDeleteRequest", {"node_id": first}) == {"deleted": True}
+    left = await client.call("Sync.MemoryQueryRequest", {"query": "my cat", "limit": 5})
+    assert [r["text"] for r in left["results"]] == [other["text"]]
+
+
+@pytest.mark.asyncio
 async def test_delete_of_an_unknown_id_is_false(client: StoreClient) -> None:
     for node_id in (str(uuid.uuid4()), "not-even-a-uuid"):
         result = await client.call("Sync.MemoryDeleteRequest", {"node_id": node_id})

@@ -246,6 +246,58 @@ def test_timestamps_before_1970_and_in_the_future_rank_by_time(store: MemoryStor
     assert hits[0].score == pytest.approx(score_of(-1e-6, NOW.timestamp(), NOW.timestamp()))
 
 
+def test_refresh_moves_an_identical_node_to_now_and_keeps_its_id(store: MemoryStore) -> None:
+    kite = store.add("kite flying", "episode", NOW - timedelta(days=30), refresh=True)
+    bike = store.add("kite and bike", "episode", NOW - timedelta(days=10), refresh=True)
+    assert [h.node_id for h in store.query("kite", 5, now=NOW)] == [bike, kite]
+
+    again = store.add("kite flying", "episode", NOW - timedelta(days=1), refresh=True)
+    assert again == kite
+    assert store.count() == 2
+    hits = store.query("kite", 5, now=NOW)
+    assert [h.node_id for h in hits] == [kite, bike]
+    assert hits[0].created_at == (NOW - timedelta(days=1)).timestamp()
+
+    # Never back in time: an older copy leaves the node where it is.
+    assert store.add("kite flying", "episode", NOW - timedelta(days=60), refresh=True) == kite
+    assert store.query("kite", 5, now=NOW)[0].created_at == (NOW - timedelta(days=1)).timestamp()
+
+
+def test_refresh_only_merges_nodes_identical_in_every_field(store: MemoryStore) -> None:
+    base = store.add("kite flying", "episode", NOW, refresh=True)
+    variants = [
+        store.add("kite flying", "entity", NOW, refresh=True),
+        store.add("Kite flying", "episode", NOW, refresh=True),
+        store.add("kite flying", "episode", NOW, properties={"a": "b"}, refresh=True),
+        store.add("kite flying", "episode", NOW, source_episode_id="e1", refresh=True),
+        store.add("kite flying", "episode", NOW, related_node_ids=["n1"], refresh=True),
+        # Without refresh, a copy is a new node (the bulk-load path).
+        store.add("kite flying", "episode", NOW),
+    ]
+    assert len({base, *variants}) == 7
+    assert store.count() == 7
+    batch = store.add_many([("same words", "episode", NOW)] * 3, refresh=True)
+    assert len(set(batch)) == 1 and store.count() == 8
+
+
+def test_a_version_2_database_gets_digests_and_keeps_its_nodes(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    store = MemoryStore.open(path)
+    kept = store.add("lantern by the door", "episode", NOW - timedelta(days=3))
+    store.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP INDEX nodes_digest")
+        conn.execute("ALTER TABLE nodes DROP COLUMN digest")
+        conn.execute("PRAGMA user_version = 2")
+    upgraded = MemoryStore.open(path)
+    try:
+        assert [h.node_id for h in upgraded.query("lantern", 5, now=NOW)] == [kept]
+        again = upgraded.add("lantern by the door", "episode", NOW, refresh=True)
+        assert again == kept and upgraded.count() == 1
+    finally:
+        upgraded.close()
+
+
 _OLD_LAYOUT = """
 CREATE TABLE nodes (
     seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, node_type TEXT NOT NULL,

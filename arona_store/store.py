@@ -2,7 +2,11 @@
 
 :class:`MemoryStore` owns one SQLite database in WAL mode holding a ``nodes`` table and an
 FTS5 external-content index over the node text, kept in sync by triggers. It is synchronous
-and thread-safe (one lock around the connection).
+and thread-safe. Writes go through one connection and recalls through another, each behind
+its own lock: in WAL mode a recall reads a consistent snapshot while a write is under way, so
+it never waits for one. The node count and a count of changes live in the database
+(``counters``, kept by triggers), so a recall reads them in the same snapshot as the nodes,
+and writes by any other process are counted too.
 
 Ranking (the formula :meth:`MemoryStore.query` implements, evaluated by SQLite per row)::
 
@@ -83,6 +87,7 @@ MAX_ABS_EPOCH_S = 1e11
 # frequency in the node and the node's length.
 BM25_K1 = 1.2
 SCHEMA_VERSION = 3
+BUSY_TIMEOUT_MS = 5000
 # Most matches one query reads (see the module docstring).
 MAX_SCAN_ROWS = 4000
 _SECONDS_PER_DAY = 86400.0
@@ -139,6 +144,21 @@ CREATE TRIGGER IF NOT EXISTS nodes_au AFTER UPDATE OF text ON nodes BEGIN
     INSERT INTO nodes_fts(nodes_fts, rowid, text) VALUES ('delete', old.seq, old.text);
     INSERT INTO nodes_fts(rowid, text) VALUES (new.seq, new.text);
 END;
+CREATE TABLE IF NOT EXISTS counters (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    nodes INTEGER NOT NULL,
+    changes INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO counters (id, nodes, changes) SELECT 1, count(*), 0 FROM nodes;
+CREATE TRIGGER IF NOT EXISTS counters_ai AFTER INSERT ON nodes BEGIN
+    UPDATE counters SET nodes = nodes + 1, changes = changes + 1 WHERE id = 1;
+END;
+CREATE TRIGGER IF NOT EXISTS counters_ad AFTER DELETE ON nodes BEGIN
+    UPDATE counters SET nodes = nodes - 1, changes = changes + 1 WHERE id = 1;
+END;
+CREATE TRIGGER IF NOT EXISTS counters_au AFTER UPDATE OF text ON nodes BEGIN
+    UPDATE counters SET changes = changes + 2 WHERE id = 1;
+END;
 """
 
 _COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
@@ -163,9 +183,14 @@ _RANKED_MATCHES = (
 # Matches of a word found in most nodes: the newest `limit`, read straight off the index.
 _NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
-_NODE = "SELECT id, node_type, text, created_at FROM nodes WHERE seq = ?"
+_COUNTERS = "SELECT nodes, changes FROM counters WHERE id = 1"
 # The taken keys from a candidate upwards, to find the first free one.
 _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
+
+
+# A node row as inserted: seq, id, node_type, text, created_at, source_episode_id,
+# related_node_ids (JSON), properties (JSON), digest.
+_Row = tuple[int, str, str, str, float, str | None, str, str, bytes]
 
 
 class StoreError(Exception):
@@ -290,40 +315,50 @@ def _digest(
 class MemoryStore:
     """Nodes persisted in SQLite with BM25 + recency recall. Thread-safe; use :meth:`open`."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
-        self._conn = conn
+    def __init__(self, conn: sqlite3.Connection, reader: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn  # writes, behind _lock
+        self._reader = reader  # recalls and counts, behind _read_lock
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._closed = False
-        # term -> (nodes holding it, self._writes when counted); see _docs_with.
+        # term -> (nodes holding it, `changes` when counted); see _docs_with. Reader only.
         self._doc_counts: dict[str, tuple[int, int]] = {}
-        # Nodes added or removed through this connection, ever; bounds how stale a count is.
-        self._writes = 0
-        # The node count, kept current by our own writes; recounted when another
-        # connection has committed (PRAGMA data_version moves only for those).
-        self._total = -1
-        self._data_version = -1
         self.path = path
 
     @classmethod
-    def open(cls, path: Path | str) -> MemoryStore:
-        """Open (creating as needed, parent folders included) the database at ``path``."""
+    def open(cls, path: Path | str, *, checkpoint_on_commit: bool = True) -> MemoryStore:
+        """Open (creating as needed, parent folders included) the database at ``path``.
+
+        ``checkpoint_on_commit=False`` turns off SQLite's automatic WAL checkpoints, for an
+        owner that calls :meth:`checkpoint` itself off its latency-sensitive path.
+        """
         db_path = Path(path)
         db_path.parent.mkdir(parents=True, exist_ok=True)
-        # The server may drive the store from a thread that is not the opener's; the lock
-        # below serialises every use, so sharing the connection is safe.
+        # The server may drive the store from a thread that is not the opener's; a lock per
+        # connection serialises its use, so sharing them across threads is safe.
         conn = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=5000")
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            if not checkpoint_on_commit:
+                conn.execute("PRAGMA wal_autocheckpoint=0")
             _prepare_schema(conn)
             conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
-            _ensure_exp(conn)
+            reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error:
             conn.close()
             raise
+        try:
+            reader.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            reader.execute("PRAGMA query_only=1")
+            _ensure_exp(reader)
+        except sqlite3.Error:
+            reader.close()
+            conn.close()
+            raise
         logger.info("memory store opened at %s", db_path)
-        return cls(conn, db_path)
+        return cls(conn, reader, db_path)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -366,7 +401,25 @@ class MemoryStore:
         Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
         as for :meth:`add`.
         """
-        rows: list[tuple[int, str, str, str, float, str | None, str, str, bytes]] = []
+        ids = self._add_rows(self._rows(nodes), refresh, wait=True)
+        assert ids is not None  # a waiting call always gets to write
+        return ids
+
+    def try_add_many(
+        self,
+        nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
+        *,
+        refresh: bool = False,
+    ) -> list[str] | None:
+        """Like :meth:`add_many`, but None at once, having written nothing, if another caller
+        (a thread here, or another process) is writing; for callers that must not wait."""
+        return self._add_rows(self._rows(nodes), refresh, wait=False)
+
+    @staticmethod
+    def _rows(
+        nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
+    ) -> list[_Row]:
+        rows: list[_Row] = []
         for item in nodes:
             node = item if isinstance(item, NewNode) else NewNode(*item)
             if not isinstance(node.text, str) or not node.text.strip():
@@ -389,12 +442,16 @@ class MemoryStore:
                     _digest(node.node_type, node.text, node.source_episode_id, related, properties),
                 )
             )
-        ids: list[str] = []
-        with self._lock:
+        return rows
+
+    def _add_rows(self, rows: list[_Row], refresh: bool, *, wait: bool) -> list[str] | None:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             self._check_open()
-            self._sync_total()
-            self._conn.execute("BEGIN IMMEDIATE")
-            added = moved = 0
+            if not self._begin_write(wait):
+                return None
+            ids: list[str] = []
             try:
                 # Where to resume probing for each wanted key, so a batch sharing one
                 # timestamp does not walk the same run of taken keys again for every node.
@@ -409,10 +466,8 @@ class MemoryStore:
                             continue  # already at least that recent
                         self._conn.execute("DELETE FROM nodes WHERE seq = ?", (twin_seq,))
                         row = (wanted, twin_id, *row[2:])
-                        moved += 1
                     else:
                         ids.append(row[1])
-                        added += 1
                     key = self._free_key(resume.get(wanted, wanted))
                     resume[wanted] = key + 1
                     self._conn.execute(_INSERT, (key, *row[1:]))
@@ -420,14 +475,37 @@ class MemoryStore:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-            # A moved node left one key and took another: two changes for the word counts.
-            self._writes += added + 2 * moved
-            self._total += added
-        return ids
+            return ids
+        finally:
+            self._lock.release()
 
-    def _twin(
-        self, row: tuple[int, str, str, str, float, str | None, str, str, bytes]
-    ) -> tuple[int, str] | None:
+    def _begin_write(self, wait: bool) -> bool:
+        """Open a write transaction (lock held); False if ``wait`` is off and another
+        connection holds the database's write lock."""
+        if wait:
+            self._conn.execute("BEGIN IMMEDIATE")
+            return True
+        self._conn.execute("PRAGMA busy_timeout=0")
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as err:
+            if err.sqlite_errorcode != sqlite3.SQLITE_BUSY:
+                raise
+            return False
+        finally:
+            self._conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        return True
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log into the database file (PASSIVE: waits for nobody).
+
+        Stores opened with ``checkpoint_on_commit=False`` leave this to their owner, so that
+        no write pays for it (a checkpoint syncs the database file)."""
+        with self._lock:
+            self._check_open()
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+
+    def _twin(self, row: _Row) -> tuple[int, str] | None:
         """The newest stored node identical to ``row``, as (seq, id) (lock held)."""
         _, _, node_type, text, _, source, related, properties, digest = row
         found = self._conn.execute(
@@ -474,38 +552,56 @@ class MemoryStore:
         if not terms:
             return []
         now_key = _now_key(_epoch(now))
-        if not self._lock.acquire(blocking=wait):
+        if not self._read_lock.acquire(blocking=wait):
             return None
         try:
             self._check_open()
-            total = self._sync_total()
-            kept, counts, all_common = self._plan(terms, total)
-            expression = fts_expression(kept)
-            if all_common:
-                ranked = self._newest(expression, limit, now_key)
-            else:
-                bound = 1.0
-                if counts is not None:
-                    r_max = (BM25_K1 + 1.0) * sum(idf_bound(total, n) for n in counts)
-                    bound = relevance_of(-r_max)
-                ranked = self._best(expression, limit, now_key, bound)
-            hits: list[MemoryHit] = []
-            for score, seq in ranked:
-                row = self._conn.execute(_NODE, (seq,)).fetchone()
-                if row is None:  # pragma: no cover - the lock rules out a concurrent delete
-                    continue
-                hits.append(
-                    MemoryHit(
-                        node_id=row[0],
-                        node_type=row[1],
-                        text=row[2],
-                        score=min(1.0, max(0.0, score)),
-                        created_at=row[3],
-                    )
-                )
+            # One read transaction: counts, matches and nodes all come from one snapshot,
+            # whatever is committed meanwhile.
+            self._reader.execute("BEGIN")
+            try:
+                return self._ranked_hits(terms, limit, now_key)
+            finally:
+                self._reader.execute("COMMIT")
         finally:
-            self._lock.release()
-        return hits
+            self._read_lock.release()
+
+    def _ranked_hits(self, terms: list[str], limit: int, now_key: int) -> list[MemoryHit]:
+        """The recall itself (read lock held, read transaction open)."""
+        total, changes = self._reader.execute(_COUNTERS).fetchone()
+        kept, counts, all_common = self._plan(terms, total, changes)
+        if not kept:
+            return []
+        expression = fts_expression(kept)
+        if all_common:
+            ranked = self._newest(expression, limit, now_key)
+        else:
+            bound = 1.0
+            if counts is not None:
+                r_max = (BM25_K1 + 1.0) * sum(idf_bound(total, n) for n in counts)
+                bound = relevance_of(-r_max)
+            ranked = self._best(expression, limit, now_key, bound)
+        if not ranked:
+            return []
+        marks = ", ".join("?" * len(ranked))
+        rows = {
+            row[0]: row
+            for row in self._reader.execute(
+                f"SELECT seq, id, node_type, text, created_at FROM nodes WHERE seq IN ({marks})",
+                [seq for _, seq in ranked],
+            )
+        }
+        return [
+            MemoryHit(
+                node_id=row[1],
+                node_type=row[2],
+                text=row[3],
+                score=min(1.0, max(0.0, score)),
+                created_at=row[4],
+            )
+            for score, seq in ranked
+            if (row := rows.get(seq)) is not None
+        ]
 
     def _best(
         self, expression: str | None, limit: int, now_key: int, bound: float
@@ -519,7 +615,7 @@ class MemoryStore:
         # scores keep the larger (newer) seq, which is the one read first.
         best: list[tuple[float, int]] = []
         stop_at: int | None = None  # scanning ends at keys <= this
-        cursor = self._conn.execute(
+        cursor = self._reader.execute(
             _RANKED_MATCHES,
             {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS},
         )
@@ -545,7 +641,7 @@ class MemoryStore:
         """The newest ``limit`` matches scored with a BM25 of 0 (lock held): words in most
         nodes get an IDF of about zero, so recency alone orders them."""
         floor = relevance_of(0.0)
-        rows = self._conn.execute(_NEWEST_MATCHES, (expression, limit)).fetchall()
+        rows = self._reader.execute(_NEWEST_MATCHES, (expression, limit)).fetchall()
         return [
             (
                 floor
@@ -558,22 +654,14 @@ class MemoryStore:
             for (seq,) in rows
         ]
 
-    def _sync_total(self) -> int:
-        """The node count (lock held): cached, recounted after another connection's commit."""
-        version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
-        if version != self._data_version or self._total < 0:
-            if self._data_version != -1:
-                # Another process wrote: cached word counts no longer bound anything.
-                self._doc_counts.clear()
-            self._total = int(self._conn.execute("SELECT count(*) FROM nodes").fetchone()[0])
-            self._data_version = version
-        return self._total
+    def _plan(
+        self, terms: list[str], total: int, changes: int
+    ) -> tuple[list[str], list[int] | None, bool]:
+        """Choose the words worth matching on a large store (read lock held).
 
-    def _plan(self, terms: list[str], total: int) -> tuple[list[str], list[int] | None, bool]:
-        """Choose the words worth matching on a large store (lock held).
-
-        Returns the kept words, a lower bound of how many nodes hold each (None on a small
-        store, where nothing is counted) and whether all of the words are common.
+        Returns the kept words (none when the only rare ones are held by no node), a lower
+        bound of how many nodes hold each (None on a small store, where nothing is counted) and
+        whether all of the words are common.
 
         A word found in at least half the nodes gets an IDF clamped to almost zero by FTS5, so
         it adds nothing to BM25, yet every node holding it would have to be scored (in an
@@ -584,56 +672,56 @@ class MemoryStore:
         """
         if total < PRUNE_MIN_NODES:
             return terms, None, False
-        counted = [(*self._docs_with(term), term) for term in terms]
-        kept = [(low, term) for docs, low, term in counted if docs * 2 < total]
-        if kept:
+        counted = [(*self._docs_with(term, changes), term) for term in terms]
+        if any(docs * 2 < total for docs, _, _ in counted):
+            # A word no node holds (its count is exact when zero) matches nothing and adds
+            # nothing to any BM25: leaving it out keeps the bound on relevance tight.
+            kept = [(low, term) for docs, low, term in counted if 0 < docs and docs * 2 < total]
             return [term for _, term in kept], [low for low, _ in kept], False
         rarest = min(counted)
         return [rarest[2]], [rarest[1]], True
 
-    def _docs_with(self, term: str) -> tuple[int, int]:
+    def _docs_with(self, term: str, changes: int) -> tuple[int, int]:
         """How many nodes held ``term`` when counted, and a lower bound of how many hold it now.
 
         Counting a word found in most of 100,000 nodes takes milliseconds, so counts are
-        cached. Each node written since moves the true count by at most one, so the count minus
-        those writes is a safe lower bound; the count is taken again once the writes since
-        exceed a tenth of it. Runs with the lock held.
+        cached. Each node inserted or deleted since (``changes`` counts them, in this snapshot)
+        moves the true count by at most one, so the count minus those changes is a safe lower
+        bound; the count is taken again once the changes since exceed a tenth of it. Runs with
+        the read lock held, in the recall's read transaction.
         """
         cached = self._doc_counts.get(term)
         if cached is not None:
-            drift = self._writes - cached[1]
-            if drift * 10 <= cached[0]:
+            drift = changes - cached[1]
+            if 0 <= drift and drift * 10 <= cached[0]:
                 return cached[0], max(0, cached[0] - drift)
-        row = self._conn.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
+        row = self._reader.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
         docs = int(row[0])
         if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
             self._doc_counts.clear()
-        self._doc_counts[term] = (docs, self._writes)
+        self._doc_counts[term] = (docs, changes)
         return docs, docs
 
     def delete(self, node_id: str) -> bool:
         """Remove a node (and its index entry); True if it existed."""
         with self._lock:
             self._check_open()
-            self._sync_total()
             cursor = self._conn.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
-            removed = cursor.rowcount
-            self._writes += removed
-            self._total -= removed
-            return removed > 0
+            return cursor.rowcount > 0
 
     def count(self) -> int:
         """How many nodes are stored."""
-        with self._lock:
+        with self._read_lock:
             self._check_open()
-            return self._sync_total()
+            return int(self._reader.execute(_COUNTERS).fetchone()[0])
 
     def close(self) -> None:
         """Close the database; idempotent. Later calls raise :class:`StoreError`."""
-        with self._lock:
+        with self._lock, self._read_lock:
             if self._closed:
                 return
             self._closed = True
+            self._reader.close()
             self._conn.close()
         logger.info("memory store closed")
 

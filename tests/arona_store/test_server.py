@@ -265,17 +265,20 @@ async def test_notifications_get_no_reply_but_are_carried_out(client: StoreClien
     )
     await client.send({"jsonrpc": "2.0", "method": "No.SuchNotification"})
     # The very next reply is the one for this request: the notifications produced nothing.
+    # Stores are committed in the order they arrive, so once this one is answered the
+    # notified one is stored too.
     await client.send(
         {
             "jsonrpc": "2.0",
-            "id": "q",
-            "method": "Sync.MemoryQueryRequest",
-            "params": {"query": "heron"},
+            "id": "s",
+            "method": "Sync.MemoryStoreRequest",
+            "params": {"text": "the heron flies at dawn", "node_type": "episode"},
         }
     )
     reply = await client.recv()
-    assert reply["id"] == "q"
-    assert reply["result"]["total"] == 1
+    assert reply["id"] == "s"
+    found = await client.call("Sync.MemoryQueryRequest", {"query": "heron"})
+    assert found["total"] == 2
 
 
 # -- memory methods -------------------------------------------------------------------------
@@ -455,6 +458,75 @@ async def test_limit_caps_the_results(client: StoreClient) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_recall_is_answered_while_a_write_holds_the_store(
+    server: StoreServer, client: StoreClient
+) -> None:
+    await client.call("Sync.MemoryStoreRequest", {"text": "I prefer oolong tea", "node_type": "e"})
+    # Stands in for a long write holding the writer connection.
+    assert server.store._lock.acquire(timeout=WAIT_S)
+    try:
+        found = await client.call("Sync.MemoryQueryRequest", {"query": "oolong"})
+    finally:
+        server.store._lock.release()
+    assert [r["text"] for r in found["results"]] == ["I prefer oolong tea"]
+
+
+@pytest.mark.asyncio
+async def test_a_recall_does_not_wait_behind_a_store_sent_before_it(
+    server: StoreServer, client: StoreClient
+) -> None:
+    await client.call("Sync.MemoryStoreRequest", {"text": "I prefer oolong tea", "node_type": "e"})
+    # Stands in for a slow write: the next store has to wait for the writer.
+    assert server.store._lock.acquire(timeout=WAIT_S)
+    released = False
+    try:
+        store = {"text": "I prefer green tea", "node_type": "e"}
+        await client.send(
+            {"jsonrpc": "2.0", "id": "w", "method": "Sync.MemoryStoreRequest", "params": store}
+        )
+        await client.send(
+            {
+                "jsonrpc": "2.0",
+                "id": "q",
+                "method": "Sync.MemoryQueryRequest",
+                "params": {"query": "tea"},
+            }
+        )
+        first = await client.recv()
+        assert first["id"] == "q"
+        assert [r["text"] for r in first["result"]["results"]] == ["I prefer oolong tea"]
+        server.store._lock.release()
+        released = True
+        stored = await client.recv()
+        assert stored["id"] == "w" and "node_id" in stored["result"]
+    finally:
+        if not released:
+            server.store._lock.release()
+    found = await client.call("Sync.MemoryQueryRequest", {"query": "green tea"})
+    assert found["results"][0]["text"] == "I prefer green tea"
+
+
+@pytest.mark.asyncio
+async def test_stores_sent_together_are_all_answered_and_kept(client: StoreClient) -> None:
+    for i in range(20):
+        await client.send(
+            {
+                "jsonrpc": "2.0",
+                "id": i,
+                "method": "Sync.MemoryStoreRequest",
+                "params": {"text": f"lantern number {i}", "node_type": "episode"},
+            }
+        )
+    replies = [await client.recv() for _ in range(20)]
+    assert sorted(r["id"] for r in replies) == list(range(20))
+    assert len({r["result"]["node_id"] for r in replies}) == 20
+    found = await client.call("Sync.MemoryQueryRequest", {"query": "lantern", "limit": 50})
+    assert sorted(r["text"] for r in found["results"]) == sorted(
+        f"lantern number {i}" for i in range(20)
+    )
+
+
+@pytest.mark.asyncio
 async def test_a_recall_waiting_for_a_busy_store_never_stalls_other_clients(
     server: StoreServer, client: StoreClient
 ) -> None:
@@ -462,8 +534,8 @@ async def test_a_recall_waiting_for_a_busy_store_never_stalls_other_clients(
     async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
         other = StoreClient(ws)
         await other.handshake()
-        # Stands in for a long write holding the store.
-        assert server.store._lock.acquire(timeout=WAIT_S)
+        # Stands in for a recall from another thread holding the reader.
+        assert server.store._read_lock.acquire(timeout=WAIT_S)
         try:
             await client.send(
                 {
@@ -475,7 +547,7 @@ async def test_a_recall_waiting_for_a_busy_store_never_stalls_other_clients(
             )
             assert await other.call("Base.Heartbeat", {}) == {"ok": True}
         finally:
-            server.store._lock.release()
+            server.store._read_lock.release()
         reply = await client.reply_to("held")
     assert [r["text"] for r in reply["result"]["results"]] == ["I prefer oolong tea"]
 

@@ -356,13 +356,67 @@ def test_writes_through_another_connection_are_seen(tmp_path: Path) -> None:
         writer.close()
 
 
-def test_try_query_gives_way_to_a_busy_store(store: MemoryStore) -> None:
+def test_a_recall_reads_committed_nodes_while_a_write_is_under_way(store: MemoryStore) -> None:
     store.add("quiet pond", "episode", NOW)
-    acquired = store._lock.acquire(timeout=5)
+    # A write transaction left open on the writer connection: a recall neither waits for it
+    # nor sees its uncommitted node.
+    with store._lock:
+        store._conn.execute("BEGIN IMMEDIATE")
+        store._conn.execute(
+            "INSERT INTO nodes (seq, id, node_type, text, created_at) VALUES (1, 'x', 'e', ?, 0)",
+            ("noisy pond",),
+        )
+        hits = store.try_query("pond", 5, now=NOW)
+        assert hits is not None and [h.text for h in hits] == ["quiet pond"]
+        assert store.count() == 1
+        store._conn.execute("COMMIT")
+    assert [h.text for h in store.query("pond", 5, now=NOW)] == ["quiet pond", "noisy pond"]
+    assert store.count() == 2
+
+
+def test_try_query_gives_way_to_another_recall(store: MemoryStore) -> None:
+    store.add("quiet pond", "episode", NOW)
+    acquired = store._read_lock.acquire(timeout=5)
     assert acquired
     try:
         assert store.try_query("pond", 5, now=NOW) is None
     finally:
-        store._lock.release()
+        store._read_lock.release()
     hits = store.try_query("pond", 5, now=NOW)
     assert hits is not None and [h.text for h in hits] == ["quiet pond"]
+
+
+def test_try_add_many_writes_nothing_while_another_writer_holds_the_database(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "busy.db"
+    store = MemoryStore.open(path)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        assert store.try_add_many([("held back", "episode")]) is None
+        other.execute("ROLLBACK")
+        with store._lock:
+            assert store.try_add_many([("held back", "episode")]) is None
+        assert store.count() == 0
+        ids = store.try_add_many([("held back", "episode")])
+        assert ids is not None and [h.node_id for h in store.query("held", 5)] == ids
+    finally:
+        other.close()
+        store.close()
+
+
+def test_checkpoints_can_be_left_to_the_owner(tmp_path: Path) -> None:
+    path = tmp_path / "wal.db"
+    store = MemoryStore.open(path, checkpoint_on_commit=False)
+    try:
+        size = path.stat().st_size
+        for i in range(300):
+            store.add(f"note {i} " + "lantern " * 40, "episode")
+        # Nothing copied into the database file yet: every page is still in the log.
+        assert path.stat().st_size == size
+        store.checkpoint()
+        assert path.stat().st_size > size
+        assert store.count() == 300
+    finally:
+        store.close()

@@ -27,15 +27,26 @@ nodes sharing one timestamp spreads them by a microsecond each, nothing a 14-day
 can see). FTS5 walks a match list in rowid order for free, so matches arrive newest first
 and SQLite computes BM25 and the blended score in C for only the rows actually read.
 
-Why the scan may stop early and stay exact: BM25 is below ``(k1 + 1) * sum(idf)`` over the
-query's words (k1 = 1.2, IDFs from the words' document counts), which bounds ``relevance``
-by some ``R``. A node of age ``a`` can score at most ``R * (0.6 + 0.4 * recency(a))``, and
-older nodes only less; once the ``limit``-th best score so far reaches that bound, no node
-still unread can enter the top ``limit``, so the scan stops. Recent, relevant matches end it
-after a few hundred rows whatever the store size; a store that only holds weak matches is
-read to its end, which is exactly the full ranking, except that at most
-:data:`MAX_SCAN_ROWS` matches are read: a query made only of weak words on a huge store then
+Why the scan may stop early and stay exact: BM25 is a sum over the query's words of
+``idf * f`` where the term factor ``f = tf * (k1 + 1) / (tf + k1 * (1 - b + b * D / avgdl))``
+(k1 = 1.2, b = 0.75, ``tf`` the word's count in the node, ``D`` the node's length) is below
+``k1 + 1``; with IDFs bounded from the words' document counts, that bounds ``relevance`` by
+some ``R``. A node of age ``a`` can score at most ``R * (0.6 + 0.4 * recency(a))``, and older
+nodes only less; once the ``limit``-th best score so far reaches that bound, no node still
+unread can enter the top ``limit``, so the scan stops. Recent, relevant matches end it after
+a few hundred rows whatever the store size; a store that only holds weak matches is read to
+its end, which is exactly the full ranking, except that at most :data:`MAX_SCAN_ROWS`
+matches are read: a query made only of weak words on a huge store then
 ranks the newest that many matches, which caps the worst case (about a microsecond per row).
+
+A tighter bound: each word's largest ``f`` over the nodes holding it is measured (one pass
+over its matches) and remembered with the store's ``avgdl``, its highest key ``hi`` and a
+count of writes below ``hi``. Later, ``f`` of those same nodes can only have grown with
+``avgdl`` (by at most the ratio), deleted nodes do not matter, and nodes written since sit
+above ``hi`` (a write below ``hi``, or a text change, forgets the measure); so nodes up to the
+oldest ``hi`` of the query's words are held to the measured factors, and only newer ones to
+``k1 + 1``. The real best ``f`` is often half of ``k1 + 1``: on the benchmark's corpus a
+recall then reads about a third of the rows.
 
 Repeated memories. A write with ``refresh=True`` (what the wire server does for every
 ``Sync.MemoryStoreRequest``) that is identical to a stored node (same text, type, source,
@@ -90,6 +101,14 @@ SCHEMA_VERSION = 3
 BUSY_TIMEOUT_MS = 5000
 # Most matches one query reads (see the module docstring).
 MAX_SCAN_ROWS = 4000
+# A word in more nodes than this is not measured (its pass would cost milliseconds); its
+# term factor is bounded by k1 + 1.
+MAX_MEASURED_DOCS = 4000
+# The words limiting a recall's horizon are measured again once it read more matches than
+# this above the horizon (held to the loose bound there), or once `avgdl` has grown by
+# REMEASURE_AVGDL.
+REMEASURE_ROWS = 64
+REMEASURE_AVGDL = 1.1
 _SECONDS_PER_DAY = 86400.0
 # recency = exp((seq - now_key) * _DECAY_PER_KEY) for a node older than now.
 _DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
@@ -147,22 +166,34 @@ END;
 CREATE TABLE IF NOT EXISTS counters (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     nodes INTEGER NOT NULL,
-    changes INTEGER NOT NULL
+    changes INTEGER NOT NULL,
+    hi INTEGER NOT NULL,
+    backdated INTEGER NOT NULL
 );
-INSERT OR IGNORE INTO counters (id, nodes, changes) SELECT 1, count(*), 0 FROM nodes;
+INSERT OR IGNORE INTO counters (id, nodes, changes, hi, backdated)
+    SELECT 1, count(*), 0, coalesce(max(seq), -9223372036854775808), 0 FROM nodes;
 CREATE TRIGGER IF NOT EXISTS counters_ai AFTER INSERT ON nodes BEGIN
-    UPDATE counters SET nodes = nodes + 1, changes = changes + 1 WHERE id = 1;
+    UPDATE counters SET nodes = nodes + 1, changes = changes + 1,
+        backdated = backdated + (new.seq < hi), hi = max(hi, new.seq) WHERE id = 1;
 END;
 CREATE TRIGGER IF NOT EXISTS counters_ad AFTER DELETE ON nodes BEGIN
     UPDATE counters SET nodes = nodes - 1, changes = changes + 1 WHERE id = 1;
 END;
 CREATE TRIGGER IF NOT EXISTS counters_au AFTER UPDATE OF text ON nodes BEGIN
-    UPDATE counters SET changes = changes + 2 WHERE id = 1;
+    UPDATE counters SET changes = changes + 2, backdated = backdated + 1 WHERE id = 1;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_moved AFTER UPDATE OF seq ON nodes
+WHEN new.text = old.text BEGIN
+    INSERT INTO nodes_fts(nodes_fts, rowid, text) VALUES ('delete', old.seq, old.text);
+    INSERT INTO nodes_fts(rowid, text) VALUES (new.seq, new.text);
+    UPDATE counters SET backdated = backdated + (new.seq < hi), hi = max(hi, new.seq)
+        WHERE id = 1;
 END;
 """
 
 _COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
 _INSERT = f"INSERT INTO nodes (seq, {_COLUMNS}, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_MOVE = "UPDATE nodes SET seq = ?, created_at = ? WHERE seq = ?"
 # A stored node identical to a new one (the digest narrows, the fields decide).
 _TWIN = (
     "SELECT seq, id FROM nodes WHERE digest = ? AND node_type = ? AND text = ?"
@@ -183,7 +214,11 @@ _RANKED_MATCHES = (
 # Matches of a word found in most nodes: the newest `limit`, read straight off the index.
 _NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
-_COUNTERS = "SELECT nodes, changes FROM counters WHERE id = 1"
+_COUNTERS = "SELECT nodes, changes, hi, backdated FROM counters WHERE id = 1"
+# FTS5's "averages" record: varints holding its row count and total token count.
+_AVERAGES = "SELECT block FROM nodes_fts_data WHERE id = 1"
+# Every BM25 of one word's matches, to find its best term factor.
+_TERM_BM25 = "SELECT bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
 # The taken keys from a candidate upwards, to find the first free one.
 _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 
@@ -191,6 +226,17 @@ _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 # A node row as inserted: seq, id, node_type, text, created_at, source_episode_id,
 # related_node_ids (JSON), properties (JSON), digest.
 _Row = tuple[int, str, str, str, float, str | None, str, str, bytes]
+
+
+@dataclass(frozen=True)
+class _TermFactor:
+    """A word's largest BM25 term factor over the nodes holding it, and when it was measured
+    (see the module docstring)."""
+
+    factor: float
+    avgdl: float
+    hi: int
+    backdated: int
 
 
 class StoreError(Exception):
@@ -323,6 +369,8 @@ class MemoryStore:
         self._closed = False
         # term -> (nodes holding it, `changes` when counted); see _docs_with. Reader only.
         self._doc_counts: dict[str, tuple[int, int]] = {}
+        # term -> its measured term factor; see _tight_bound. Reader only.
+        self._factors: dict[str, _TermFactor] = {}
         self.path = path
 
     @classmethod
@@ -464,10 +512,12 @@ class MemoryStore:
                         ids.append(twin_id)
                         if twin_seq >= wanted:
                             continue  # already at least that recent
-                        self._conn.execute("DELETE FROM nodes WHERE seq = ?", (twin_seq,))
-                        row = (wanted, twin_id, *row[2:])
-                    else:
-                        ids.append(row[1])
+                        key = self._free_key(resume.get(wanted, wanted))
+                        resume[wanted] = key + 1
+                        # Moved, not deleted and added: no word count changes.
+                        self._conn.execute(_MOVE, (key, row[4], twin_seq))
+                        continue
+                    ids.append(row[1])
                     key = self._free_key(resume.get(wanted, wanted))
                     resume[wanted] = key + 1
                     self._conn.execute(_INSERT, (key, *row[1:]))
@@ -568,7 +618,7 @@ class MemoryStore:
 
     def _ranked_hits(self, terms: list[str], limit: int, now_key: int) -> list[MemoryHit]:
         """The recall itself (read lock held, read transaction open)."""
-        total, changes = self._reader.execute(_COUNTERS).fetchone()
+        total, changes, hi, backdated = self._reader.execute(_COUNTERS).fetchone()
         kept, counts, all_common = self._plan(terms, total, changes)
         if not kept:
             return []
@@ -577,10 +627,19 @@ class MemoryStore:
             ranked = self._newest(expression, limit, now_key)
         else:
             bound = 1.0
+            tight: tuple[float, int] | None = None
             if counts is not None:
-                r_max = (BM25_K1 + 1.0) * sum(idf_bound(total, n) for n in counts)
-                bound = relevance_of(-r_max)
-            ranked = self._best(expression, limit, now_key, bound)
+                idfs = [idf_bound(total, n) for n in counts]
+                bound = relevance_of(-(BM25_K1 + 1.0) * sum(idfs))
+                tight = self._tight_bound(kept, idfs, changes, hi, backdated)
+            ranked, above = self._best(expression, limit, now_key, bound, tight)
+            if tight is not None and above > REMEASURE_ROWS:
+                # Too much was read under the loose bound: measure the words that hold the
+                # horizon back again, on the next recall that needs them.
+                for term in kept:
+                    measured = self._factors.get(term)
+                    if measured is not None and measured.hi <= tight[1]:
+                        del self._factors[term]
         if not ranked:
             return []
         marks = ", ".join("?" * len(ranked))
@@ -603,14 +662,86 @@ class MemoryStore:
             if (row := rows.get(seq)) is not None
         ]
 
+    def _tight_bound(
+        self, terms: list[str], idfs: list[float], changes: int, hi: int, backdated: int
+    ) -> tuple[float, int] | None:
+        """The most relevance a match up to some key can have, and that key, from the
+        words' measured term factors; None when the store's averages cannot be read (read
+        lock held, read transaction open; see the module docstring)."""
+        avgdl = self._avgdl()
+        if avgdl is None:
+            return None
+        r_max = 0.0
+        horizon = hi
+        for term, idf in zip(terms, idfs, strict=True):
+            measured = self._factors.get(term)
+            if (
+                measured is None
+                or measured.backdated != backdated
+                or avgdl > measured.avgdl * REMEASURE_AVGDL
+            ):
+                measured = self._measure(term, avgdl, changes, hi, backdated)
+            scale = max(1.0, avgdl / measured.avgdl) if measured.avgdl > 0 else math.inf
+            r_max += idf * min(BM25_K1 + 1.0, measured.factor * scale)
+            horizon = min(horizon, measured.hi)
+        return relevance_of(-r_max), horizon
+
+    def _measure(
+        self, term: str, avgdl: float, changes: int, hi: int, backdated: int
+    ) -> _TermFactor:
+        """One pass over ``term``'s matches for its largest term factor (read transaction
+        open); a word in too many nodes is given the general bound instead."""
+        docs, _ = self._docs_with(term, changes)
+        factor = BM25_K1 + 1.0
+        if docs <= MAX_MEASURED_DOCS:
+            best = 0.0
+            docs = 0
+            for (bm25,) in self._reader.execute(_TERM_BM25, (f'"{term}"',)):
+                docs += 1
+                best = min(best, bm25)
+            total = self._averages()[0]
+            # The IDF FTS5 used for this single-word match, to divide it back out; a word
+            # it clamped (in half the nodes or more) keeps the general bound.
+            idf = math.log((total - docs + 0.5) / (docs + 0.5)) if docs else 0.0
+            if idf > 1e-6:
+                # Rounding can only raise the factor, never lower it below the truth.
+                factor = min(factor, -best / idf * (1.0 + 1e-9))
+        measured = _TermFactor(factor, avgdl, hi, backdated)
+        if len(self._factors) >= DOC_COUNT_CACHE_SIZE:
+            self._factors.clear()
+        self._factors[term] = measured
+        return measured
+
+    def _averages(self) -> tuple[int, int]:
+        """FTS5's row count and total token count (read transaction open); (0, 0) if its
+        averages record is missing or not as expected."""
+        row = self._reader.execute(_AVERAGES).fetchone()
+        if row is None or not isinstance(row[0], bytes):
+            return 0, 0
+        values = _varints(row[0], 2)
+        return (values[0], values[1]) if len(values) == 2 else (0, 0)
+
+    def _avgdl(self) -> float | None:
+        rows, tokens = self._averages()
+        return tokens / rows if rows > 0 and tokens >= 0 else None
+
     def _best(
-        self, expression: str | None, limit: int, now_key: int, bound: float
-    ) -> list[tuple[float, int]]:
-        """The top ``limit`` (score, seq) of a match, best first (lock held).
+        self,
+        expression: str | None,
+        limit: int,
+        now_key: int,
+        bound: float,
+        tight: tuple[float, int] | None = None,
+    ) -> tuple[list[tuple[float, int]], int]:
+        """The top ``limit`` (score, seq) of a match, best first, and how many rows were read
+        above the horizon (read lock held).
 
         Rows arrive newest first with their score; ``bound`` is the most relevance any match
-        can have. The scan stops at the first key no older node can beat (module docstring).
+        can have, ``tight`` (when known) a lower one that holds for keys up to a horizon. The
+        scan stops at the first key no older node can beat (module docstring).
         """
+        horizon = tight[1] if tight is not None else None
+        above = 0
         # Min-heap of the best `limit` so far: the root is the weakest kept result. Equal
         # scores keep the larger (newer) seq, which is the one read first.
         best: list[tuple[float, int]] = []
@@ -623,6 +754,8 @@ class MemoryStore:
             for seq, score in cursor:
                 if stop_at is not None and seq <= stop_at:
                     break
+                if horizon is not None and seq > horizon:
+                    above += 1
                 item = (score, seq)
                 if len(best) < limit:
                     heapq.heappush(best, item)
@@ -632,10 +765,10 @@ class MemoryStore:
                     heapq.heapreplace(best, item)
                 else:
                     continue
-                stop_at = _stop_key(best[0][0], bound, now_key)
+                stop_at = _stop_point(best[0][0], bound, tight, now_key)
         finally:
             cursor.close()
-        return sorted(best, reverse=True)
+        return sorted(best, reverse=True), above
 
     def _newest(self, expression: str | None, limit: int, now_key: int) -> list[tuple[float, int]]:
         """The newest ``limit`` matches scored with a BM25 of 0 (lock held): words in most
@@ -724,6 +857,47 @@ class MemoryStore:
             self._reader.close()
             self._conn.close()
         logger.info("memory store closed")
+
+
+def _stop_point(
+    weakest: float, bound: float, tight: tuple[float, int] | None, now_key: int
+) -> int | None:
+    """The newest key from which no match can beat ``weakest``; None if none is.
+
+    Keys above the tight bound's horizon are held to ``bound``, the others to the tight one:
+    stopping at ``s`` needs every key up to ``s`` to be beaten under the bound that holds
+    for it.
+    """
+    loose = _stop_key(weakest, bound, now_key)
+    if tight is None:
+        return loose
+    tight_bound, horizon = tight
+    stop = _stop_key(weakest, tight_bound, now_key)
+    if stop is None:
+        return None
+    return min(stop, horizon if loose is None else max(horizon, loose))
+
+
+def _varints(data: bytes, count: int) -> list[int]:
+    """The first ``count`` SQLite varints of ``data`` (big-endian, 7 bits a byte, the ninth
+    byte whole); fewer if ``data`` ends first."""
+    values: list[int] = []
+    i = 0
+    while len(values) < count and i < len(data):
+        value = 0
+        for n in range(9):
+            if i >= len(data):
+                return values
+            byte = data[i]
+            i += 1
+            if n == 8:
+                value = (value << 8) | byte
+                break
+            value = (value << 7) | (byte & 0x7F)
+            if not byte & 0x80:
+                break
+        values.append(value)
+    return values
 
 
 def _stop_key(weakest: float, bound: float, now_key: int) -> int | None:

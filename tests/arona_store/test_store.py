@@ -6,6 +6,7 @@ import random
 import sqlite3
 import threading
 from collections.abc import Iterator
+from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -214,6 +215,101 @@ def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
                     assert [h.score for h in hits] == pytest.approx(
                         [e[0] for e in expected[:limit]], abs=1e-9
                     )
+    finally:
+        store.close()
+
+
+def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float, str]]:
+    """Every match of ``query`` scored by the formula, best first (the brute-force check)."""
+    with sqlite3.connect(path) as check:
+        rows = check.execute(
+            "SELECT n.id, bm25(nodes_fts), n.created_at FROM nodes_fts"
+            " JOIN nodes AS n ON n.seq = nodes_fts.rowid WHERE nodes_fts MATCH ?",
+            (build_fts_query(query),),
+        ).fetchall()
+    return sorted(
+        ((score_of(b, created, now), created, node_id) for node_id, b, created in rows),
+        reverse=True,
+    )
+
+
+def test_ranking_stays_exact_while_the_store_changes(tmp_path: Path) -> None:
+    # Words repeated within a node and nodes of very different lengths spread the term
+    # factors; between recalls the store gains new nodes, nodes written in the past, refreshed
+    # copies and deletions, and grows longer on average, so every remembered bound on a
+    # word's term factor is put to the test against a full ranking.
+    rng = random.Random(11)
+    vocabulary = [f"w{i}" for i in range(40)]
+    now = NOW.timestamp()
+    path = tmp_path / "churn.db"
+    store = MemoryStore.open(path)
+    queries = ("w1 w2 w3", "w7", "w10 w20 w30", "w5 w6", "w39 w0 w11")
+    try:
+        ids = store.add_many(
+            (
+                _words(rng, vocabulary, rng.randint(2, 30)),
+                "episode",
+                now - rng.uniform(0, 60 * DAY),
+            )
+            for _ in range(PRUNE_MIN_NODES + 300)
+        )
+        for round_ in range(12):
+            for query in queries:
+                expected = _full_ranking(path, query, now)
+                hits = store.query(query, 5, now=NOW)
+                assert [h.node_id for h in hits] == [e[2] for e in expected[:5]], (round_, query)
+            change = round_ % 4
+            if change == 0:  # new nodes, some long with a word many times over
+                for _ in range(30):
+                    word = rng.choice(vocabulary)
+                    store.add(f"{word} " * rng.randint(1, 8) + _words(rng, vocabulary, 40), "e")
+            elif change == 1:  # nodes written in the past, among the old ones
+                store.add_many(
+                    (f"{rng.choice(vocabulary)} " * 6, "e", now - rng.uniform(1, 50) * DAY)
+                    for _ in range(20)
+                )
+            elif change == 2:  # deletions
+                for node_id in rng.sample(ids, 40):
+                    store.delete(node_id)
+            else:  # an old node stored again: refreshed to now
+                oldest = _full_ranking(path, "w7", now)[-1][2]
+                with closing(sqlite3.connect(path)) as check:
+                    (text,) = check.execute(
+                        "SELECT text FROM nodes WHERE id = ?", (oldest,)
+                    ).fetchone()
+                assert store.add(text, "episode", refresh=True) == oldest
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("written", ["above the measured nodes", "among the measured nodes"])
+def test_a_node_written_after_a_word_was_measured_is_never_skipped(
+    tmp_path: Path, written: str
+) -> None:
+    # "kiwi" is measured on long nodes holding it once. Then a short node saying it five
+    # times (a far larger term factor) is written three days back, and five more long ones a
+    # day back: a recall reads those five first, and were the old measure trusted for the
+    # new node, it would stop before reaching the best match of all.
+    rng = random.Random(3)
+    now = NOW.timestamp()
+    path = tmp_path / "measured.db"
+    store = MemoryStore.open(path)
+    try:
+        store.add_many(
+            (f"plain note {i} " + _words(rng, ["rain", "wind", "snow"], 12), "e", now - 40 * DAY)
+            for i in range(PRUNE_MIN_NODES)
+        )
+        store.add_many(("kiwi " + "rain " * 20, "e", now - (20 + i) * DAY) for i in range(5))
+        # The newest node when "kiwi" is measured: before the new ones, or after them.
+        newest = now - 20 * DAY + 1 if written == "above the measured nodes" else now - 3600
+        store.add("weather log", "e", newest)
+        store.query("kiwi", 5, now=NOW)
+        best = store.add("kiwi kiwi kiwi kiwi kiwi", "e", now - 3 * DAY)
+        store.add_many(("kiwi " + "rain " * 20, "e", now - DAY + i) for i in range(5))
+
+        expected = _full_ranking(path, "kiwi", now)
+        assert expected[0][2] == best
+        assert [h.node_id for h in store.query("kiwi", 5, now=NOW)] == [e[2] for e in expected[:5]]
     finally:
         store.close()
 

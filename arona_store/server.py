@@ -9,10 +9,10 @@ its own snapshot, so it never waits for a write (a recall that finds the reader 
 another thread waits on the worker thread instead:
 :meth:`~arona_store.store.MemoryStore.try_query`).
 Writes run on the loop too (an FTS index update and a WAL commit, about 0.1 ms), with the
-stores that arrive in one loop iteration committed together in one transaction (group commit:
-at 32 concurrent turns that halves the cost of a write), and a store is answered only once
-its transaction has committed. What could stall the loop is moved off it: WAL checkpoints
-(which sync the database file) run on a dedicated worker thread every
+stores that arrive within :data:`WRITE_LINGER_S` of each other committed together in one
+transaction (group commit: a transaction costs more than the stores in it), and a store is
+answered only once its transaction has committed. What could stall the loop is moved off
+it: WAL checkpoints (which sync the database file) run on a dedicated worker thread every
 :data:`CHECKPOINT_EVERY` commits, and a write that finds the database held (by that
 checkpoint, or another process) waits on that thread instead, as do deletes.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
@@ -21,6 +21,7 @@ Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia doe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
@@ -51,6 +52,11 @@ MAX_FRAME_BYTES = 2**20
 IDLE_CLOSE_CODE = 4000
 # Write transactions between two WAL checkpoints (each a few pages of log).
 CHECKPOINT_EVERY = 200
+# How long the first store of a batch waits for others to share its transaction, and the
+# most one transaction takes. A store's reply is that much later; nobody waits on it (the
+# gateway writes back after answering), and a transaction costs more than a store in it.
+WRITE_LINGER_S = 0.01
+WRITE_BATCH_MAX = 64
 # Philia answers a stalled handler with -32603 after about 8 s; so do we.
 HANDLER_TIMEOUT_S = 8.0
 DEFAULT_PORT = 8424
@@ -153,6 +159,7 @@ class StoreServer:
         self._queued: list[tuple[NewNode, asyncio.Future[str]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._commits = 0
+        self._batch_full = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._checkpointing: asyncio.Future[None] | None = None
         self.port = 0
@@ -442,6 +449,8 @@ class StoreServer:
         """Store ``node`` (refreshing an identical one) in the next write transaction."""
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queued.append((node, done))
+        if len(self._queued) >= WRITE_BATCH_MAX:
+            self._batch_full.set()
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._commit_queued())
         return await done
@@ -449,7 +458,12 @@ class StoreServer:
     async def _commit_queued(self) -> None:
         """Commit queued stores, each batch in one transaction, until none are left."""
         while self._queued:
-            batch, self._queued = self._queued, []
+            if len(self._queued) < WRITE_BATCH_MAX:
+                self._batch_full.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._batch_full.wait(), WRITE_LINGER_S)
+            batch = self._queued[:WRITE_BATCH_MAX]
+            del self._queued[:WRITE_BATCH_MAX]
             nodes = [node for node, _ in batch]
             try:
                 ids = self.store.try_add_many(nodes, refresh=True)

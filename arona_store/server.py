@@ -43,7 +43,7 @@ from websockets.http11 import Request, Response
 from arona_grpc.redact import redact_text
 from arona_store import jsonrpc
 from arona_store.jsonrpc import Call, JsonId, RpcError
-from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryStore, NewNode
+from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryHit, MemoryStore, NewNode
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,65 @@ def _version() -> str:
 
 def _bad_params(message: str) -> RpcError:
     return RpcError(jsonrpc.INVALID_PARAMS, f"Invalid params: {message}")
+
+
+def _query_params(params: Mapping[str, Any]) -> tuple[str, int]:
+    query = params.get("query")
+    if not isinstance(query, str):
+        raise _bad_params("query must be a string")
+    limit = params.get("limit", DEFAULT_LIMIT)
+    if limit is None:
+        limit = DEFAULT_LIMIT
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise _bad_params(f"limit must be an integer between 1 and {MAX_LIMIT}")
+    return query, limit
+
+
+def _query_result(query: str, hits: list[MemoryHit]) -> dict[str, Any]:
+    return {
+        "query": query,
+        "total": len(hits),
+        "results": [
+            {"node_type": hit.node_type, "text": hit.text, "score": round(hit.score, 6)}
+            for hit in hits
+        ],
+    }
+
+
+class _IdleWatch:
+    """Closes a connection with code 4000 once no frame came for ``idle_s``, as Philia does.
+
+    One timer per connection, moved only when it fires: noting a frame is one assignment,
+    where a timeout around every receive would make and cancel a timer per frame.
+    """
+
+    def __init__(self, ws: ServerConnection, idle_s: float) -> None:
+        self._ws = ws
+        self._idle_s = idle_s
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last + idle_s, self._check
+        )
+        self._closing: asyncio.Task[None] | None = None
+
+    def seen(self) -> None:
+        self._last = self._loop.time()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        due = self._last + self._idle_s
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self._timer = None
+        logger.debug("closing an idle memory store connection")
+        # Closing makes the pending receive end, and with it the connection's handler.
+        self._closing = asyncio.create_task(self._ws.close(IDLE_CLOSE_CODE, "idle timeout"))
 
 
 def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
@@ -284,19 +343,19 @@ class StoreServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         session = _Session()
+        idle = _IdleWatch(ws, self._idle_timeout_s)
         try:
             await ws.send(self._greeting)
             while True:
-                try:
-                    async with asyncio.timeout(self._idle_timeout_s):
-                        frame = await ws.recv()
-                except TimeoutError:
-                    logger.debug("closing an idle memory store connection")
-                    await ws.close(IDLE_CLOSE_CODE, "idle timeout")
-                    return
+                frame = await ws.recv()
+                idle.seen()
                 answer = self._dispatch(frame, session)
                 if isinstance(answer, list):
                     replies = answer
+                elif answer[0].method == QUERY:
+                    # Answered at once unless another thread holds the reader.
+                    now = self._query_now(answer[0])
+                    replies = now if now is not None else await self._run(*answer)
                 elif answer[0].method in _IN_BACKGROUND:
                     # Answered whenever done, so the frames behind it are read meanwhile:
                     # one client's concurrent stores then share a transaction, and its
@@ -314,6 +373,8 @@ class StoreServer:
                     return
         except ConnectionClosed:
             return
+        finally:
+            idle.stop()
 
     async def _answer_later(self, ws: ServerConnection, call: Call, handler: _Handler) -> None:
         replies = await self._run(call, handler)
@@ -357,15 +418,27 @@ class StoreServer:
         try:
             async with asyncio.timeout(HANDLER_TIMEOUT_S):
                 result = await handler(call.params)
-        except RpcError as err:
-            return self._reply(call, err)
         except TimeoutError:
             logger.warning("memory store method %s timed out", call.method)
             return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Request timed out"))
-        except Exception:
-            logger.exception("memory store method %s failed", call.method)
-            return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Internal error"))
+        except Exception as exc:
+            return self._failed(call, exc)
         return self._reply(call, result)
+
+    def _query_now(self, call: Call) -> list[str] | None:
+        """A recall's reply frames, computed right here; None if it has to wait."""
+        try:
+            query, limit = _query_params(call.params)
+            hits = self.store.try_query(query, limit)
+        except Exception as exc:
+            return self._failed(call, exc)
+        return None if hits is None else self._reply(call, _query_result(query, hits))
+
+    def _failed(self, call: Call, exc: Exception) -> list[str]:
+        if isinstance(exc, RpcError):
+            return self._reply(call, exc)
+        logger.error("memory store method %s failed", call.method, exc_info=exc)
+        return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Internal error"))
 
     @staticmethod
     def _reply(call: Call, outcome: dict[str, Any] | RpcError) -> list[str]:
@@ -392,28 +465,10 @@ class StoreServer:
         return await loop.run_in_executor(self._executor, fn, *args)
 
     async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
-        query = params.get("query")
-        if not isinstance(query, str):
-            raise _bad_params("query must be a string")
-        limit = params.get("limit", DEFAULT_LIMIT)
-        if limit is None:
-            limit = DEFAULT_LIMIT
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-            raise _bad_params(f"limit must be an integer between 1 and {MAX_LIMIT}")
-        # A recall is a fraction of a millisecond of SQLite work, cheaper than the thread
-        # hop around it, so it runs right here on the loop; only when a write holds the
-        # store does it queue behind that write on the worker thread instead of blocking.
-        hits = self.store.try_query(query, limit)
-        if hits is None:
-            hits = await self._in_db(self.store.query, query, limit)
-        return {
-            "query": query,
-            "total": len(hits),
-            "results": [
-                {"node_type": hit.node_type, "text": hit.text, "score": round(hit.score, 6)}
-                for hit in hits
-            ],
-        }
+        """A recall that another thread's recall holds up: it waits on the worker thread."""
+        query, limit = _query_params(params)
+        hits = await self._in_db(self.store.query, query, limit)
+        return _query_result(query, hits)
 
     async def _store(self, params: dict[str, Any]) -> dict[str, Any]:
         text = params.get("text")

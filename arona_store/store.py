@@ -217,8 +217,9 @@ _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
 _COUNTERS = "SELECT nodes, changes, hi, backdated FROM counters WHERE id = 1"
 # FTS5's "averages" record: varints holding its row count and total token count.
 _AVERAGES = "SELECT block FROM nodes_fts_data WHERE id = 1"
-# Every BM25 of one word's matches, to find its best term factor.
-_TERM_BM25 = "SELECT bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
+# Every BM25 of one word's matches (oldest first), to find its best term factor.
+_TERM_BM25 = "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid"
+_OLDEST_MATCH = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid LIMIT 1"
 # The taken keys from a candidate upwards, to find the first free one.
 _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 
@@ -237,6 +238,18 @@ class _TermFactor:
     avgdl: float
     hi: int
     backdated: int
+    oldest: int  # the smallest key among the nodes holding the word
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What a match's relevance can be, by key: words held to their measured factors up to
+    ``horizon`` and to ``k1 + 1`` above it, each only from its oldest node's key upwards
+    (below that no node holds it)."""
+
+    horizon: int
+    # Per word: (oldest key, idf * measured factor, idf * (k1 + 1)).
+    words: tuple[tuple[int, float, float], ...]
 
 
 class StoreError(Exception):
@@ -627,7 +640,7 @@ class MemoryStore:
             ranked = self._newest(expression, limit, now_key)
         else:
             bound = 1.0
-            tight: tuple[float, int] | None = None
+            tight: _Bounds | None = None
             if counts is not None:
                 idfs = [idf_bound(total, n) for n in counts]
                 bound = relevance_of(-(BM25_K1 + 1.0) * sum(idfs))
@@ -638,7 +651,7 @@ class MemoryStore:
                 # horizon back again, on the next recall that needs them.
                 for term in kept:
                     measured = self._factors.get(term)
-                    if measured is not None and measured.hi <= tight[1]:
+                    if measured is not None and measured.hi <= tight.horizon:
                         del self._factors[term]
         if not ranked:
             return []
@@ -664,15 +677,15 @@ class MemoryStore:
 
     def _tight_bound(
         self, terms: list[str], idfs: list[float], changes: int, hi: int, backdated: int
-    ) -> tuple[float, int] | None:
-        """The most relevance a match up to some key can have, and that key, from the
-        words' measured term factors; None when the store's averages cannot be read (read
-        lock held, read transaction open; see the module docstring)."""
+    ) -> _Bounds | None:
+        """The bounds on a match's relevance from the words' measured term factors; None
+        when the store's averages cannot be read (read lock held, read transaction open; see
+        the module docstring)."""
         avgdl = self._avgdl()
         if avgdl is None:
             return None
-        r_max = 0.0
         horizon = hi
+        words: list[tuple[int, float, float]] = []
         for term, idf in zip(terms, idfs, strict=True):
             measured = self._factors.get(term)
             if (
@@ -682,21 +695,26 @@ class MemoryStore:
             ):
                 measured = self._measure(term, avgdl, changes, hi, backdated)
             scale = max(1.0, avgdl / measured.avgdl) if measured.avgdl > 0 else math.inf
-            r_max += idf * min(BM25_K1 + 1.0, measured.factor * scale)
+            loose = idf * (BM25_K1 + 1.0)
+            words.append((measured.oldest, min(loose, idf * measured.factor * scale), loose))
             horizon = min(horizon, measured.hi)
-        return relevance_of(-r_max), horizon
+        return _Bounds(horizon, tuple(words))
 
     def _measure(
         self, term: str, avgdl: float, changes: int, hi: int, backdated: int
     ) -> _TermFactor:
-        """One pass over ``term``'s matches for its largest term factor (read transaction
-        open); a word in too many nodes is given the general bound instead."""
+        """One pass over ``term``'s matches for its largest term factor and oldest key (read
+        transaction open); a word in too many nodes keeps the general bound."""
         docs, _ = self._docs_with(term, changes)
+        phrase = f'"{term}"'
         factor = BM25_K1 + 1.0
+        oldest: int | None = None
         if docs <= MAX_MEASURED_DOCS:
             best = 0.0
             docs = 0
-            for (bm25,) in self._reader.execute(_TERM_BM25, (f'"{term}"',)):
+            for seq, bm25 in self._reader.execute(_TERM_BM25, (phrase,)):
+                if oldest is None:
+                    oldest = seq
                 docs += 1
                 best = min(best, bm25)
             total = self._averages()[0]
@@ -706,7 +724,11 @@ class MemoryStore:
             if idf > 1e-6:
                 # Rounding can only raise the factor, never lower it below the truth.
                 factor = min(factor, -best / idf * (1.0 + 1e-9))
-        measured = _TermFactor(factor, avgdl, hi, backdated)
+        else:
+            row = self._reader.execute(_OLDEST_MATCH, (phrase,)).fetchone()
+            oldest = None if row is None else int(row[0])
+        # A word no node holds any more (deleted since counted) bounds nothing from the top.
+        measured = _TermFactor(factor, avgdl, hi, backdated, hi if oldest is None else oldest)
         if len(self._factors) >= DOC_COUNT_CACHE_SIZE:
             self._factors.clear()
         self._factors[term] = measured
@@ -731,16 +753,16 @@ class MemoryStore:
         limit: int,
         now_key: int,
         bound: float,
-        tight: tuple[float, int] | None = None,
+        tight: _Bounds | None = None,
     ) -> tuple[list[tuple[float, int]], int]:
         """The top ``limit`` (score, seq) of a match, best first, and how many rows were read
         above the horizon (read lock held).
 
         Rows arrive newest first with their score; ``bound`` is the most relevance any match
-        can have, ``tight`` (when known) a lower one that holds for keys up to a horizon. The
-        scan stops at the first key no older node can beat (module docstring).
+        can have, ``tight`` (when known) finer bounds by key. The scan stops at the first key
+        no older node can beat (module docstring).
         """
-        horizon = tight[1] if tight is not None else None
+        horizon = tight.horizon if tight is not None else None
         above = 0
         # Min-heap of the best `limit` so far: the root is the weakest kept result. Equal
         # scores keep the larger (newer) seq, which is the one read first.
@@ -859,23 +881,37 @@ class MemoryStore:
         logger.info("memory store closed")
 
 
-def _stop_point(
-    weakest: float, bound: float, tight: tuple[float, int] | None, now_key: int
-) -> int | None:
+def _stop_point(weakest: float, bound: float, tight: _Bounds | None, now_key: int) -> int | None:
     """The newest key from which no match can beat ``weakest``; None if none is.
 
-    Keys above the tight bound's horizon are held to ``bound``, the others to the tight one:
-    stopping at ``s`` needs every key up to ``s`` to be beaten under the bound that holds
-    for it.
+    Without ``tight``, every key is held to ``bound``. With it, the most relevance a match
+    at key ``k`` can have grows with ``k`` (more words hold nodes that new, and above the
+    horizon they are held to the loose factors), and so does recency; so the keys where a
+    stop is allowed are all those up to some key, found piece by piece between the keys
+    where the bound changes.
     """
-    loose = _stop_key(weakest, bound, now_key)
     if tight is None:
-        return loose
-    tight_bound, horizon = tight
-    stop = _stop_key(weakest, tight_bound, now_key)
-    if stop is None:
-        return None
-    return min(stop, horizon if loose is None else max(horizon, loose))
+        return _stop_key(weakest, bound, now_key)
+    starts = sorted({oldest for oldest, _, _ in tight.words} | {tight.horizon + 1})
+    # Below every word's oldest node there is nothing to read at all.
+    stop = starts[0] - 1
+    for i, lower in enumerate(starts):
+        upper = starts[i + 1] - 1 if i + 1 < len(starts) else None
+        loose = lower > tight.horizon
+        r_max = sum(
+            loose_r if loose else tight_r
+            for oldest, tight_r, loose_r in tight.words
+            if oldest <= lower
+        )
+        if r_max == 0.0:
+            candidate: int | None = upper if upper is not None else now_key
+        else:
+            candidate = _stop_key(weakest, relevance_of(-r_max), now_key)
+            if candidate is not None and upper is not None:
+                candidate = min(candidate, upper)
+        if candidate is not None and candidate >= lower:
+            stop = max(stop, candidate)
+    return stop
 
 
 def _varints(data: bytes, count: int) -> list[int]:

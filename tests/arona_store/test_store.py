@@ -314,6 +314,33 @@ def test_a_node_written_after_a_word_was_measured_is_never_skipped(
         store.close()
 
 
+def test_a_rare_word_is_bounded_down_to_its_oldest_node(tmp_path: Path) -> None:
+    # "kiwi" is in one short node a month old, the best match of all; "rain" in many newer,
+    # weaker ones. Below a word's oldest node the bound leaves it out, so a wrong idea of
+    # where that node is would stop the scan among the "rain" nodes, before reaching it.
+    rng = random.Random(5)
+    now = NOW.timestamp()
+    path = tmp_path / "rare.db"
+    store = MemoryStore.open(path)
+    try:
+        store.add_many(
+            (f"plain note {i} " + _words(rng, ["wind", "snow", "fog"], 10), "e", now - 90 * DAY)
+            for i in range(PRUNE_MIN_NODES)
+        )
+        store.add_many(
+            ("rain " + _words(rng, ["wind", "snow", "fog"], 25), "e", now - i * DAY / 10)
+            for i in range(300)
+        )
+        best = store.add("kiwi kiwi kiwi rain", "e", now - 30 * DAY)
+        expected = _full_ranking(path, "kiwi rain", now)
+        assert expected[0][2] == best
+        for _ in range(2):  # measured, then from the remembered measure
+            hits = store.query("kiwi rain", 5, now=NOW)
+            assert [h.node_id for h in hits] == [e[2] for e in expected[:5]]
+    finally:
+        store.close()
+
+
 def test_nodes_sharing_a_timestamp_are_all_kept_newest_insert_first(store: MemoryStore) -> None:
     first = store.add_many([(f"lantern {i}", "episode", NOW) for i in range(50)])
     later = store.add("lantern 50", "episode", NOW)

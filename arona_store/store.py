@@ -763,6 +763,7 @@ class MemoryStore:
         no older node can beat (module docstring).
         """
         horizon = tight.horizon if tight is not None else None
+        plan = _stop_plan(tight) if tight is not None else None
         above = 0
         # Min-heap of the best `limit` so far: the root is the weakest kept result. Equal
         # scores keep the larger (newer) seq, which is the one read first.
@@ -787,7 +788,7 @@ class MemoryStore:
                     heapq.heapreplace(best, item)
                 else:
                     continue
-                stop_at = _stop_point(best[0][0], bound, tight, now_key)
+                stop_at = _stop_point(best[0][0], bound, plan, now_key)
         finally:
             cursor.close()
         return sorted(best, reverse=True), above
@@ -881,20 +882,16 @@ class MemoryStore:
         logger.info("memory store closed")
 
 
-def _stop_point(weakest: float, bound: float, tight: _Bounds | None, now_key: int) -> int | None:
-    """The newest key from which no match can beat ``weakest``; None if none is.
+def _stop_plan(tight: _Bounds) -> tuple[list[tuple[int, int | None, float | None]], int]:
+    """The key ranges where the bound on relevance is constant, newest first, each as
+    (lowest key, highest key or None, most relevance or None when no word reaches it), and
+    the key below every word's oldest node (where nothing is left to read).
 
-    Without ``tight``, every key is held to ``bound``. With it, the most relevance a match
-    at key ``k`` can have grows with ``k`` (more words hold nodes that new, and above the
-    horizon they are held to the loose factors), and so does recency; so the keys where a
-    stop is allowed are all those up to some key, found piece by piece between the keys
-    where the bound changes.
+    The most relevance a match at key ``k`` can have grows with ``k``: more words hold nodes
+    that new, and above the horizon they are held to the loose factors.
     """
-    if tight is None:
-        return _stop_key(weakest, bound, now_key)
     starts = sorted({oldest for oldest, _, _ in tight.words} | {tight.horizon + 1})
-    # Below every word's oldest node there is nothing to read at all.
-    stop = starts[0] - 1
+    pieces: list[tuple[int, int | None, float | None]] = []
     for i, lower in enumerate(starts):
         upper = starts[i + 1] - 1 if i + 1 < len(starts) else None
         loose = lower > tight.horizon
@@ -903,15 +900,36 @@ def _stop_point(weakest: float, bound: float, tight: _Bounds | None, now_key: in
             for oldest, tight_r, loose_r in tight.words
             if oldest <= lower
         )
-        if r_max == 0.0:
+        pieces.append((lower, upper, relevance_of(-r_max) if r_max > 0.0 else None))
+    pieces.reverse()
+    return pieces, starts[0] - 1
+
+
+def _stop_point(
+    weakest: float,
+    bound: float,
+    plan: tuple[list[tuple[int, int | None, float | None]], int] | None,
+    now_key: int,
+) -> int | None:
+    """The newest key from which no match can beat ``weakest``; None if none is.
+
+    Without a plan (:func:`_stop_plan`), every key is held to ``bound``. With one, both the
+    bound and recency grow with the key, so the keys where a stop is allowed are all those up
+    to some key: the best stop is in the newest range that allows one.
+    """
+    if plan is None:
+        return _stop_key(weakest, bound, now_key)
+    pieces, floor = plan
+    for lower, upper, relevance in pieces:
+        if relevance is None:
             candidate: int | None = upper if upper is not None else now_key
         else:
-            candidate = _stop_key(weakest, relevance_of(-r_max), now_key)
+            candidate = _stop_key(weakest, relevance, now_key)
             if candidate is not None and upper is not None:
                 candidate = min(candidate, upper)
         if candidate is not None and candidate >= lower:
-            stop = max(stop, candidate)
-    return stop
+            return candidate
+    return floor
 
 
 def _varints(data: bytes, count: int) -> list[int]:

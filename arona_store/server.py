@@ -12,9 +12,11 @@ Writes run on the loop too (an FTS index update and a WAL commit, about 0.1 ms),
 stores that arrive within :data:`WRITE_LINGER_S` of each other committed together in one
 transaction (group commit: a transaction costs more than the stores in it), and a store is
 answered only once its transaction has committed. What could stall the loop is moved off
-it: WAL checkpoints (which sync the database file) run on a dedicated worker thread every
-:data:`CHECKPOINT_EVERY` commits, and a write that finds the database held (by that
-checkpoint, or another process) waits on that thread instead, as do deletes.
+it: WAL checkpoints (which sync the database file) run on a dedicated worker thread once
+:data:`CHECKPOINT_COMMITS` transactions or :data:`CHECKPOINT_STORES` stores have been written
+since the last one (the log then holds a few MB, as with SQLite's own automatic checkpoints),
+and a write that finds the database held (by that checkpoint, or another process) waits on
+that thread instead, as do deletes.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
 """
 
@@ -50,8 +52,10 @@ logger = logging.getLogger(__name__)
 WS_PATH = "/ws"
 MAX_FRAME_BYTES = 2**20
 IDLE_CLOSE_CODE = 4000
-# Write transactions between two WAL checkpoints (each a few pages of log).
-CHECKPOINT_EVERY = 200
+# Writes between two WAL checkpoints: a transaction adds a few pages to the log, and each
+# store in it a few more.
+CHECKPOINT_COMMITS = 100
+CHECKPOINT_STORES = 500
 # How long the first store of a batch waits for others to share its transaction, and the
 # most one transaction takes. A store's reply is that much later; nobody waits on it (the
 # gateway writes back after answering), and a transaction costs more than a store in it.
@@ -217,7 +221,9 @@ class StoreServer:
         # Stores waiting for the next write transaction, and the task committing them.
         self._queued: list[tuple[NewNode, asyncio.Future[str]]] = []
         self._writer: asyncio.Task[None] | None = None
+        # Transactions and stores written since the last checkpoint began.
         self._commits = 0
+        self._stores = 0
         self._batch_full = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._checkpointing: asyncio.Future[None] | None = None
@@ -535,9 +541,11 @@ class StoreServer:
                 if not done.done():
                     done.set_result(node_id)
             self._commits += 1
-            if self._commits % CHECKPOINT_EVERY == 0 and (
+            self._stores += len(batch)
+            if (self._commits >= CHECKPOINT_COMMITS or self._stores >= CHECKPOINT_STORES) and (
                 self._checkpointing is None or self._checkpointing.done()
             ):
+                self._commits = self._stores = 0
                 self._checkpointing = asyncio.get_running_loop().run_in_executor(
                     self._executor, self._checkpoint
                 )

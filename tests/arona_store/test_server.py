@@ -13,6 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from arona_store import server as server_module
 from arona_store.server import StoreServer
 from arona_store.store import MemoryStore
 
@@ -524,6 +525,27 @@ async def test_stores_sent_together_are_all_answered_and_kept(client: StoreClien
     assert sorted(r["text"] for r in found["results"]) == sorted(
         f"lantern number {i}" for i in range(20)
     )
+
+
+@pytest.mark.asyncio
+async def test_the_log_is_checkpointed_into_the_database_as_stores_come_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "CHECKPOINT_COMMITS", 5)
+    db = tmp_path / "ckpt.db"
+    async with await StoreServer.start(db_path=db, token=TOKEN) as server:
+        size = db.stat().st_size
+        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+            client = StoreClient(ws)
+            await client.handshake()
+            for i in range(5):  # one at a time: five transactions
+                text = f"lantern {i} " + "glows softly " * 30
+                await client.call("Sync.MemoryStoreRequest", {"text": text, "node_type": "e"})
+            assert server._checkpointing is not None
+            await asyncio.wait_for(server._checkpointing, WAIT_S)
+            assert db.stat().st_size > size  # the pages left the log for the database file
+            found = await client.call("Sync.MemoryQueryRequest", {"query": "lantern", "limit": 10})
+            assert found["total"] == 5
 
 
 @pytest.mark.asyncio

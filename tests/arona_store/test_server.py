@@ -459,20 +459,6 @@ async def test_limit_caps_the_results(client: StoreClient) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_recall_is_answered_while_a_write_holds_the_store(
-    server: StoreServer, client: StoreClient
-) -> None:
-    await client.call("Sync.MemoryStoreRequest", {"text": "I prefer oolong tea", "node_type": "e"})
-    # Stands in for a long write holding the writer connection.
-    assert server.store._lock.acquire(timeout=WAIT_S)
-    try:
-        found = await client.call("Sync.MemoryQueryRequest", {"query": "oolong"})
-    finally:
-        server.store._lock.release()
-    assert [r["text"] for r in found["results"]] == ["I prefer oolong tea"]
-
-
-@pytest.mark.asyncio
 async def test_a_recall_does_not_wait_behind_a_store_sent_before_it(
     server: StoreServer, client: StoreClient
 ) -> None:

@@ -219,6 +219,18 @@ def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
         store.close()
 
 
+def _large_store(path: Path, vocabulary: list[str], created_at: float) -> MemoryStore:
+    """A store just large enough for word counts and measured bounds to be used, its nodes
+    made of ``vocabulary`` and all written at ``created_at``."""
+    rng = random.Random(3)
+    store = MemoryStore.open(path)
+    store.add_many(
+        (f"plain note {i} " + _words(rng, vocabulary, 12), "e", created_at)
+        for i in range(PRUNE_MIN_NODES)
+    )
+    return store
+
+
 def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float, str]]:
     """Every match of ``query`` scored by the formula, best first (the brute-force check)."""
     with sqlite3.connect(path) as check:
@@ -290,15 +302,10 @@ def test_a_node_written_after_a_word_was_measured_is_never_skipped(
     # times (a far larger term factor) is written three days back, and five more long ones a
     # day back: a recall reads those five first, and were the old measure trusted for the
     # new node, it would stop before reaching the best match of all.
-    rng = random.Random(3)
     now = NOW.timestamp()
     path = tmp_path / "measured.db"
-    store = MemoryStore.open(path)
+    store = _large_store(path, ["rain", "wind", "snow"], now - 40 * DAY)
     try:
-        store.add_many(
-            (f"plain note {i} " + _words(rng, ["rain", "wind", "snow"], 12), "e", now - 40 * DAY)
-            for i in range(PRUNE_MIN_NODES)
-        )
         store.add_many(("kiwi " + "rain " * 20, "e", now - (20 + i) * DAY) for i in range(5))
         # The newest node when "kiwi" is measured: before the new ones, or after them.
         newest = now - 20 * DAY + 1 if written == "above the measured nodes" else now - 3600
@@ -321,12 +328,8 @@ def test_a_rare_word_is_bounded_down_to_its_oldest_node(tmp_path: Path) -> None:
     rng = random.Random(5)
     now = NOW.timestamp()
     path = tmp_path / "rare.db"
-    store = MemoryStore.open(path)
+    store = _large_store(path, ["wind", "snow", "fog"], now - 90 * DAY)
     try:
-        store.add_many(
-            (f"plain note {i} " + _words(rng, ["wind", "snow", "fog"], 10), "e", now - 90 * DAY)
-            for i in range(PRUNE_MIN_NODES)
-        )
         store.add_many(
             ("rain " + _words(rng, ["wind", "snow", "fog"], 25), "e", now - i * DAY / 10)
             for i in range(300)

@@ -310,6 +310,8 @@ class StoreServer:
             if self._writer is not None:
                 # Stores already queued are committed before the database closes.
                 await asyncio.gather(self._writer, return_exceptions=True)
+            if self._background:
+                await asyncio.gather(*self._background, return_exceptions=True)
             if self._checkpointing is not None:
                 await asyncio.gather(self._checkpointing, return_exceptions=True)
             loop = asyncio.get_running_loop()

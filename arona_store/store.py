@@ -46,7 +46,12 @@ count of writes below ``hi``. Later, ``f`` of those same nodes can only have gro
 above ``hi`` (a write below ``hi``, or a text change, forgets the measure); so nodes up to the
 oldest ``hi`` of the query's words are held to the measured factors, and only newer ones to
 ``k1 + 1``. The real best ``f`` is often half of ``k1 + 1``: on the benchmark's corpus a
-recall then reads about a third of the rows.
+recall then reads about a third of the rows. Each word also counts only from its oldest node's
+key upwards (remembered with the measure; deletions and moves only raise the true oldest key,
+and a write below ``hi`` forgets it): below it no node holds the word, so a rare word met only
+in a recent node (often the previous turn asking the same question) stops weighing on the
+bound once the scan is past that node. Where the bound changes (the horizon, each oldest key)
+the scan's possible stops are worked out once per recall (:func:`_stop_plan`).
 
 Repeated memories. A write with ``refresh=True`` (what the wire server does for every
 ``Sync.MemoryStoreRequest``) that is identical to a stored node (same text, type, source,

@@ -49,10 +49,12 @@ class Stats:
         if len(self.error_samples) < 5:
             self.error_samples.append(what)
 
-    def summary(self, elapsed: float, capped: bool) -> dict[str, Any]:
+    def summary(self, elapsed: float, capped: bool, raw: bool = False) -> dict[str, Any]:
         lat = sorted(self.latencies)
         first = sorted(self.firsts)
+        samples = {"latencies_s": self.latencies, "firsts_s": self.firsts} if raw else {}
         return {
+            **samples,
             "turns": len(lat) + self.errors,
             "ok": len(lat),
             "errors": self.errors,
@@ -165,8 +167,10 @@ async def _drive(
     turns: int,
     max_seconds: float,
     one_turn: Callable[[int, int, Stats], Awaitable[None]],
+    raw: bool = False,
 ) -> dict[str, Any]:
-    """Warm up, then run up to ``turns`` turns on ``concurrency`` workers, bounded in time."""
+    """Warm up, then run up to ``turns`` turns on ``concurrency`` workers, bounded in time;
+    ``raw`` adds every latency (seconds) to the summary, for pooling several runs."""
 
     async def run(count: int, stats: Stats, deadline: float) -> bool:
         counter = itertools.count()
@@ -189,7 +193,7 @@ async def _drive(
     stats = Stats()
     started = time.perf_counter()
     capped = await run(turns, stats, started + max_seconds)
-    return stats.summary(time.perf_counter() - started, capped)
+    return stats.summary(time.perf_counter() - started, capped, raw)
 
 
 async def http_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +228,9 @@ async def http_main(args: argparse.Namespace) -> dict[str, Any]:
         stats.firsts.append(reply.first_body - started)
 
     try:
-        return await _drive(args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn)
+        return await _drive(
+            args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn, args.raw
+        )
     finally:
         for conn in conns:
             conn.close()
@@ -254,7 +260,9 @@ async def recall_main(args: argparse.Namespace) -> dict[str, Any]:
             stats.latencies.append(done - started)
             stats.firsts.append(done - started)
 
-        return await _drive(args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn)
+        return await _drive(
+            args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn, args.raw
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -266,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--turns", type=int, default=2000)
         p.add_argument("--warmup", type=int, default=200)
         p.add_argument("--max-seconds", type=float, default=60.0)
+        p.add_argument("--raw", action="store_true", help="include every latency")
     http = sub.choices["http"]
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, required=True)

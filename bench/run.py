@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import corpus
+from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, free_port, wait_http
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -39,6 +40,8 @@ STORE_TOKEN = "bench-store-token"
 LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 2
 MODEL = "bench-model"
 CONCURRENCIES = (1, 32)
+# Warm-up turns before each round after the first (new connections, same processes).
+REWARM_TURNS = 50
 BLACKHOLE_TIMEOUT_S = "0.5"
 PY = sys.executable
 
@@ -88,6 +91,7 @@ class Options:
     turns: int
     warmup: int
     max_seconds: float
+    rounds: int
     litellm: str | None
     litellm_note: str
     out: Path
@@ -222,13 +226,15 @@ def litellm_version(binary: str) -> str | None:
     return out.stdout.strip() or None
 
 
-def loadgen(run: Run, argv: Sequence[str]) -> dict[str, Any]:
+def loadgen(
+    run: Run, argv: Sequence[str], turns: int | None = None, warmup: int | None = None
+) -> dict[str, Any]:
     o = run.options
     common = [
         "--turns",
-        str(o.turns),
+        str(o.turns if turns is None else turns),
         "--warmup",
-        str(o.warmup),
+        str(o.warmup if warmup is None else warmup),
         "--max-seconds",
         str(o.max_seconds),
     ]
@@ -245,9 +251,13 @@ def loadgen(run: Run, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def measure(run: Run, config: Config, concurrency: int) -> dict[str, Any]:
+def measure(
+    run: Run, config: Config, concurrency: int, turns: int, warmup: int, label: str
+) -> dict[str, Any]:
+    """One round of one configuration, with every latency kept for :func:`pool`."""
     argv = [
         "http",
+        "--raw",
         "--port",
         str(run.ports[config.target]),
         "--concurrency",
@@ -261,14 +271,55 @@ def measure(run: Run, config: Config, concurrency: int) -> dict[str, Any]:
         argv.append("--stream")
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
-    result = loadgen(run, argv)
+    result = loadgen(run, argv, turns, warmup)
     log(
-        f"{config.key:>14} c={concurrency:<2} p50 {result['p50_ms']:.3f} ms  "
+        f"{config.key:>14} c={concurrency:<2} {label} p50 {result['p50_ms']:.3f} ms  "
         f"p99 {result['p99_ms']:.3f} ms  ttft p50 {result['ttft_p50_ms']:.3f} ms  "
         f"{result['turns_per_s']:.0f}/s  errors {result['errors']}  "
         f"wrong header {result['wrong_header']}{'  (time cap hit)' if result['capped'] else ''}"
     )
     return result
+
+
+def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several rounds: their turns, failures and time added up, their
+    latencies pooled before the percentiles are taken."""
+    pooled = Stats(
+        latencies=[x for part in parts for x in part["latencies_s"]],
+        firsts=[x for part in parts for x in part["firsts_s"]],
+        errors=sum(part["errors"] for part in parts),
+        wrong_header=sum(part["wrong_header"] for part in parts),
+        error_samples=[x for part in parts for x in part["error_samples"]][:5],
+    )
+    elapsed = sum(part["elapsed_s"] for part in parts)
+    return pooled.summary(elapsed, any(part["capped"] for part in parts))
+
+
+def round_sizes(turns: int, rounds: int) -> list[int]:
+    """``turns`` split into ``rounds`` nearly equal, non-empty parts."""
+    rounds = max(1, min(rounds, turns))
+    return [turns // rounds + (1 if i < turns % rounds else 0) for i in range(rounds)]
+
+
+def measure_interleaved(run: Run, concurrency: int, configs: Sequence[Config]) -> None:
+    """Every configuration at ``concurrency``, in rounds that take turns: a slow spell of
+    the machine then falls on all of them alike instead of on whichever ran then."""
+    o = run.options
+    sizes = round_sizes(o.turns, o.rounds)
+    parts: dict[str, list[dict[str, Any]]] = {config.key: [] for config in configs}
+    for i, size in enumerate(sizes):
+        # A full warm-up before the first round, a short one (fresh connections) after.
+        warmup = o.warmup if i == 0 else min(o.warmup, REWARM_TURNS)
+        for config in configs:
+            label = f"round {i + 1}/{len(sizes)}"
+            parts[config.key].append(measure(run, config, concurrency, size, warmup, label))
+    for config in configs:
+        result = pool(parts[config.key])
+        run.results[(config.key, concurrency)] = result
+        log(
+            f"{config.key:>14} c={concurrency:<2} all rounds: p50 {result['p50_ms']:.3f} ms  "
+            f"{result['turns_per_s']:.0f}/s"
+        )
 
 
 def measure_recall(run: Run, target: str, nodes: int) -> None:
@@ -342,11 +393,9 @@ def execute(run: Run) -> None:
     # Recall alone against the freshly loaded store, before writebacks grow it.
     measure_recall(run, run.grpc_targets["gw_on"], nodes)
 
+    configs = [c for c in CONFIGS if c.target != "litellm" or litellm_proc is not None]
     for concurrency in CONCURRENCIES:
-        for config in CONFIGS:
-            if config.target == "litellm" and litellm_proc is None:
-                continue
-            run.results[(config.key, concurrency)] = measure(run, config, concurrency)
+        measure_interleaved(run, concurrency, configs)
     state = breaker_state(run.grpc_targets["gw_blackhole"])
     run.notes.append(
         f"Blackholed Philia: recall timeout {BLACKHOLE_TIMEOUT_S} s; the gateway's circuit "
@@ -452,7 +501,10 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         f"{platform.release()}",
         f"- Python {platform.python_version()} ({platform.python_implementation()})",
         f"- mode: {'quick (smoke)' if o.quick else 'full'}; {o.turns} turns per measurement "
-        f"after {o.warmup} warm-up turns, at most {o.max_seconds:.0f} s each; concurrency "
+        f"in {len(round_sizes(o.turns, o.rounds))} rounds that take turns across the "
+        f"configurations (so a slow spell of the machine falls on all of them), after "
+        f"{o.warmup} warm-up turns ({min(o.warmup, REWARM_TURNS)} before each later round), "
+        f"at most {o.max_seconds:.0f} s a round; concurrency "
         f"{' and '.join(map(str, CONCURRENCIES))} over keep-alive connections",
         f"- store: {o.nodes} generated episodes (recall alone also at {o.big_nodes}); every "
         "query matches stored episodes",
@@ -524,6 +576,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, help="measured turns per configuration (2000)")
     parser.add_argument("--warmup", type=int, help="warm-up turns per configuration (200)")
     parser.add_argument("--max-seconds", type=float, help="time cap per measurement (30)")
+    parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (4)")
     parser.add_argument("--litellm", help="path of the litellm executable")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
     parser.add_argument("--out", type=Path, help="Markdown file to write")
@@ -550,6 +603,7 @@ def options(argv: Sequence[str] | None) -> Options:
         turns=pick(args.turns, 2_000, 60),
         warmup=pick(args.warmup, 200, 10),
         max_seconds=pick(args.max_seconds, 30.0, 10.0),
+        rounds=pick(args.rounds, 4, 2),
         litellm=litellm,
         litellm_note=note,
         out=args.out or default_out,

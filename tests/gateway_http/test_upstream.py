@@ -8,7 +8,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import httpx
@@ -416,49 +416,33 @@ async def test_stream_http_error_raises_before_the_first_chunk(
 
 
 @pytest.mark.asyncio
-async def test_stream_broken_mid_way_raises_after_the_first_chunks(
-    fake: FakeUpstream, backend: OpenAIUpstream
+@pytest.mark.parametrize(
+    ("pieces", "end", "message"),
+    [
+        # Cut off mid-answer: what came first is kept, then the turn fails.
+        (["partial ", "answer"], "break", "upstream stream broke off"),
+        (["fine "], "garbage", "upstream sent a malformed stream event"),
+        # An error event carries the upstream's own message.
+        (["so "], "error", "upstream error: the model is overloaded"),
+    ],
+)
+async def test_a_failing_stream_raises_after_the_good_chunks(
+    fake: FakeUpstream,
+    backend: OpenAIUpstream,
+    pieces: list[str],
+    end: Literal["break", "garbage", "error"],
+    message: str,
 ) -> None:
-    fake.script(Stream(pieces=["partial ", "answer"], end="break"))
+    fake.script(Stream(pieces=pieces, end=end))
     received: list[dict[str, Any]] = []
 
     with pytest.raises(UpstreamError) as info:
         async for chunk in backend.stream(chat()):
             received.append(chunk)
 
-    assert content_of(received) == "partial answer"
+    assert content_of(received) == "".join(pieces)
     assert info.value.status is None
-    assert info.value.message == "upstream stream broke off"
-
-
-@pytest.mark.asyncio
-async def test_stream_with_a_garbage_event_raises_after_the_good_chunks(
-    fake: FakeUpstream, backend: OpenAIUpstream
-) -> None:
-    fake.script(Stream(pieces=["fine "], end="garbage"))
-    received: list[dict[str, Any]] = []
-
-    with pytest.raises(UpstreamError) as info:
-        async for chunk in backend.stream(chat()):
-            received.append(chunk)
-
-    assert content_of(received) == "fine "
-    assert info.value.message == "upstream sent a malformed stream event"
-
-
-@pytest.mark.asyncio
-async def test_stream_error_event_raises_with_the_upstream_message(
-    fake: FakeUpstream, backend: OpenAIUpstream
-) -> None:
-    fake.script(Stream(pieces=["so "], end="error"))
-    received: list[dict[str, Any]] = []
-
-    with pytest.raises(UpstreamError) as info:
-        async for chunk in backend.stream(chat()):
-            received.append(chunk)
-
-    assert content_of(received) == "so "
-    assert info.value.message == "upstream error: the model is overloaded"
+    assert info.value.message == message
 
 
 @pytest.mark.asyncio

@@ -686,9 +686,10 @@ class MemoryStore:
         """The bounds on a match's relevance from the words' measured term factors; None
         when the store's averages cannot be read (read lock held, read transaction open; see
         the module docstring)."""
-        avgdl = self._avgdl()
-        if avgdl is None:
+        rows, tokens = self._averages()
+        if rows <= 0 or tokens < 0:
             return None
+        avgdl = tokens / rows
         horizon = hi
         words: list[tuple[int, float, float]] = []
         for term, idf in zip(terms, idfs, strict=True):
@@ -698,7 +699,7 @@ class MemoryStore:
                 or measured.backdated != backdated
                 or avgdl > measured.avgdl * REMEASURE_AVGDL
             ):
-                measured = self._measure(term, avgdl, changes, hi, backdated)
+                measured = self._measure(term, rows, avgdl, changes, hi, backdated)
             scale = max(1.0, avgdl / measured.avgdl) if measured.avgdl > 0 else math.inf
             loose = idf * (BM25_K1 + 1.0)
             words.append((measured.oldest, min(loose, idf * measured.factor * scale), loose))
@@ -706,10 +707,11 @@ class MemoryStore:
         return _Bounds(horizon, tuple(words))
 
     def _measure(
-        self, term: str, avgdl: float, changes: int, hi: int, backdated: int
+        self, term: str, rows: int, avgdl: float, changes: int, hi: int, backdated: int
     ) -> _TermFactor:
         """One pass over ``term``'s matches for its largest term factor and oldest key (read
-        transaction open); a word in too many nodes keeps the general bound."""
+        transaction open); a word in too many nodes keeps the general bound. ``rows`` and
+        ``avgdl`` are FTS5's row count and average length in this snapshot."""
         docs, _ = self._docs_with(term, changes)
         phrase = f'"{term}"'
         factor = BM25_K1 + 1.0
@@ -722,10 +724,9 @@ class MemoryStore:
                     oldest = seq
                 docs += 1
                 best = min(best, bm25)
-            total = self._averages()[0]
             # The IDF FTS5 used for this single-word match, to divide it back out; a word
             # it clamped (in half the nodes or more) keeps the general bound.
-            idf = math.log((total - docs + 0.5) / (docs + 0.5)) if docs else 0.0
+            idf = math.log((rows - docs + 0.5) / (docs + 0.5)) if docs else 0.0
             if idf > 1e-6:
                 # Rounding can only raise the factor, never lower it below the truth.
                 factor = min(factor, -best / idf * (1.0 + 1e-9))
@@ -747,10 +748,6 @@ class MemoryStore:
             return 0, 0
         values = _varints(row[0], 2)
         return (values[0], values[1]) if len(values) == 2 else (0, 0)
-
-    def _avgdl(self) -> float | None:
-        rows, tokens = self._averages()
-        return tokens / rows if rows > 0 and tokens >= 0 else None
 
     def _best(
         self,

@@ -76,14 +76,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             outcome = await self._domain.recall(
                 request.query, request.limit, deadline_s=context.time_remaining()
             )
-            return pb.RecallResponse(
-                state=_STATES[outcome.state],
-                memories=[
-                    pb.Memory(text=m.text, score=m.score, node_type=m.node_type)
-                    for m in outcome.memories
-                ],
-                section=outcome.section,
-            )
+            reply = pb.RecallResponse(state=_STATES[outcome.state], section=outcome.section)
+            # Added in place: building Memory messages first and passing the list copies
+            # each one again (about twice the cost, measured).
+            add = reply.memories.add
+            for m in outcome.memories:
+                add(text=m.text, score=m.score, node_type=m.node_type)
+            return reply
         except Exception as exc:
             await _abort(context, "Recall", exc)
 

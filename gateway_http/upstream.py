@@ -43,7 +43,10 @@ _CONNECT_TIMEOUT_S = 10.0
 # connections that a burst does not queue, kept alive so it does not pay a TCP/TLS handshake
 # per request.
 _MAX_CONNECTIONS = 1000
-_KEEPALIVE_S = 30.0
+# An idle connection is given up before the upstream would close it: uvicorn (vLLM, LiteLLM,
+# FastAPI apps), Node.js and llama.cpp's server all close idle connections after 5 s, and a
+# request sent on one just as the server closes it fails with nothing received.
+_KEEPALIVE_S = 4.0
 _USER_AGENT = "arona-gateway"
 _ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
 _WORDS = re.compile(r"\s*\S+\s*")
@@ -186,16 +189,8 @@ class OpenAIUpstream:
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._encode(body, stream=True)
-        session = self._current_session()
         try:
-            response = await session.post(
-                self._chat_url,
-                data=payload,
-                headers=self._stream_headers,
-                proxy=self._proxy,
-                proxy_headers=self._proxy_headers,
-                allow_redirects=False,
-            )
+            response = await self._send("POST", self._chat_url, self._stream_headers, payload)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
         # Whatever ends the iteration (the last event, an error, the consumer closing the
@@ -237,23 +232,50 @@ class OpenAIUpstream:
         self, method: str, url: URL, headers: dict[str, str], payload: bytes | None = None
     ) -> dict[str, Any]:
         """One whole request whose answer is a JSON object (a completion, the model list)."""
-        session = self._current_session()
         try:
-            async with session.request(
-                method,
-                url,
-                data=payload,
-                headers=headers,
-                proxy=self._proxy,
-                proxy_headers=self._proxy_headers,
-                allow_redirects=False,
-            ) as response:
+            async with await self._send(method, url, headers, payload) as response:
                 if response.status >= 400:
                     raise self._http_error(response.status, await _read_capped(response))
                 content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
         return self._decode_object(content)
+
+    async def _send(
+        self, method: str, url: URL, headers: dict[str, str], payload: bytes | None
+    ) -> aiohttp.ClientResponse:
+        """Send one request and return its response once the status and headers are in.
+
+        A keep-alive connection may be closed by the upstream just as a request goes out on
+        it; the request then fails before any byte of an answer arrives. That failure is
+        retried once, on another connection, the way HTTP clients retry idempotent requests
+        (aiohttp itself does not, for a POST). Failing to connect, a timeout, or anything
+        that happens once the answer has begun is never retried.
+        """
+        session = self._current_session()
+        retried = False
+        while True:
+            try:
+                return await session.request(
+                    method,
+                    url,
+                    data=payload,
+                    headers=headers,
+                    proxy=self._proxy,
+                    proxy_headers=self._proxy_headers,
+                    allow_redirects=False,
+                )
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if retried:
+                    raise
+                retried = True
+                logger.info(
+                    "upstream %s closed the connection before answering (%s); sending again",
+                    self._safe_url,
+                    type(exc).__name__,
+                )
 
     async def aclose(self) -> None:
         self._closed = True

@@ -203,6 +203,132 @@ async def test_refused_port_is_unreachable_and_leaks_no_credentials(
     assert KEY not in caplog.text
 
 
+class DroppingUpstream:
+    """A raw HTTP/1.1 upstream on ``127.0.0.1`` that closes a kept-alive connection unanswered.
+
+    The ``drop_from``-th request on every connection (1 = every request) is read and the
+    connection closed without a byte of reply: what a client sees when the server closes an
+    idle connection just as a request goes out on it. Other requests get a completion (or,
+    asked to stream, an event stream) and the connection stays open.
+    """
+
+    def __init__(self, drop_from: int) -> None:
+        self.drop_from = drop_from
+        self.connections = 0
+        self.requests: list[tuple[int, bytes]] = []  # (connection number, request body)
+        self.base_url = ""
+
+    @contextlib.asynccontextmanager
+    async def serve(self) -> AsyncIterator[DroppingUpstream]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        async with server:
+            yield self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            for nth in range(1, 100):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                self.requests.append((number, body))
+                if nth >= self.drop_from:
+                    return
+                if orjson.loads(body).get("stream"):
+                    chunk = {
+                        "id": "c1",
+                        "object": "chat.completion.chunk",
+                        "choices": [
+                            {"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}
+                        ],
+                    }
+                    reply = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+                    kind = b"text/event-stream"
+                else:
+                    reply = orjson.dumps(
+                        {
+                            "id": "c1",
+                            "object": "chat.completion",
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "message": {"role": "assistant", "content": "hi"},
+                                    "finish_reason": "stop",
+                                }
+                            ],
+                        }
+                    )
+                    kind = b"application/json"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: "
+                    + kind
+                    + b"\r\nContent-Length: "
+                    + str(len(reply)).encode()
+                    + b"\r\n\r\n"
+                    + reply
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away
+        finally:
+            writer.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streamed", [False, True], ids=["complete", "stream"])
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once(
+    streamed: bool,
+) -> None:
+    async with DroppingUpstream(drop_from=2).serve() as up:
+        backend = OpenAIUpstream(up.base_url, KEY)
+        try:
+            answers = []
+            for _ in range(3):
+                if streamed:
+                    answers.append(content_of([c async for c in backend.stream(chat())]))
+                else:
+                    reply = await backend.complete(chat())
+                    answers.append(reply["choices"][0]["message"]["content"])
+        finally:
+            await backend.aclose()
+
+    # Every turn answers: each second request on a connection is dropped by the server and
+    # sent again, once, on a new connection.
+    assert answers == ["hi", "hi", "hi"]
+    assert [number for number, _ in up.requests] == [1, 1, 2, 2, 3]
+    assert len({body for _, body in up.requests}) == 1  # the same request each time
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streamed", [False, True], ids=["complete", "stream"])
+async def test_an_upstream_that_drops_every_request_is_unreachable_after_one_retry(
+    streamed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with DroppingUpstream(drop_from=1).serve() as up:
+        backend = OpenAIUpstream(up.base_url, KEY)
+        try:
+            with pytest.raises(UpstreamError) as info:
+                if streamed:
+                    await anext(backend.stream(chat()))
+                else:
+                    await backend.complete(chat())
+        finally:
+            await backend.aclose()
+
+    assert info.value.status is None
+    assert info.value.message == "upstream unreachable"
+    assert len(up.requests) == 2  # the request and one retry, no more
+    assert KEY not in caplog.text
+
+
 @pytest.mark.asyncio
 async def test_silent_upstream_times_out_and_the_request_is_dropped(fake: FakeUpstream) -> None:
     hang = Hang()

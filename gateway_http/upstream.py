@@ -247,13 +247,13 @@ class OpenAIUpstream:
         """Send one request and return its response once the status and headers are in.
 
         A keep-alive connection may be closed by the upstream just as a request goes out on
-        it; the request then fails before any byte of an answer arrives. That failure is
-        retried once, on another connection, the way HTTP clients retry idempotent requests
-        (aiohttp itself does not, for a POST). Failing to connect, a timeout, or anything
-        that happens once the answer has begun is never retried.
+        it; the request then fails before any byte of an answer arrives. aiohttp sends a GET
+        once more itself; a POST it does not, so that failure is retried here, once, on
+        another connection. Failing to connect, a timeout, or anything that happens once the
+        answer has begun is never retried.
         """
         session = self._current_session()
-        retried = False
+        retried = method != "POST"
         while True:
             try:
                 return await session.request(

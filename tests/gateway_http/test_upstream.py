@@ -233,15 +233,23 @@ class DroppingUpstream:
             for nth in range(1, 100):
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
                 )
                 body = await reader.readexactly(length)
-                self.requests.append((number, body))
+                self.requests.append((number, body or head.split(b"\r\n", 1)[0]))
                 if nth >= self.drop_from:
                     return
-                if orjson.loads(body).get("stream"):
+                if head.startswith(b"GET "):
+                    reply = orjson.dumps(
+                        {"object": "list", "data": [{"id": "m", "object": "model"}]}
+                    )
+                    kind = b"application/json"
+                elif orjson.loads(body).get("stream"):
                     chunk = {
                         "id": "c1",
                         "object": "chat.completion.chunk",
@@ -282,42 +290,46 @@ class DroppingUpstream:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("streamed", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize("call", ["complete", "stream", "models"])
 async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once(
-    streamed: bool,
+    call: str,
 ) -> None:
     async with DroppingUpstream(drop_from=2).serve() as up:
         backend = OpenAIUpstream(up.base_url, KEY)
         try:
             answers = []
             for _ in range(3):
-                if streamed:
+                if call == "stream":
                     answers.append(content_of([c async for c in backend.stream(chat())]))
+                elif call == "models":
+                    answers.append((await backend.models())["data"][0]["id"])
                 else:
                     reply = await backend.complete(chat())
                     answers.append(reply["choices"][0]["message"]["content"])
         finally:
             await backend.aclose()
 
-    # Every turn answers: each second request on a connection is dropped by the server and
-    # sent again, once, on a new connection.
-    assert answers == ["hi", "hi", "hi"]
+    # Every request answers: each second request on a connection is dropped by the server
+    # and sent again, once, on a new connection.
+    assert answers == (["m"] * 3 if call == "models" else ["hi"] * 3)
     assert [number for number, _ in up.requests] == [1, 1, 2, 2, 3]
     assert len({body for _, body in up.requests}) == 1  # the same request each time
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("streamed", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize("call", ["complete", "stream", "models"])
 async def test_an_upstream_that_drops_every_request_is_unreachable_after_one_retry(
-    streamed: bool, caplog: pytest.LogCaptureFixture
+    call: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
     async with DroppingUpstream(drop_from=1).serve() as up:
         backend = OpenAIUpstream(up.base_url, KEY)
         try:
             with pytest.raises(UpstreamError) as info:
-                if streamed:
+                if call == "stream":
                     await anext(backend.stream(chat()))
+                elif call == "models":
+                    await backend.models()
                 else:
                     await backend.complete(chat())
         finally:

@@ -163,3 +163,30 @@ async def test_up_reuses_its_dev_secrets(tmp_path: Path) -> None:
         status = await up.rpc(client, "memory.status")
         assert status["enabled"] is True
     assert secrets_file.read_text() == first
+
+
+async def test_an_idle_client_connection_outlives_the_clients_own_keep_alive(
+    tmp_path: Path,
+) -> None:
+    # Clients keep idle connections for 5 s (the OpenAI SDK) or 60 s (load balancers): the
+    # gateway must not close one first, or a request sent as it closes is lost.
+    async with gateway_up(tmp_path / "data") as up:
+        host, port = up.http_url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        request = f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+        try:
+            for turn in range(2):
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+                assert length is not None, head
+                await reader.readexactly(int(length.group(1)))
+                if turn == 0:
+                    # Idle for longer than a 5 s client pool: the connection stays open
+                    # (an end of stream here is the gateway closing it), and the second
+                    # request goes out on it.
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(reader.read(1), 6.0)
+        finally:
+            writer.close()

@@ -42,6 +42,12 @@ MODEL = "bench-model"
 CONCURRENCIES = (1, 32)
 # Warm-up turns before each round after the first (new connections, same processes).
 REWARM_TURNS = 50
+# Between two measurements, the processes of the run must be idle (below this share of one
+# core over one window), or the next one pays for the last one's leftovers: writebacks still
+# being stored, a WAL checkpoint, LiteLLM's own bookkeeping. Waited for at most SETTLE_MAX_S.
+SETTLE_WINDOW_S = 0.1
+SETTLE_IDLE_SHARE = 0.05
+SETTLE_MAX_S = 5.0
 BLACKHOLE_TIMEOUT_S = "0.5"
 PY = sys.executable
 
@@ -119,6 +125,43 @@ class Run:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+
+    def settle(self) -> float:
+        """Wait until the run's processes are idle; the seconds waited.
+
+        Reads each process's CPU time, all threads, from ``/proc`` (nanoseconds); where
+        there is no ``/proc`` it does not wait.
+        """
+        pids = [proc.popen.pid for proc in self.procs if proc.popen.poll() is None]
+        started = time.monotonic()
+        before = _cpu_ns(pids)
+        if before is None:
+            return 0.0
+        while time.monotonic() - started < SETTLE_MAX_S:
+            time.sleep(SETTLE_WINDOW_S)
+            after = _cpu_ns(pids) or 0
+            if after - before < SETTLE_IDLE_SHARE * SETTLE_WINDOW_S * 1e9:
+                break
+            before = after
+        return time.monotonic() - started
+
+
+def _cpu_ns(pids: Sequence[int]) -> int | None:
+    """CPU time so far of every thread of ``pids``, in nanoseconds; None without ``/proc``."""
+    if not Path("/proc/self/task").is_dir():
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue  # it has exited
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+    return total
 
 
 def preload(db_path: Path, count: int) -> int:
@@ -271,6 +314,9 @@ def measure(
         argv.append("--stream")
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
+    waited = run.settle()
+    if waited > 2 * SETTLE_WINDOW_S:
+        log(f"waited {waited:.1f} s for the processes to go idle")
     result = loadgen(run, argv, turns, warmup)
     log(
         f"{config.key:>14} c={concurrency:<2} {label} p50 {result['p50_ms']:.3f} ms  "
@@ -303,14 +349,15 @@ def round_sizes(turns: int, rounds: int) -> list[int]:
 
 def measure_interleaved(run: Run, concurrency: int, configs: Sequence[Config]) -> None:
     """Every configuration at ``concurrency``, in rounds that take turns: a slow spell of
-    the machine then falls on all of them alike instead of on whichever ran then."""
+    the machine then falls on all of them alike instead of on whichever ran then. Every other
+    round runs them in the reverse order, so none always follows the same one."""
     o = run.options
     sizes = round_sizes(o.turns, o.rounds)
     parts: dict[str, list[dict[str, Any]]] = {config.key: [] for config in configs}
     for i, size in enumerate(sizes):
         # A full warm-up before the first round, a short one (fresh connections) after.
         warmup = o.warmup if i == 0 else min(o.warmup, REWARM_TURNS)
-        for config in configs:
+        for config in configs if i % 2 == 0 else reversed(configs):
             label = f"round {i + 1}/{len(sizes)}"
             parts[config.key].append(measure(run, config, concurrency, size, warmup, label))
     for config in configs:
@@ -502,7 +549,8 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         f"- Python {platform.python_version()} ({platform.python_implementation()})",
         f"- mode: {'quick (smoke)' if o.quick else 'full'}; {o.turns} turns per measurement "
         f"in {len(round_sizes(o.turns, o.rounds))} rounds that take turns across the "
-        f"configurations (so a slow spell of the machine falls on all of them), after "
+        f"configurations, in reverse order every other round (so a slow spell of the "
+        f"machine falls on all of them), after "
         f"{o.warmup} warm-up turns ({min(o.warmup, REWARM_TURNS)} before each later round), "
         f"at most {o.max_seconds:.0f} s a round; concurrency "
         f"{' and '.join(map(str, CONCURRENCIES))} over keep-alive connections",
@@ -573,10 +621,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--nodes", type=int, help="episodes in the store (default 10000)")
     parser.add_argument("--big-nodes", type=int, help="episodes for recall alone (100000)")
-    parser.add_argument("--turns", type=int, help="measured turns per configuration (2000)")
+    parser.add_argument("--turns", type=int, help="measured turns per configuration (4000)")
     parser.add_argument("--warmup", type=int, help="warm-up turns per configuration (200)")
     parser.add_argument("--max-seconds", type=float, help="time cap per measurement (30)")
-    parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (4)")
+    parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (8)")
     parser.add_argument("--litellm", help="path of the litellm executable")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
     parser.add_argument("--out", type=Path, help="Markdown file to write")
@@ -600,10 +648,10 @@ def options(argv: Sequence[str] | None) -> Options:
         quick=quick,
         nodes=pick(args.nodes, 10_000, 1_000),
         big_nodes=pick(args.big_nodes, 100_000, 2_000),
-        turns=pick(args.turns, 2_000, 60),
+        turns=pick(args.turns, 4_000, 60),
         warmup=pick(args.warmup, 200, 10),
         max_seconds=pick(args.max_seconds, 30.0, 10.0),
-        rounds=pick(args.rounds, 4, 2),
+        rounds=pick(args.rounds, 8, 2),
         litellm=litellm,
         litellm_note=note,
         out=args.out or default_out,

@@ -29,9 +29,18 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
 
+# The HTTP layer pings its connection every 30 s, with or without calls, to find one a
+# network dropped silently (gateway_http.app.channel_options). By default gRPC refuses pings
+# without calls, or closer than 5 minutes apart, and then closes the connection.
+MIN_PING_INTERVAL_MS = 1_000
+
 # gRPC sets SO_REUSEPORT by default on Linux, which lets a second server "bind" a
 # port that is already taken; turned off, a busy port is a clear start-up error.
-_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+_SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+]
 
 
 class GrpcBindError(RuntimeError):

@@ -9,6 +9,10 @@ aborted and the next call connects afresh. Every await on the socket runs under 
 per-call deadline (``timeout_s``, or a shorter one the caller passes, e.g. the recall
 budget), connect and handshake included.
 
+A link left idle is kept open with ``Base.Heartbeat`` notifications (see :data:`HEARTBEAT_S`):
+Philia closes links idle for about 45 s, and a chat whose turns come a minute apart would
+otherwise pay a new connect and handshake on every turn.
+
 A call that runs out of time drops the link only when the link looks dead (nothing
 received since the call was sent): on a live link shared by concurrent calls, one slow
 answer must not fail the others, and its late reply is simply skipped because no
@@ -54,6 +58,10 @@ T = TypeVar("T")
 MAX_FRAME_BYTES = 2**20 + 2**16
 # Server-supplied text quoted in our errors is cut to this length.
 _MAX_QUOTED = 200
+# A link on which nothing was sent for this long gets a heartbeat; Philia closes links idle
+# for about 45 s (protocol/philia-wire.md).
+HEARTBEAT_S = 20.0
+_HEARTBEAT = b'{"jsonrpc":"2.0","method":"Base.Heartbeat"}'
 # How long a closing handshake aiohttp starts itself (after a protocol error from the
 # peer) waits for the peer's answer; our own faults abort instead.
 _CLOSE_TIMEOUT_S = 1.0
@@ -111,7 +119,13 @@ class _PhiliaSocket(aiohttp.ClientWebSocketResponse):
 class _Connection:
     """One open WebSocket: the reader task and the callers waiting for replies."""
 
-    def __init__(self, ws: _PhiliaSocket, redact: Callable[[str], str], ids: Iterator[int]) -> None:
+    def __init__(
+        self,
+        ws: _PhiliaSocket,
+        redact: Callable[[str], str],
+        ids: Iterator[int],
+        heartbeat_s: float | None = None,
+    ) -> None:
         self.ws = ws
         self._redact = redact
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -122,7 +136,12 @@ class _Connection:
         # a late reply can only find its own (gone) caller. Far cheaper than a UUID.
         self._ids = ids
         self._loop = asyncio.get_running_loop()
+        # Loop time of the last frame sent: the heartbeat goes out after a quiet spell.
+        self.last_sent_at = self._loop.time()
         self.reader = self._loop.create_task(self._read())
+        self.beater: asyncio.Task[None] | None = None
+        if heartbeat_s is not None:
+            self.beater = self._loop.create_task(self._beat(heartbeat_s))
 
     @property
     def usable(self) -> bool:
@@ -143,6 +162,7 @@ class _Connection:
                 await self.ws.send_frame(_encode(frame), aiohttp.WSMsgType.TEXT)
             except ConnectionError:
                 raise PhiliaUnavailable("Philia closed the connection") from None
+            self.last_sent_at = self._loop.time()
             answer = await reply
         finally:
             # A caller that gave up (timeout, cancellation) leaves no entry behind,
@@ -193,6 +213,21 @@ class _Connection:
             reason = PhiliaUnavailable(f"Philia connection failed ({type(exc).__name__})")
         self.abort(reason)
 
+    async def _beat(self, every_s: float) -> None:
+        """Send ``Base.Heartbeat`` whenever nothing was sent for ``every_s``, until the link
+        ends (the reader notices that and aborts, which cancels this task)."""
+        loop = self._loop
+        while True:
+            quiet_s = loop.time() - self.last_sent_at
+            if quiet_s < every_s:
+                await asyncio.sleep(every_s - quiet_s)
+                continue
+            try:
+                await self.ws.send_frame(_HEARTBEAT, aiohttp.WSMsgType.TEXT)
+            except ConnectionError:
+                return  # the link is going: the reader sees its end
+            self.last_sent_at = loop.time()
+
     def abort(self, reason: PhiliaError) -> None:
         """Fail every pending caller and drop the transport without a closing handshake."""
         if self.closed:
@@ -203,14 +238,16 @@ class _Connection:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(PhiliaUnavailable(f"connection dropped: {reason}"))
-        if self.reader is not asyncio.current_task():
-            self.reader.cancel()
+        current = asyncio.current_task()
+        for task in (self.reader, self.beater):
+            if task is not None and task is not current:
+                task.cancel()
         # A graceful close against a silent peer would wait the whole close timeout.
         self.ws.abort()
 
     async def wait_stopped(self) -> None:
-        """Wait for the reader task to finish after :meth:`abort`."""
-        await asyncio.wait([self.reader])
+        """Wait for the reader (and heartbeat) task to finish after :meth:`abort`."""
+        await asyncio.wait([t for t in (self.reader, self.beater) if t is not None])
 
 
 def _encode(frame: dict[str, Any]) -> bytes:
@@ -255,10 +292,14 @@ def _reject_constant(name: str) -> Any:
 class PhiliaClient:
     """Lazy, shared, self-healing JSON-RPC link to Philia."""
 
-    def __init__(self, url: str, token: str, timeout_s: float) -> None:
+    def __init__(
+        self, url: str, token: str, timeout_s: float, *, heartbeat_s: float | None = HEARTBEAT_S
+    ) -> None:
+        """``heartbeat_s``: how long a link may stay quiet before a heartbeat (None: never)."""
         self._url = url
         self._token = token
         self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
         self._secrets = _secret_forms(token)
         # Made on the first connect, inside the running loop.
         self._session: aiohttp.ClientSession | None = None
@@ -430,7 +471,7 @@ class PhiliaClient:
         try:
             async with asyncio.timeout(self._timeout_s):
                 ws = await self._upgrade()
-                conn = _Connection(ws, self.redact, self._ids)
+                conn = _Connection(ws, self.redact, self._ids, self._heartbeat_s)
                 result = await conn.request(
                     "Sync.ConnectHandshake",
                     {

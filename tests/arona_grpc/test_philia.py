@@ -283,6 +283,23 @@ async def test_idle_close_by_philia_then_next_call_reconnects(
 
 
 @pytest.mark.asyncio
+async def test_an_idle_link_is_kept_open_with_heartbeats(fake: FakePhilia) -> None:
+    client = PhiliaClient(fake.url, TOKEN, timeout_s=FAST, heartbeat_s=0.05)
+    try:
+        await client.query("q", 5)
+        beats = await fake.wait_frames("Base.Heartbeat", 3)
+        # Notifications: nothing to answer, and no caller waits for them.
+        assert all(set(beat) == {"jsonrpc", "method"} for beat in beats)
+        assert client.pending_calls == 0
+        # The next call goes out on the same link: no new connect, no new handshake.
+        await client.query("q again", 5)
+        assert len(fake.upgrades) == 1
+        assert len(fake.frames_of(HANDSHAKE)) == 1
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.asyncio
 async def test_late_reply_after_timeout_does_not_answer_next_call(
     fake: FakePhilia, client: PhiliaClient
 ) -> None:

@@ -13,6 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from arona_grpc.philia import PhiliaClient
 from arona_store import server as server_module
 from arona_store.server import StoreServer
 from arona_store.store import MemoryStore
@@ -145,6 +146,32 @@ async def test_frames_keep_a_connection_alive_past_the_idle_timeout(tmp_path: Pa
             rounds += 1
         assert loop.time() - started >= 2.0  # two idle periods went by
         assert ws.close_code is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("heartbeat_s", [0.1, None], ids=["heartbeats", "no-heartbeats"])
+async def test_the_gateways_heartbeats_keep_its_idle_link_open(
+    tmp_path: Path, heartbeat_s: float | None
+) -> None:
+    async with await StoreServer.start(
+        db_path=tmp_path / "s.db", token=TOKEN, idle_timeout_s=0.3
+    ) as server:
+        client = PhiliaClient(server.url, TOKEN, timeout_s=WAIT_S, heartbeat_s=heartbeat_s)
+        try:
+            await client.query("tea", 5)
+            link = client._conn
+            assert link is not None
+            if heartbeat_s is None:
+                # Without them the store closes the quiet link after its idle timeout.
+                await asyncio.wait_for(asyncio.shield(link.reader), WAIT_S)
+            else:
+                # With them the link outlives three idle timeouts with no call at all.
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(link.reader), 1.0)
+            await client.query("tea", 5)
+            assert (client._conn is link) is (heartbeat_s is not None)
+        finally:
+            await client.aclose()
 
 
 @pytest.mark.asyncio

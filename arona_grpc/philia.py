@@ -296,6 +296,8 @@ class PhiliaClient:
         self, url: str, token: str, timeout_s: float, *, heartbeat_s: float | None = HEARTBEAT_S
     ) -> None:
         """``heartbeat_s``: how long a link may stay quiet before a heartbeat (None: never)."""
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError("heartbeat_s must be positive (or None for no heartbeats)")
         self._url = url
         self._token = token
         self._timeout_s = timeout_s

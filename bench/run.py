@@ -623,7 +623,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--big-nodes", type=int, help="episodes for recall alone (100000)")
     parser.add_argument("--turns", type=int, help="measured turns per configuration (4000)")
     parser.add_argument("--warmup", type=int, help="warm-up turns per configuration (200)")
-    parser.add_argument("--max-seconds", type=float, help="time cap per measurement (30)")
+    parser.add_argument("--max-seconds", type=float, help="time cap per round (30)")
     parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (8)")
     parser.add_argument("--litellm", help="path of the litellm executable")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from arona_grpc.failure_log import FailureLog
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -162,6 +164,7 @@ class Outbox:
         # an episode is handed over, so later writebacks line up behind it at once.
         self._unsettled = 0
         self._closed = False
+        self._drops = FailureLog(logger, "the outbox")
 
     @property
     def depth(self) -> int:
@@ -206,8 +209,10 @@ class Outbox:
                 seq, counts = job.result()
                 self._settle(counts)
                 if self._dropped > before:
-                    logger.warning(
-                        "outbox full: dropped %d oldest episode(s)", self._dropped - before
+                    # Once full, every new episode drops one: a warning per period, not each.
+                    self._drops.failed(
+                        f"outbox full: dropped {self._dropped - before} oldest episode(s) "
+                        f"({self._dropped} in all)"
                     )
                 done.set_result(seq)
 

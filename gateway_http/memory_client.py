@@ -4,7 +4,11 @@ It turns gRPC results into plain values for the turn pipeline and the RPC
 methods, and gRPC errors into :class:`~gateway_http.errors.GatewayError`
 (through the one table in :mod:`gateway_http.errors`). Recall never raises:
 a failed or slow recall, or an unreachable gRPC service, is the ``offline``
-state, so a chat turn always goes on.
+state, so a chat turn always goes on. Writeback never raises for a gRPC failure
+either: it runs in the background and its failures are only logged.
+
+Recall and writeback run on every turn, so an outage would fail them on every turn:
+:class:`~arona_grpc.failure_log.FailureLog` keeps that to a few lines, not one per turn.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.failure_log import FailureLog
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.views import rfc3339_ms
 
@@ -57,6 +62,16 @@ _GENERIC = {
 }
 
 
+# The most of a gRPC status message quoted in a log line.
+_MAX_QUOTED = 200
+
+
+def _quoted(exc: grpc.aio.AioRpcError) -> str:
+    """The status message of a failed call, for the log (never shown to a client)."""
+    details = (exc.details() or "").strip()
+    return details[:_MAX_QUOTED] if details else "no details"
+
+
 @dataclass(frozen=True)
 class Recall:
     state: str
@@ -79,6 +94,8 @@ class MemoryClient:
         self._recall_budget_s = recall_budget_s
         # Writeback/Delete/Status wait for one Philia RPC plus the gRPC hop.
         self._rpc_timeout_s = rpc_timeout_s + 1.0
+        self._recall_log = FailureLog(logger, "MemoryService/Recall")
+        self._writeback_log = FailureLog(logger, "MemoryService/Writeback")
 
     async def recall(self, query: str, limit: int = 5) -> Recall:
         try:
@@ -86,18 +103,32 @@ class MemoryClient:
                 pb.RecallRequest(query=query, limit=limit), timeout=self._recall_budget_s
             )
         except grpc.aio.AioRpcError as exc:
-            logger.warning("memory recall failed (%s); going on without memories", exc.code().name)
+            self._recall_log.failed(
+                f"memory recall failed ({exc.code().name}: {_quoted(exc)}); "
+                "going on without memories"
+            )
             return Recall(OFFLINE, "")
+        self._recall_log.succeeded()
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
             state = DISABLED
         return Recall(state, reply.section if state == ENABLED else "")
 
     async def writeback(self, user: str, assistant: str) -> str | None:
-        """Store one turn; the node id, or None when nothing was stored."""
-        reply = await self._call(
-            self._stub.Writeback, pb.WritebackRequest(user=user, assistant=assistant)
-        )
+        """Store one turn; the node id, or None when nothing was stored.
+
+        Nothing is stored when memory or writeback is off, or the turn is empty; a failed
+        call is logged (the service's own message says whether its outbox kept the episode)
+        and stores nothing either.
+        """
+        try:
+            reply = await self._stub.Writeback(
+                pb.WritebackRequest(user=user, assistant=assistant), timeout=self._rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
+            return None
+        self._writeback_log.succeeded()
         return reply.node_id if reply.stored else None
 
     async def delete(self, node_id: str) -> bool:

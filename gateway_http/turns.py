@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway_http.conversations import ConversationStore
-from gateway_http.errors import GatewayError
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.upstream import (
     MEMORY_SECTION_HEADER,
@@ -162,9 +161,8 @@ class TurnPipeline:
 
     async def _writeback(self, user: str, assistant: str) -> None:
         try:
+            # Its failures are logged by the memory client.
             await self._memory.writeback(user, assistant)
-        except GatewayError as exc:
-            logger.warning("writeback failed: %s", exc.message)
         except Exception:
             logger.exception("writeback failed")
 

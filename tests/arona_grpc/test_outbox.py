@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from arona_grpc.config import Settings
 from arona_grpc.outbox import Outbox, OutboxClosed
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
+from tests.support.log_watch import watching
 
 pytestmark = pytest.mark.asyncio
 
@@ -72,6 +74,20 @@ async def test_overflow_drops_the_oldest_and_counts_them_across_restarts(
     assert (again.depth, again.dropped) == (3, 2)
     assert await texts_of(again) == ["e2", "e3", "e4"]
     await again.aclose()
+
+
+async def test_a_full_outbox_warns_once_not_on_every_drop(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, 3)
+    with watching("arona_grpc.outbox") as seen:
+        for i in range(50):
+            await outbox.put(f"e{i}", "episode")
+    assert (outbox.depth, outbox.dropped) == (3, 47)
+    assert [r.getMessage() for r in seen.at_least(logging.WARNING)] == [
+        "outbox full: dropped 1 oldest episode(s) (1 in all)"
+    ]
+    # Each drop is still a debug record.
+    assert len(seen.matching("outbox full")) == 47
+    await outbox.aclose()
 
 
 @pytest_asyncio.fixture

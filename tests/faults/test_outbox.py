@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from arona_grpc.service import MemoryDomain, WritebackOutcome
 from tests.e2e.stack import running_stack
 from tests.faults.harness import FaultStack, fault_stack
 from tests.support.fake_philia import STORE, Step
+from tests.support.log_watch import watching
 
 pytestmark = pytest.mark.asyncio
 
@@ -91,6 +94,46 @@ async def test_down_for_n_turns_then_back_stores_all_in_order_once(
         assert (status["outbox_depth"], status["breaker"]) == (0, "closed")
         stored_events = [e for e in status["events"] if e["kind"] == "writeback"]
         assert len(stored_events) == N + 1
+
+
+async def test_an_outage_is_a_few_log_lines_not_one_per_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    turns = 20
+    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+        writebacks = Writebacks(domain_of(fs), monkeypatch)
+        await fs.raw.refuse()
+        with watching("gateway_http", "arona_grpc") as seen:
+            http_failures = seen.matching
+
+            def heard_of(count: int) -> Callable[[object], bool]:
+                return lambda _: len(http_failures("writeback failed (")) == count
+
+            for i in range(1, turns + 1):
+                turn = await fs.turn(f"turn {i}")
+                assert (turn.turn.status, turn.turn.memory) == (200, "offline")
+                await writebacks.wait(i)
+                # The HTTP layer has heard of this episode's fate too.
+                await seen.wait_for(heard_of(i))
+                if i == 5:
+                    warnings_after_five = len(seen.at_least(logging.WARNING))
+            # Fifteen more turns of the same outage add no warning.
+            assert len(seen.at_least(logging.WARNING)) == warnings_after_five
+            [http_warning] = [
+                r for r in seen.at_least(logging.WARNING) if r.name.startswith("gateway_http")
+            ]
+            # It says the episode was kept, not lost.
+            assert "queued in the outbox" in http_warning.getMessage()
+
+            await fs.raw.listen()
+            fs.clock.advance(31.0)
+            back = await fs.turn(f"turn {turns + 1}")
+            assert back.turn.memory == "enabled"
+            await seen.wait_for(lambda _: bool(http_failures("Writeback answers again")))
+        [recovered] = http_failures("Writeback answers again")
+        assert recovered.levelno == logging.INFO
+        assert f"({turns - 1} more failure(s) since the last warning)" in recovered.getMessage()
+        await asyncio.wait_for(fs.stack.philia.wait_frames(STORE, turns + 1), 10)
 
 
 async def test_restart_with_a_non_empty_outbox_stores_the_rest(

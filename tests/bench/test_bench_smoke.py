@@ -6,6 +6,7 @@ at two store sizes, each in its own process on 127.0.0.1) with tiny counts and n
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,6 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert len(recall) == 4 and all(row.endswith("| 0 / 0 |") for row in recall), table
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "memory-enabled p50 over direct" in table
+    # The throughput target's row also says how far apart its rounds were.
+    [share] = [row for row in rows if row.startswith("| memory-enabled turns/s ≥ 75%")]
+    assert re.search(r"\| \d+% \(rounds: \d+%–\d+%\) \|", share), share

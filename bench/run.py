@@ -642,10 +642,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--nodes", type=int, help="episodes in the store (default 10000)")
     parser.add_argument("--big-nodes", type=int, help="episodes for recall alone (100000)")
-    parser.add_argument("--turns", type=int, help="measured turns per configuration (4000)")
+    parser.add_argument("--turns", type=int, help="measured turns per configuration (6000)")
     parser.add_argument("--warmup", type=int, help="warm-up turns per configuration (200)")
     parser.add_argument("--max-seconds", type=float, help="time cap per round (30)")
-    parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (8)")
+    parser.add_argument("--rounds", type=int, help="rounds each measurement is split into (12)")
     parser.add_argument("--litellm", help="path of the litellm executable")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
     parser.add_argument("--out", type=Path, help="Markdown file to write")
@@ -669,10 +669,10 @@ def options(argv: Sequence[str] | None) -> Options:
         quick=quick,
         nodes=pick(args.nodes, 10_000, 1_000),
         big_nodes=pick(args.big_nodes, 100_000, 2_000),
-        turns=pick(args.turns, 4_000, 60),
+        turns=pick(args.turns, 6_000, 60),
         warmup=pick(args.warmup, 200, 10),
         max_seconds=pick(args.max_seconds, 30.0, 10.0),
-        rounds=pick(args.rounds, 8, 2),
+        rounds=pick(args.rounds, 12, 2),
         litellm=litellm,
         litellm_note=note,
         out=args.out or default_out,

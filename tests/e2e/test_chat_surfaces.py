@@ -6,7 +6,6 @@ against the real gRPC service, a scripted Philia and a recording upstream.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from tests.e2e.stack import ASK_TEXT, SURFACES, running_stack
 from tests.support.fake_philia import QUERY, STORE, Step
 from tests.support.fake_upstream import Stream
+from tests.support.raw_philia import closed_port
 
 pytestmark = pytest.mark.asyncio
 
@@ -31,13 +31,6 @@ SECTION = (
     "  Assistant: In Lyon."
 )
 ASK = [{"role": "user", "content": ASK_TEXT}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 @pytest.mark.parametrize("surface", SURFACES)
@@ -151,7 +144,7 @@ async def test_recall_failure_is_offline_and_chat_still_answers(
 
 @pytest.mark.parametrize("surface", SURFACES)
 async def test_unreachable_grpc_service_is_offline(tmp_path: Path, surface: str) -> None:
-    async with running_stack(tmp_path, grpc_target=f"127.0.0.1:{_free_port()}") as stack:
+    async with running_stack(tmp_path, grpc_target=f"127.0.0.1:{closed_port()}") as stack:
         turn = await stack.turn(surface, ASK)
         assert (turn.status, turn.memory) == (200, "offline")
         assert turn.content == "reply to: what tea do I like?"

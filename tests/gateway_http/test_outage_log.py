@@ -4,20 +4,13 @@ fails: the turns answer ``offline`` and the HTTP layer logs two warnings, not tw
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.stack import running_stack
 from tests.support.log_watch import watching
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+from tests.support.raw_philia import closed_port
 
 
 @pytest.mark.asyncio
@@ -25,7 +18,7 @@ async def test_turns_with_the_grpc_service_down_log_two_warnings_not_two_per_tur
     tmp_path: Path,
 ) -> None:
     turns = 12
-    async with running_stack(tmp_path, grpc_target=f"127.0.0.1:{_free_port()}") as stack:
+    async with running_stack(tmp_path, grpc_target=f"127.0.0.1:{closed_port()}") as stack:
         with watching("gateway_http") as seen:
             for i in range(turns):
                 turn = await stack.turn("rest", [{"role": "user", "content": f"turn {i}"}])

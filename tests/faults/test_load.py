@@ -26,9 +26,16 @@ pytestmark = pytest.mark.asyncio
 
 TURNS = 200
 SOCKETS = 4
-# Large beside the stack's own latency under 200 concurrent turns on a busy 2-core box.
-BUDGET_MS = 5000
+# A turn that does not wait for recall answers within BUDGET_S / 2: 15 times the slowest of
+# 200 concurrent WebSocket turns measured on an idle 2-core box (0.5 s), so a loaded one still
+# passes, while the one probe that must wait out the budget keeps the test under half a minute.
+BUDGET_MS = 15_000
 BUDGET_S = BUDGET_MS / 1000
+# 200 REST turns each open their own connection: the slowest answered after 2.7 s on an idle
+# 2-core box, all of it the shared event loop working through them. No REST turn here meets
+# a blackhole, so the budget can be far above that (the bound, half of it, is 20 times it).
+REST_BUDGET_MS = 120_000
+REST_BUDGET_S = REST_BUDGET_MS / 1000
 COOLDOWN_S = 60.0
 
 
@@ -154,12 +161,27 @@ async def test_200_concurrent_turns_refused_blackholed_flapping(fs: FaultStack) 
     )
 
 
-async def test_200_concurrent_rest_turns_with_philia_refused(fs: FaultStack) -> None:
+@pytest_asyncio.fixture
+async def rest_fs(tmp_path: Path) -> AsyncIterator[FaultStack]:
+    async with fault_stack(
+        tmp_path,
+        timeout_s=REST_BUDGET_S,
+        memory_recall_budget_ms=REST_BUDGET_MS,
+        memory_breaker_cooldown_s=COOLDOWN_S,
+    ) as stack:
+        yield stack
+
+
+@pytest.mark.timeout(REST_BUDGET_S * 2)
+async def test_200_concurrent_rest_turns_with_philia_refused(rest_fs: FaultStack) -> None:
     """The same over plain REST: 200 concurrent POSTs, each its own connection."""
+    fs = rest_fs
     await fs.raw.refuse()
     await fs.relink()
     limits = httpx.Limits(max_connections=TURNS)
-    async with httpx.AsyncClient(base_url=fs.stack.base_url, timeout=30, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=fs.stack.base_url, timeout=REST_BUDGET_S * 1.5, limits=limits
+    ) as client:
 
         async def one(i: int) -> tuple[int, str | None, float]:
             started = time.monotonic()
@@ -178,5 +200,6 @@ async def test_200_concurrent_rest_turns_with_philia_refused(fs: FaultStack) -> 
 
         results = await asyncio.gather(*(one(i) for i in range(TURNS)))
     assert {(status, memory) for status, memory, _ in results} == {(200, "offline")}
-    assert max(t for _, _, t in results) < BUDGET_S / 2
+    # No turn waited for its recall budget.
+    assert max(t for _, _, t in results) < REST_BUDGET_S / 2
     assert (await fs.status())["breaker"] == "open"

@@ -96,7 +96,8 @@ def _bad_params(message: str) -> RpcError:
     return RpcError(jsonrpc.INVALID_PARAMS, f"Invalid params: {message}")
 
 
-def _query_params(params: Mapping[str, Any]) -> tuple[str, int]:
+def _query_params(params: Mapping[str, Any]) -> tuple[str, int, str | None]:
+    """``query``, ``limit`` and ``node_type_filter`` (None or absent: every node type)."""
     query = params.get("query")
     if not isinstance(query, str):
         raise _bad_params("query must be a string")
@@ -105,7 +106,10 @@ def _query_params(params: Mapping[str, Any]) -> tuple[str, int]:
         limit = DEFAULT_LIMIT
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise _bad_params(f"limit must be an integer between 1 and {MAX_LIMIT}")
-    return query, limit
+    node_type = params.get("node_type_filter")
+    if node_type is not None and (not isinstance(node_type, str) or not node_type):
+        raise _bad_params("node_type_filter must be a non-empty string or null")
+    return query, limit, node_type
 
 
 def _query_result(query: str, hits: list[MemoryHit]) -> dict[str, Any]:
@@ -412,8 +416,8 @@ class StoreServer:
     def _query_now(self, call: Call) -> list[str] | None:
         """A recall's reply frames, computed right here; None if it has to wait."""
         try:
-            query, limit = _query_params(call.params)
-            hits = self.store.try_query(query, limit)
+            query, limit, node_type = _query_params(call.params)
+            hits = self.store.try_query(query, limit, node_type=node_type)
         except Exception as exc:
             return self._failed(call, exc)
         return None if hits is None else self._reply(call, _query_result(query, hits))
@@ -450,8 +454,10 @@ class StoreServer:
 
     async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
         """A recall that another thread's recall holds up: it waits on the worker thread."""
-        query, limit = _query_params(params)
-        hits = await self._in_db(self.store.query, query, limit)
+        query, limit, node_type = _query_params(params)
+        hits = await self._in_db(
+            functools.partial(self.store.query, node_type=node_type), query, limit
+        )
         return _query_result(query, hits)
 
     async def _store(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -216,8 +216,24 @@ _RANKED_MATCHES = (
     " * exp(min(0, rowid - :now) * :decay))"
     " FROM nodes_fts WHERE nodes_fts MATCH :expr ORDER BY rowid DESC LIMIT :cap"
 )
+# The same restricted to one node type (`node_type_filter`): the type is checked on each match
+# before its score is computed, and the cap counts matches of that type only.
+_RANKED_MATCHES_OF_TYPE = (
+    "SELECT nodes_fts.rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_fts))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, nodes_fts.rowid - :now) * :decay))"
+    " FROM nodes_fts JOIN nodes ON nodes.seq = nodes_fts.rowid"
+    " WHERE nodes_fts MATCH :expr AND nodes.node_type = :node_type"
+    " ORDER BY nodes_fts.rowid DESC LIMIT :cap"
+)
 # Matches of a word found in most nodes: the newest `limit`, read straight off the index.
 _NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
+_NEWEST_MATCHES_OF_TYPE = (
+    "SELECT nodes_fts.rowid FROM nodes_fts JOIN nodes ON nodes.seq = nodes_fts.rowid"
+    " WHERE nodes_fts MATCH ? AND nodes.node_type = ? ORDER BY nodes_fts.rowid DESC LIMIT ?"
+)
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
 _COUNTERS = "SELECT nodes, changes, hi, backdated FROM counters WHERE id = 1"
 # FTS5's "averages" record: varints holding its row count and total token count.
@@ -594,25 +610,43 @@ class MemoryStore:
         return key
 
     def query(
-        self, text: str, limit: int = DEFAULT_LIMIT, now: Timestamp | None = None
+        self,
+        text: str,
+        limit: int = DEFAULT_LIMIT,
+        now: Timestamp | None = None,
+        node_type: str | None = None,
     ) -> list[MemoryHit]:
-        """The best ``limit`` nodes for ``text``, best first (see the module docstring)."""
-        hits = self._query(text, limit, now, wait=True)
+        """The best ``limit`` nodes for ``text``, best first (see the module docstring).
+
+        ``node_type`` (the wire's ``node_type_filter``) keeps only nodes of exactly that type;
+        their scores are the ones they have without the filter.
+        """
+        hits = self._query(text, limit, now, node_type, wait=True)
         assert hits is not None  # a waiting call always gets the lock
         return hits
 
     def try_query(
-        self, text: str, limit: int = DEFAULT_LIMIT, now: Timestamp | None = None
+        self,
+        text: str,
+        limit: int = DEFAULT_LIMIT,
+        now: Timestamp | None = None,
+        node_type: str | None = None,
     ) -> list[MemoryHit] | None:
         """Like :meth:`query`, but None at once if another caller holds the store.
 
         For callers that must not wait behind a write (an event loop thread): they can run
         the query elsewhere when it returns None.
         """
-        return self._query(text, limit, now, wait=False)
+        return self._query(text, limit, now, node_type, wait=False)
 
     def _query(
-        self, text: str, limit: int, now: Timestamp | None, *, wait: bool
+        self,
+        text: str,
+        limit: int,
+        now: Timestamp | None,
+        node_type: str | None,
+        *,
+        wait: bool,
     ) -> list[MemoryHit] | None:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise StoreError(f"limit must be an integer between 1 and {MAX_LIMIT}")
@@ -628,21 +662,27 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                return self._ranked_hits(terms, limit, now_key)
+                return self._ranked_hits(terms, limit, now_key, node_type)
             finally:
                 self._reader.execute("COMMIT")
         finally:
             self._read_lock.release()
 
-    def _ranked_hits(self, terms: list[str], limit: int, now_key: int) -> list[MemoryHit]:
-        """The recall itself (read lock held, read transaction open)."""
+    def _ranked_hits(
+        self, terms: list[str], limit: int, now_key: int, node_type: str | None
+    ) -> list[MemoryHit]:
+        """The recall itself (read lock held, read transaction open).
+
+        The bounds come from the whole store: a node type holds a subset of its matches, so
+        they bound that subset's scores too.
+        """
         total, changes, hi, backdated = self._reader.execute(_COUNTERS).fetchone()
         kept, counts, all_common = self._plan(terms, total, changes)
         if not kept:
             return []
         expression = fts_expression(kept)
         if all_common:
-            ranked = self._newest(expression, limit, now_key)
+            ranked = self._newest(expression, limit, now_key, node_type)
         else:
             bound = 1.0
             tight: _Bounds | None = None
@@ -650,7 +690,7 @@ class MemoryStore:
                 idfs = [idf_bound(total, n) for n in counts]
                 bound = relevance_of(-(BM25_K1 + 1.0) * sum(idfs))
                 tight = self._tight_bound(kept, idfs, changes, hi, backdated)
-            ranked, above = self._best(expression, limit, now_key, bound, tight)
+            ranked, above = self._best(expression, limit, now_key, bound, tight, node_type)
             if tight is not None and above > REMEASURE_ROWS:
                 # Too much was read under the loose bound: measure the words that hold the
                 # horizon back again, on the next recall that needs them.
@@ -756,6 +796,7 @@ class MemoryStore:
         now_key: int,
         bound: float,
         tight: _Bounds | None = None,
+        node_type: str | None = None,
     ) -> tuple[list[tuple[float, int]], int]:
         """The top ``limit`` (score, seq) of a match, best first, and how many rows were read
         above the horizon (read lock held).
@@ -771,10 +812,13 @@ class MemoryStore:
         # scores keep the larger (newer) seq, which is the one read first.
         best: list[tuple[float, int]] = []
         stop_at: int | None = None  # scanning ends at keys <= this
-        cursor = self._reader.execute(
-            _RANKED_MATCHES,
-            {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS},
-        )
+        params = {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS}
+        if node_type is None:
+            cursor = self._reader.execute(_RANKED_MATCHES, params)
+        else:
+            cursor = self._reader.execute(
+                _RANKED_MATCHES_OF_TYPE, {**params, "node_type": node_type}
+            )
         try:
             for seq, score in cursor:
                 if stop_at is not None and seq <= stop_at:
@@ -795,11 +839,18 @@ class MemoryStore:
             cursor.close()
         return sorted(best, reverse=True), above
 
-    def _newest(self, expression: str | None, limit: int, now_key: int) -> list[tuple[float, int]]:
+    def _newest(
+        self, expression: str | None, limit: int, now_key: int, node_type: str | None = None
+    ) -> list[tuple[float, int]]:
         """The newest ``limit`` matches scored with a BM25 of 0 (lock held): words in most
         nodes get an IDF of about zero, so recency alone orders them."""
         floor = relevance_of(0.0)
-        rows = self._reader.execute(_NEWEST_MATCHES, (expression, limit)).fetchall()
+        if node_type is None:
+            rows = self._reader.execute(_NEWEST_MATCHES, (expression, limit)).fetchall()
+        else:
+            rows = self._reader.execute(
+                _NEWEST_MATCHES_OF_TYPE, (expression, node_type, limit)
+            ).fetchall()
         return [
             (
                 floor

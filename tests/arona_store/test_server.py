@@ -239,6 +239,9 @@ async def test_unknown_method(client: StoreClient) -> None:
         ("Sync.MemoryQueryRequest", {"query": "tea", "limit": 101}),
         ("Sync.MemoryQueryRequest", {"query": "tea", "limit": "5"}),
         ("Sync.MemoryQueryRequest", {"query": "tea", "limit": True}),
+        ("Sync.MemoryQueryRequest", {"query": "tea", "node_type_filter": 3}),
+        ("Sync.MemoryQueryRequest", {"query": "tea", "node_type_filter": ""}),
+        ("Sync.MemoryQueryRequest", {"query": "tea", "node_type_filter": ["episode"]}),
         ("Sync.MemoryStoreRequest", {"text": "", "node_type": "episode"}),
         ("Sync.MemoryStoreRequest", {"text": "   ", "node_type": "episode"}),
         ("Sync.MemoryStoreRequest", {"node_type": "episode"}),
@@ -645,3 +648,36 @@ async def test_logs_never_contain_the_token(
     assert "refused an upgrade" in text
     for secret in (TOKEN, "s3cret%2Btok%2Fen%3DZq9", "s3cret", "a private note"):
         assert secret not in text
+
+
+@pytest.mark.asyncio
+async def test_node_type_filter_keeps_exactly_that_node_type(client: StoreClient) -> None:
+    for text, node_type in (
+        ("Alice drinks oolong tea", "episode:aaaa"),
+        ("Bob drinks green tea", "episode:bbbb"),
+        ("tea is a drink", "episode"),
+        ("Alice also likes jasmine tea", "episode:aaaa"),
+    ):
+        await client.call("Sync.MemoryStoreRequest", {"text": text, "node_type": node_type})
+    everything = await client.call("Sync.MemoryQueryRequest", {"query": "tea", "limit": 10})
+    assert everything["total"] == 4
+    alice = await client.call(
+        "Sync.MemoryQueryRequest",
+        {"query": "tea", "limit": 10, "node_type_filter": "episode:aaaa"},
+    )
+    assert sorted(r["text"] for r in alice["results"]) == [
+        "Alice also likes jasmine tea",
+        "Alice drinks oolong tea",
+    ]
+    assert {r["node_type"] for r in alice["results"]} == {"episode:aaaa"}
+    # The filter is exact: neither a prefix nor the plain type matches more.
+    for node_type, expected in (("episode", ["tea is a drink"]), ("episode:a", [])):
+        reply = await client.call(
+            "Sync.MemoryQueryRequest", {"query": "tea", "node_type_filter": node_type}
+        )
+        assert [r["text"] for r in reply["results"]] == expected
+    # A null filter is no filter.
+    unfiltered = await client.call(
+        "Sync.MemoryQueryRequest", {"query": "tea", "limit": 10, "node_type_filter": None}
+    )
+    assert unfiltered["total"] == 4

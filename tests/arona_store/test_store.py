@@ -546,3 +546,29 @@ def test_checkpoints_can_be_left_to_the_owner(tmp_path: Path) -> None:
         assert store.count() == 300
     finally:
         store.close()
+
+
+def test_a_node_type_filter_ranks_its_own_nodes_with_their_unfiltered_scores(
+    store: MemoryStore,
+) -> None:
+    rng = random.Random(7)
+    words = "tea oolong green milk sugar lyon paris peanut daughter garden".split()
+    nodes = [
+        NewNode(
+            " ".join(rng.choice(words) for _ in range(6)),
+            f"episode:{i % 7}",
+            NOW - timedelta(minutes=i),
+        )
+        for i in range(PRUNE_MIN_NODES + 400)
+    ]
+    store.add_many(nodes)
+    for query in ("oolong peanut", "tea", "daughter garden lyon"):
+        everything = store.query(query, 100, now=NOW)
+        for scope in ("episode:0", "episode:3"):
+            expected = [(h.node_id, h.score) for h in everything if h.node_type == scope][:5]
+            got = store.query(query, 5, now=NOW, node_type=scope)
+            assert {h.node_type for h in got} == {scope}
+            # Each filtered hit has the score it has unfiltered, and none better is left out.
+            assert [h.score for h in got] == [score for _, score in expected]
+            assert len(got) == 5
+    assert store.query("tea", 5, now=NOW, node_type="episode:nobody") == []

@@ -24,6 +24,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MIN_JWT_SECRET_BYTES = 32
+SCOPE_SHARED = "shared"
+SCOPE_USER = "user"
+SCOPE_MODES = (SCOPE_SHARED, SCOPE_USER)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -43,6 +46,8 @@ class Settings:
     memory_recall_budget_ms: int | None = None
     # Episodes kept for replay while Philia is down; the oldest are dropped beyond it.
     memory_outbox_max: int = 1000
+    # "shared": one memory pool (the default); "user": each caller's own scope only.
+    memory_scope: str = SCOPE_SHARED
     upstream_url: str | None = None
     upstream_api_key: str | None = field(default=None, repr=False)
     http_host: str = "127.0.0.1"
@@ -60,6 +65,11 @@ class Settings:
     def memory_enabled(self) -> bool:
         """The gateway talks to Philia iff both the URL and the token are non-empty."""
         return bool(self.memory_url) and bool(self.memory_token)
+
+    @property
+    def user_scoped(self) -> bool:
+        """Whether memory belongs to each user (``ARONA_MEMORY_SCOPE=user``)."""
+        return self.memory_scope == SCOPE_USER
 
     @property
     def recall_budget_s(self) -> float:
@@ -94,6 +104,7 @@ class Settings:
             memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),
             memory_recall_budget_ms=_optional_positive_int(env, "ARONA_MEMORY_RECALL_BUDGET_MS"),
             memory_outbox_max=_positive_int(env, "ARONA_MEMORY_OUTBOX_MAX", 1000),
+            memory_scope=_memory_scope(env),
             upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
             upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),
             http_host=_str(env, "ARONA_HTTP_HOST") or "127.0.0.1",
@@ -181,6 +192,13 @@ def _jwt_secret(env: Mapping[str, str]) -> str | None:
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(k.strip() for k in env.get("ARONA_API_KEYS", "").split(",") if k.strip())
+
+
+def _memory_scope(env: Mapping[str, str]) -> str:
+    raw = _str(env, "ARONA_MEMORY_SCOPE") or SCOPE_SHARED
+    if raw not in SCOPE_MODES:
+        raise ConfigError(f"ARONA_MEMORY_SCOPE must be 'shared' or 'user', got {raw!r}")
+    return raw
 
 
 def _log_level(env: Mapping[str, str]) -> str:

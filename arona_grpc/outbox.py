@@ -38,7 +38,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     seq        INTEGER PRIMARY KEY AUTOINCREMENT,
     text       TEXT NOT NULL,
     node_type  TEXT NOT NULL,
-    queued_us  INTEGER NOT NULL
+    queued_us  INTEGER NOT NULL,
+    scope_id   TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS counters (
     name   TEXT PRIMARY KEY,
@@ -56,6 +57,8 @@ class OutboxEntry:
     seq: int
     text: str
     node_type: str
+    # Whose episode it is (for the episode index); "" when nobody's.
+    scope_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,14 +83,14 @@ class _OutboxFile:
             self._open()
         return self._counts()
 
-    def put(self, text: str, node_type: str) -> tuple[int, _Counts]:
+    def put(self, text: str, node_type: str, scope_id: str) -> tuple[int, _Counts]:
         if self._db is None:
             self._open()
         assert self._db is not None
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO episodes (text, node_type, queued_us) VALUES (?, ?, ?)",
-                (text, node_type, int(time.time() * 1_000_000)),
+                "INSERT INTO episodes (text, node_type, queued_us, scope_id) VALUES (?, ?, ?, ?)",
+                (text, node_type, int(time.time() * 1_000_000), scope_id),
             )
             seq = int(cursor.lastrowid or 0)
             self._depth += 1
@@ -111,9 +114,11 @@ class _OutboxFile:
         if self._db is None:
             return None
         row = self._db.execute(
-            "SELECT seq, text, node_type FROM episodes ORDER BY seq LIMIT 1"
+            "SELECT seq, text, node_type, scope_id FROM episodes ORDER BY seq LIMIT 1"
         ).fetchone()
-        return None if row is None else OutboxEntry(int(row[0]), str(row[1]), str(row[2]))
+        if row is None:
+            return None
+        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]))
 
     def remove(self, seq: int) -> _Counts:
         if self._db is not None:
@@ -136,6 +141,10 @@ class _OutboxFile:
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=2000")
             db.executescript(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(episodes)")}
+            if "scope_id" not in columns:
+                # An outbox written before episodes had scopes.
+                db.execute("ALTER TABLE episodes ADD COLUMN scope_id TEXT NOT NULL DEFAULT ''")
             db.isolation_level = "DEFERRED"
             self._depth = int(db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0])
             row = db.execute("SELECT value FROM counters WHERE name = 'dropped'").fetchone()
@@ -185,7 +194,7 @@ class Outbox:
         """Read the depth of an outbox left by an earlier run (creates no file)."""
         self._settle(await self._run(self._file.load))
 
-    def put(self, text: str, node_type: str) -> asyncio.Future[int]:
+    def put(self, text: str, node_type: str, scope_id: str = "") -> asyncio.Future[int]:
         """Queue one episode; a future of its sequence number.
 
         The write is submitted now and commits even if the future is never awaited
@@ -216,7 +225,7 @@ class Outbox:
                     )
                 done.set_result(seq)
 
-        self._submit(self._file.put, text, node_type).add_done_callback(committed)
+        self._submit(self._file.put, text, node_type, scope_id).add_done_callback(committed)
         return done
 
     async def oldest(self) -> OutboxEntry | None:

@@ -331,12 +331,24 @@ class PhiliaClient:
         return len(conn.pending) if conn is not None else 0
 
     async def query(
-        self, query: str, limit: int, *, timeout_s: float | None = None
+        self,
+        query: str,
+        limit: int,
+        *,
+        timeout_s: float | None = None,
+        node_type: str | None = None,
     ) -> list[PhiliaMemory]:
-        """``Sync.MemoryQueryRequest``: up to ``limit`` memories, best first."""
+        """``Sync.MemoryQueryRequest``: up to ``limit`` memories, best first.
+
+        ``node_type`` is sent as ``node_type_filter``; without it the params are exactly
+        ``query`` and ``limit``.
+        """
+        params: dict[str, Any] = {"query": query, "limit": limit}
+        if node_type is not None:
+            params["node_type_filter"] = node_type
         return await self._call(
             "Sync.MemoryQueryRequest",
-            {"query": query, "limit": limit},
+            params,
             lambda result: _parse_memories(result, limit),
             timeout_s,
         )

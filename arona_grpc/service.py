@@ -43,6 +43,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -51,9 +52,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
-from arona_grpc.config import Settings
+from arona_grpc.config import SCOPE_SHARED, Settings
+from arona_grpc.episodes import (
+    EpisodeIndex,
+    IndexPage,
+    IndexUnavailable,
+    SqliteEpisodeIndex,
+)
 from arona_grpc.outbox import Outbox, OutboxClosed
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
+from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +72,8 @@ DEFAULT_RECALL_LIMIT = 5
 MAX_RECALL_LIMIT = 100
 EVENT_BUFFER_SIZE = 100
 DEFAULT_STATUS_LIMIT = 50
-EPISODE_NODE_TYPE = "episode"
+DEFAULT_LIST_LIMIT = 50
+MAX_LIST_LIMIT = 100
 # The injected section, header included, never exceeds this many characters.
 MAX_SECTION_CHARS = 4000
 # One memory's text is cut to this many characters (ellipsis included).
@@ -101,6 +110,8 @@ class MemoryEvent:
     # The query (recall), the node id (writeback, delete) or a message (error).
     detail: str
     at: datetime
+    # The hashed id of the scope concerned; "" when none.
+    scope_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,7 @@ class StatusSnapshot:
     breaker_opened_at: datetime | None = None
     outbox_depth: int = 0
     outbox_dropped: int = 0
+    scope_mode: str = SCOPE_SHARED
 
 
 class MemoryDomainError(Exception):
@@ -199,8 +211,33 @@ def _capped_section(
     return tuple(kept), section
 
 
+# An injected section inside a turn's text: the header line, then its bullets and their
+# indented continuation lines (the shape render_section gives it).
+_SECTION_BLOCK = re.compile(
+    r"^[ \t]*" + re.escape(SECTION_HEADER) + r"[^\n]*(?:\n(?:- \[|  )[^\n]*)*\n?", re.MULTILINE
+)
+_BLANK_RUN = re.compile(r"\n{3,}")
+
+
+def without_memory_section(text: str) -> str:
+    """``text`` without any injected memory section (header, bullets, indented lines).
+
+    An episode must never contain recalled memories: stored again, they would be recalled
+    as new ones, nesting sections turn after turn (the ``echo`` model's replies carry the
+    section it received). Text without a section is returned unchanged.
+    """
+    if SECTION_HEADER not in text:
+        return text
+    return _BLANK_RUN.sub("\n\n", _SECTION_BLOCK.sub("", text)).strip()
+
+
 def episode_text(user: str, assistant: str) -> str:
-    """``User: …\\nAssistant: …`` with an empty (or blank) side left out."""
+    """``User: …\\nAssistant: …`` with an empty (or blank) side left out.
+
+    Injected memory sections are removed from both sides first.
+    """
+    user = without_memory_section(user)
+    assistant = without_memory_section(assistant)
     parts = []
     if user.strip():
         parts.append(f"User: {user}")
@@ -209,11 +246,20 @@ def episode_text(user: str, assistant: str) -> str:
     return "\n".join(parts)
 
 
+@dataclass(frozen=True)
+class _Episode:
+    """One episode to store: its text, node type and scope id ("" for nobody's)."""
+
+    text: str
+    node_type: str
+    scope_id: str
+
+
 @dataclass
 class _InFlight:
     """One writeback on its way to Philia (not in the outbox)."""
 
-    text: str
+    episode: _Episode
     # Set once shutdown has put it in the outbox, so its failure does not queue it twice.
     kept: bool = False
 
@@ -227,23 +273,28 @@ class MemoryDomain:
         client: PhiliaClient | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        index: EpisodeIndex | None = None,
     ) -> None:
         self._settings = settings
+        self._user_scoped = settings.user_scoped
         self._client: PhiliaClient | None = None
+        self._index: EpisodeIndex | None = None
         if settings.memory_enabled:
             assert settings.memory_url is not None and settings.memory_token is not None
             # Lazy: constructing the client opens nothing.
             self._client = client or PhiliaClient(
                 settings.memory_url, settings.memory_token, settings.memory_timeout_s
             )
-        # (kind, detail, wall-clock seconds): a turn records one or two events, Status
-        # reads them rarely, so the MemoryEvent and its datetime are made only then.
-        self._events: deque[tuple[EventKind, str, float]] = deque(maxlen=EVENT_BUFFER_SIZE)
+            # Lazy too: the file appears with the first episode (or the first List).
+            self._index = index or SqliteEpisodeIndex(settings.data_dir)
+        # (kind, detail, wall-clock seconds, scope id): a turn records one or two events,
+        # Status reads them rarely, so the MemoryEvent and its datetime are made only then.
+        self._events: deque[tuple[EventKind, str, float, str]] = deque(maxlen=EVENT_BUFFER_SIZE)
         self._breaker = CircuitBreaker(
             settings.memory_breaker_failures,
             settings.memory_breaker_cooldown_s,
             clock=clock,
-            on_open=lambda reason: self._record(EventKind.ERROR, reason),
+            on_open=lambda reason: self._record(EventKind.ERROR, reason, ""),
         )
         # Constructing the outbox opens nothing: the file appears with its first episode.
         self._outbox: Outbox | None = None
@@ -281,6 +332,11 @@ class MemoryDomain:
         """The writeback outbox (None when memory or writeback is off)."""
         return self._outbox
 
+    @property
+    def index(self) -> EpisodeIndex | None:
+        """The index of stored episodes (None when memory is not configured)."""
+        return self._index
+
     async def start(self) -> None:
         """Pick up an outbox left by an earlier run and start replaying it."""
         if self._outbox is None:
@@ -289,19 +345,21 @@ class MemoryDomain:
             await self._outbox.load()
         except Exception as exc:  # an unreadable file must not keep the service down
             logger.error("cannot read the outbox %s: %s", self._outbox.path, type(exc).__name__)
-            self._record(EventKind.ERROR, "the outbox file could not be read")
+            self._record(EventKind.ERROR, "the outbox file could not be read", "")
             return
         if self._outbox.pending:
             logger.info("%d episode(s) in the outbox: replaying", self._outbox.depth)
             self._kick_replay()
 
     async def recall(
-        self, query: str, limit: int = 0, *, deadline_s: float | None = None
+        self, query: str, limit: int = 0, *, scope: str = "", deadline_s: float | None = None
     ) -> RecallOutcome:
         """Memories for ``query`` and their section; Philia faults give ``OFFLINE``.
 
+        In ``user`` mode only ``scope``'s episodes are recalled (an empty scope is refused).
         ``deadline_s`` is the caller's remaining time: the recall ends before it.
         """
+        sid = self._scope_id(scope)
         if self._client is None or not query.strip():
             return RecallOutcome(MemoryState.DISABLED, (), "")
         limit = min(limit or DEFAULT_RECALL_LIMIT, MAX_RECALL_LIMIT)
@@ -316,103 +374,151 @@ class MemoryDomain:
             logger.debug("memory breaker open: recall skipped")
             return RecallOutcome(MemoryState.OFFLINE, (), "")
         try:
-            found = await self._client.query(query, limit, timeout_s=budget_s)
+            found = await self._client.query(
+                query,
+                limit,
+                timeout_s=budget_s,
+                node_type=scoped_node_type(sid) if self._user_scoped else None,
+            )
         except PhiliaError as exc:
             message = self._safe(f"recall failed: {exc}")
             logger.warning("%s; the turn goes on without memories", message)
-            self._record(EventKind.ERROR, message)
+            self._record(EventKind.ERROR, message, sid)
             self._breaker.failure(permit)
             return RecallOutcome(MemoryState.OFFLINE, (), "")
         except asyncio.CancelledError:
             self._breaker.abandon(permit)
             raise
         self._succeeded(permit)
-        self._record(EventKind.RECALL, query)
+        self._record(EventKind.RECALL, query, sid)
         kept, section = _capped_section(found, MAX_SECTION_CHARS, MAX_MEMORY_CHARS)
         if not kept:
             return RecallOutcome(MemoryState.DISABLED, (), "")
         return RecallOutcome(MemoryState.ENABLED, kept, section)
 
-    async def writeback(self, user: str, assistant: str) -> WritebackOutcome:
+    async def writeback(self, user: str, assistant: str, scope: str = "") -> WritebackOutcome:
         """Store the turn as an episode, unless memory or writeback is off or it is empty.
 
-        An episode that cannot be stored now is kept in the outbox (the error says so).
+        In ``user`` mode the episode's node type is ``episode:<scope id>`` (an empty scope is
+        refused). An episode that cannot be stored now is kept in the outbox (the error says
+        so). A stored episode is noted in the episode index.
         """
+        sid = self._scope_id(scope)
         if self._client is None or self._outbox is None:
             return WritebackOutcome(stored=False)
         text = episode_text(user, assistant)
         if not text:
             return WritebackOutcome(stored=False)
+        node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
+        episode = _Episode(text, node_type, sid)
         if self._closing:
-            await self._keep(text)
+            await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
         if self._outbox.pending:
-            return await self._queue_behind(text)
+            return await self._queue_behind(episode)
         permit = self._breaker.admit()
         if permit is None:
-            await self._keep(text)
+            await self._keep(episode)
             raise MemoryUnavailable(
                 "writeback queued in the outbox: memory breaker open "
                 f"(retry in {self._breaker.cooldown_left():.1f} s)"
             )
         key = self._next_inflight
         self._next_inflight += 1
-        record = self._inflight[key] = _InFlight(text)
+        record = self._inflight[key] = _InFlight(episode)
         self._inflight_idle.clear()
         try:
-            node_id = await self._client.store(text, EPISODE_NODE_TYPE)
+            node_id = await self._client.store(text, node_type)
         except PhiliaError as exc:
             self._breaker.failure(permit)
             # Recorded before the outbox write, so Status shows the failure at once.
-            error = self._fault("writeback", exc, " (queued in the outbox)")
+            error = self._fault("writeback", exc, sid, " (queued in the outbox)")
             if not record.kept:
                 record.kept = True
-                await self._keep(text)
+                await self._keep(episode)
             raise error from None
         except asyncio.CancelledError:
             self._breaker.abandon(permit)
             if not record.kept:
                 record.kept = True
                 # Submitted now, committed even though this task is being cancelled.
-                self._put_soon(text)
+                self._put_soon(episode)
             raise
         finally:
             del self._inflight[key]
             if not self._inflight:
                 self._inflight_idle.set()
         self._succeeded(permit)
-        self._record(EventKind.WRITEBACK, node_id)
+        self._stored(episode, node_id)
         return WritebackOutcome(stored=True, node_id=node_id)
 
-    async def delete(self, node_id: str) -> bool:
-        """Delete one node; whether it existed."""
+    async def delete(self, node_id: str, scope: str = "") -> bool:
+        """Delete one node; whether it existed.
+
+        In ``user`` mode only an episode indexed for ``scope`` is deleted: another scope's
+        node, or one this service never stored, is ``False`` without contacting Philia.
+        """
         if not node_id.strip():
             raise InvalidArgument("node_id is required")
-        if self._client is None:
+        sid = self._scope_id(scope)
+        if self._client is None or self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
-        permit = self._breaker.admit()
-        if permit is None:
-            raise MemoryUnavailable(
-                f"memory breaker open (retry in {self._breaker.cooldown_left():.1f} s)"
-            )
+        if self._user_scoped and await self._indexed_owner(node_id) != sid:
+            return False
+        deleted = await self._philia_delete(node_id, sid)
+        await self._unindex([node_id])
+        return deleted
+
+    async def list_episodes(self, scope: str, limit: int = 0, before: str = "") -> IndexPage:
+        """A page of ``scope``'s stored episodes, newest first (see :class:`IndexPage`)."""
+        if not scope:
+            raise InvalidArgument("scope is required")
+        if before and not (before.isascii() and before.isdigit() and len(before) <= 18):
+            raise InvalidArgument("before must be a cursor returned as next")
+        if self._index is None:
+            raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
+        limit = min(limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
         try:
-            deleted = await self._client.delete(node_id)
-        except PhiliaError as exc:
-            self._breaker.failure(permit)
-            raise self._fault("delete", exc) from None
-        except asyncio.CancelledError:
-            self._breaker.abandon(permit)
-            raise
-        self._succeeded(permit)
-        self._record(EventKind.DELETE, node_id)
+            return await self._index.page(scope_id(scope), limit, int(before) if before else None)
+        except IndexUnavailable as exc:
+            raise MemoryUnavailable(str(exc)) from None
+
+    async def forget(self, scope: str) -> int:
+        """Delete every episode stored for ``scope``; how many Philia deleted.
+
+        An episode leaves the index once Philia has deleted it (or no longer has it), so a
+        call that stopped half-way (Philia down) can simply be made again.
+        """
+        if not scope:
+            raise InvalidArgument("scope is required")
+        if self._client is None or self._index is None:
+            raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
+        sid = scope_id(scope)
+        try:
+            node_ids = await self._index.node_ids(sid)
+        except IndexUnavailable as exc:
+            raise MemoryUnavailable(str(exc)) from None
+        deleted = 0
+        done: list[str] = []
+        try:
+            for node_id in node_ids:
+                if await self._philia_delete(node_id, sid):
+                    deleted += 1
+                done.append(node_id)
+        except MemoryDomainError as exc:
+            raise type(exc)(
+                f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)"
+            ) from None
+        finally:
+            await self._unindex(done)
         return deleted
 
     def status(self, limit: int = 0) -> StatusSnapshot:
         """Configuration, breaker, outbox and the most recent events, newest first."""
         limit = min(limit or DEFAULT_STATUS_LIMIT, EVENT_BUFFER_SIZE)
         newest_first = tuple(
-            MemoryEvent(kind, detail, datetime.fromtimestamp(at, UTC))
-            for kind, detail, at in itertools.islice(reversed(self._events), limit)
+            MemoryEvent(kind, detail, datetime.fromtimestamp(at, UTC), sid)
+            for kind, detail, at, sid in itertools.islice(reversed(self._events), limit)
         )
         outbox = self._outbox
         return StatusSnapshot(
@@ -423,6 +529,7 @@ class MemoryDomain:
             breaker_opened_at=self._breaker.opened_at,
             outbox_depth=outbox.depth if outbox is not None else 0,
             outbox_dropped=outbox.dropped if outbox is not None else 0,
+            scope_mode=self._settings.memory_scope,
         )
 
     async def aclose(self, grace_s: float = 5.0) -> None:
@@ -442,7 +549,7 @@ class MemoryDomain:
             for record in self._inflight.values():
                 if not record.kept:
                     record.kept = True
-                    self._put_soon(record.text)
+                    self._put_soon(record.episode)
             if self._inflight:
                 logger.warning(
                     "%d writeback(s) still in flight at shutdown: kept in the outbox",
@@ -457,34 +564,42 @@ class MemoryDomain:
             await self._client.aclose()
         if self._outbox is not None:
             await self._outbox.aclose()
+        if self._index is not None:
+            await self._index.aclose()
 
     # --- outbox --------------------------------------------------------------------
 
-    async def _keep(self, text: str) -> int:
+    async def _keep(self, episode: _Episode) -> int:
         """Put one episode in the outbox and start the replay; its sequence number."""
         assert self._outbox is not None
         try:
-            seq = await asyncio.shield(self._outbox.put(text, EPISODE_NODE_TYPE))
+            seq = await asyncio.shield(
+                self._outbox.put(episode.text, episode.node_type, episode.scope_id)
+            )
         except OutboxClosed:
             raise MemoryUnavailable("the memory service is stopped; the episode is lost") from None
         except Exception as exc:  # the disk: full, read-only, corrupt file
             logger.error("could not keep an episode in the outbox: %s", type(exc).__name__)
-            self._record(EventKind.ERROR, "outbox write failed: an episode was lost")
+            self._record(
+                EventKind.ERROR, "outbox write failed: an episode was lost", episode.scope_id
+            )
             raise MemoryUnavailable("writeback failed and the outbox could not keep it") from None
         self._kick_replay()
         return seq
 
-    def _put_soon(self, text: str) -> None:
+    def _put_soon(self, episode: _Episode) -> None:
         """Submit one episode to the outbox without waiting (cancellation, shutdown)."""
         assert self._outbox is not None
         try:
-            self._outbox.put(text, EPISODE_NODE_TYPE).add_done_callback(_ignore_result)
+            self._outbox.put(episode.text, episode.node_type, episode.scope_id).add_done_callback(
+                _ignore_result
+            )
         except OutboxClosed:
             logger.error("an in-flight writeback was lost: the outbox is already closed")
 
-    async def _queue_behind(self, text: str) -> WritebackOutcome:
+    async def _queue_behind(self, episode: _Episode) -> WritebackOutcome:
         """Queue behind earlier episodes; wait (bounded) for this one to be stored."""
-        seq = await self._keep(text)
+        seq = await self._keep(episode)
         if self._breaker.state is BreakerState.OPEN:
             raise MemoryUnavailable("writeback queued in the outbox: memory breaker open")
         stored = self._replayed.get(seq)
@@ -537,7 +652,7 @@ class MemoryDomain:
                 logger.warning("%s (%d episode(s) kept)", message, self._outbox.depth)
                 self._fail_waiters(f"writeback queued in the outbox: {message}")
                 if failures >= MAX_REPLAY_FAILURES:
-                    self._record(EventKind.ERROR, message)
+                    self._record(EventKind.ERROR, message, entry.scope_id)
                     return
                 backoff = self._settings.memory_breaker_cooldown_s * 2 ** (failures - 1)
                 await self._pause(
@@ -550,7 +665,7 @@ class MemoryDomain:
             failures = 0
             self._breaker.success(permit)
             await self._outbox.remove(entry.seq)
-            self._record(EventKind.WRITEBACK, node_id)
+            self._stored(_Episode(entry.text, entry.node_type, entry.scope_id), node_id)
             self._replayed[entry.seq] = node_id
             if len(self._replayed) > _REPLAYED_MEMORY:
                 self._replayed.popitem(last=False)
@@ -578,10 +693,12 @@ class MemoryDomain:
 
     # --- helpers -------------------------------------------------------------------
 
-    def _fault(self, action: str, exc: PhiliaError, suffix: str = "") -> MemoryDomainError:
+    def _fault(
+        self, action: str, exc: PhiliaError, sid: str, suffix: str = ""
+    ) -> MemoryDomainError:
         message = self._safe(f"{action} failed: {exc}{suffix}")
         logger.warning("%s", message)
-        self._record(EventKind.ERROR, message)
+        self._record(EventKind.ERROR, message, sid)
         if isinstance(exc, PhiliaTimeout):
             return MemoryTimeout(message)
         return MemoryUnavailable(message)
@@ -590,8 +707,57 @@ class MemoryDomain:
         # Philia errors are already token-free; this is the backstop for status output.
         return self._client.redact(text) if self._client is not None else text
 
-    def _record(self, kind: EventKind, detail: str) -> None:
-        self._events.append((kind, detail, time.time()))
+    def _record(self, kind: EventKind, detail: str, sid: str) -> None:
+        self._events.append((kind, detail, time.time(), sid))
+
+    def _scope_id(self, scope: str) -> str:
+        """The scope id of a request's scope ("" for none); required in ``user`` mode."""
+        if not scope:
+            if self._user_scoped:
+                raise InvalidArgument("scope is required when ARONA_MEMORY_SCOPE=user")
+            return ""
+        return scope_id(scope)
+
+    def _stored(self, episode: _Episode, node_id: str) -> None:
+        """Philia stored ``episode`` as ``node_id``: an event, and an index entry."""
+        self._record(EventKind.WRITEBACK, node_id, episode.scope_id)
+        if self._index is not None and episode.scope_id:
+            self._index.record(node_id, episode.scope_id, episode.text)
+
+    async def _indexed_owner(self, node_id: str) -> str | None:
+        assert self._index is not None
+        try:
+            return await self._index.owner(node_id)
+        except IndexUnavailable as exc:
+            raise MemoryUnavailable(str(exc)) from None
+
+    async def _unindex(self, node_ids: list[str]) -> None:
+        if self._index is None or not node_ids:
+            return
+        try:
+            await self._index.remove(node_ids)
+        except IndexUnavailable:
+            logger.warning("%d deleted episode(s) are still in the episode index", len(node_ids))
+
+    async def _philia_delete(self, node_id: str, sid: str) -> bool:
+        """One ``Sync.MemoryDeleteRequest`` behind the breaker; whether the node existed."""
+        assert self._client is not None
+        permit = self._breaker.admit()
+        if permit is None:
+            raise MemoryUnavailable(
+                f"memory breaker open (retry in {self._breaker.cooldown_left():.1f} s)"
+            )
+        try:
+            deleted = await self._client.delete(node_id)
+        except PhiliaError as exc:
+            self._breaker.failure(permit)
+            raise self._fault("delete", exc, sid) from None
+        except asyncio.CancelledError:
+            self._breaker.abandon(permit)
+            raise
+        self._succeeded(permit)
+        self._record(EventKind.DELETE, node_id, sid)
+        return deleted
 
 
 def _ignore_result(future: asyncio.Future[int]) -> None:

@@ -17,6 +17,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.breaker import BreakerState
+from arona_grpc.config import SCOPE_SHARED, SCOPE_USER
+from arona_grpc.episodes import IndexPage
 from arona_grpc.service import (
     EventKind,
     InvalidArgument,
@@ -53,6 +55,11 @@ _BREAKER_STATES = {
     BreakerState.HALF_OPEN: pb.BREAKER_STATE_HALF_OPEN,
 }
 
+_SCOPE_MODES = {
+    SCOPE_SHARED: pb.SCOPE_MODE_SHARED,
+    SCOPE_USER: pb.SCOPE_MODE_USER,
+}
+
 _KINDS = {
     EventKind.RECALL: pb.EVENT_KIND_RECALL,
     EventKind.WRITEBACK: pb.EVENT_KIND_WRITEBACK,
@@ -74,7 +81,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         try:
             # The caller's deadline bounds the recall too: the service never outlasts it.
             outcome = await self._domain.recall(
-                request.query, request.limit, deadline_s=context.time_remaining()
+                request.query,
+                request.limit,
+                scope=request.scope,
+                deadline_s=context.time_remaining(),
             )
             reply = pb.RecallResponse(state=_STATES[outcome.state], section=outcome.section)
             # Added in place: building Memory messages first and passing the list copies
@@ -90,14 +100,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self, request: pb.WritebackRequest, context: Context
     ) -> pb.WritebackResponse:
         try:
-            outcome = await self._domain.writeback(request.user, request.assistant)
+            outcome = await self._domain.writeback(request.user, request.assistant, request.scope)
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
         except Exception as exc:
             await _abort(context, "Writeback", exc)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         try:
-            return pb.DeleteResponse(deleted=await self._domain.delete(request.node_id))
+            deleted = await self._domain.delete(request.node_id, request.scope)
+            return pb.DeleteResponse(deleted=deleted)
         except Exception as exc:
             await _abort(context, "Delete", exc)
 
@@ -106,6 +117,19 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             return _status_reply(self._domain.status(request.limit))
         except Exception as exc:
             await _abort(context, "Status", exc)
+
+    async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
+        try:
+            page = await self._domain.list_episodes(request.scope, request.limit, request.before)
+            return _list_reply(page)
+        except Exception as exc:
+            await _abort(context, "List", exc)
+
+    async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
+        try:
+            return pb.ForgetResponse(deleted=await self._domain.forget(request.scope))
+        except Exception as exc:
+            await _abort(context, "Forget", exc)
 
 
 async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:
@@ -125,6 +149,7 @@ def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
         breaker=_BREAKER_STATES[snapshot.breaker],
         outbox_depth=snapshot.outbox_depth,
         outbox_dropped=snapshot.outbox_dropped,
+        scope_mode=_SCOPE_MODES[snapshot.scope_mode],
     )
     if snapshot.breaker_opened_at is not None:
         reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
@@ -134,4 +159,12 @@ def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
 def _event(event: MemoryEvent) -> pb.Event:
     at = Timestamp()
     at.FromDatetime(event.at)
-    return pb.Event(kind=_KINDS[event.kind], detail=event.detail, at=at)
+    return pb.Event(kind=_KINDS[event.kind], detail=event.detail, at=at, scope_id=event.scope_id)
+
+
+def _list_reply(page: IndexPage) -> pb.ListResponse:
+    reply = pb.ListResponse(next=str(page.next) if page.next is not None else "")
+    for episode in page.episodes:
+        item = reply.episodes.add(node_id=episode.node_id, preview=episode.preview)
+        item.at.FromNanoseconds(int(episode.at * 1e6) * 1000)
+    return reply

@@ -167,7 +167,7 @@ async def test_unexpected_error_is_internal_with_a_generic_message(
     fake: FakePhilia, caplog: pytest.LogCaptureFixture
 ) -> None:
     class Broken(MemoryDomain):
-        async def delete(self, node_id: str) -> bool:
+        async def delete(self, node_id: str, scope: str = "") -> bool:
             raise KeyError(f"secret detail {node_id}")
 
     running = await GrpcServer.start(enabled_settings(fake), Broken(enabled_settings(fake)))

@@ -88,6 +88,28 @@ BREAKER_STATE_OPEN: BreakerState.ValueType  # 2
 BREAKER_STATE_HALF_OPEN: BreakerState.ValueType  # 3
 Global___BreakerState: _TypeAlias = BreakerState  # noqa: Y015
 
+class _ScopeMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ScopeModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScopeMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SCOPE_MODE_UNSPECIFIED: _ScopeMode.ValueType  # 0
+    SCOPE_MODE_SHARED: _ScopeMode.ValueType  # 1
+    """One memory pool for every caller (the default)."""
+    SCOPE_MODE_USER: _ScopeMode.ValueType  # 2
+    """Each caller's turns recall and store only their own scope's episodes."""
+
+class ScopeMode(_ScopeMode, metaclass=_ScopeModeEnumTypeWrapper):
+    """ScopeMode is ARONA_MEMORY_SCOPE."""
+
+SCOPE_MODE_UNSPECIFIED: ScopeMode.ValueType  # 0
+SCOPE_MODE_SHARED: ScopeMode.ValueType  # 1
+"""One memory pool for every caller (the default)."""
+SCOPE_MODE_USER: ScopeMode.ValueType  # 2
+"""Each caller's turns recall and store only their own scope's episodes."""
+Global___ScopeMode: _TypeAlias = ScopeMode  # noqa: Y015
+
 @_typing.final
 class Memory(_message.Message):
     """Memory is one recalled node."""
@@ -121,19 +143,27 @@ class RecallRequest(_message.Message):
 
     QUERY_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The text to search for, normally the last user message."""
     limit: _builtins.int
     """How many memories to ask for; 0 means 5."""
+    scope: _builtins.str
+    """Whose memory this is: the caller's principal, optionally narrowed
+    ("alice", "key:team-a/bob"). In user scope mode recall sees only this
+    scope's episodes and an empty scope is INVALID_ARGUMENT; in shared mode it
+    is only recorded.
+    """
     def __init__(
         self,
         *,
         query: _builtins.str = ...,
         limit: _builtins.int = ...,
+        scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "query", b"query"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "query", b"query", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -174,17 +204,21 @@ class WritebackRequest(_message.Message):
 
     USER_FIELD_NUMBER: _builtins.int
     ASSISTANT_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     user: _builtins.str
     assistant: _builtins.str
+    scope: _builtins.str
+    """Whose episode this is (see RecallRequest.scope)."""
     def __init__(
         self,
         *,
         user: _builtins.str = ...,
         assistant: _builtins.str = ...,
+        scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "scope", b"scope", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -217,15 +251,21 @@ class DeleteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
+    scope: _builtins.str
+    """In user scope mode only an episode stored for this scope is deleted;
+    another's or an unknown id is deleted=false without contacting Philia.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
+        scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -279,11 +319,14 @@ class Event(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
+    SCOPE_ID_FIELD_NUMBER: _builtins.int
     kind: Global___EventKind.ValueType
     detail: _builtins.str
     """The query for recall, the node id for writeback and delete, a message
     (never a secret) for error.
     """
+    scope_id: _builtins.str
+    """The hashed id of the scope the event concerns; empty when none."""
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -292,10 +335,11 @@ class Event(_message.Message):
         kind: Global___EventKind.ValueType = ...,
         detail: _builtins.str = ...,
         at: _timestamp_pb2.Timestamp | None = ...,
+        scope_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "detail", b"detail", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "detail", b"detail", "kind", b"kind", "scope_id", b"scope_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -312,6 +356,7 @@ class StatusResponse(_message.Message):
     BREAKER_OPENED_AT_FIELD_NUMBER: _builtins.int
     OUTBOX_DEPTH_FIELD_NUMBER: _builtins.int
     OUTBOX_DROPPED_FIELD_NUMBER: _builtins.int
+    SCOPE_MODE_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     writeback: _builtins.bool
     breaker: Global___BreakerState.ValueType
@@ -319,6 +364,8 @@ class StatusResponse(_message.Message):
     """Turns waiting in the writeback outbox."""
     outbox_dropped: _builtins.int
     """Turns dropped because the outbox was full."""
+    scope_mode: Global___ScopeMode.ValueType
+    """Whether memory is one shared pool or belongs to each user."""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
     @_builtins.property
@@ -335,11 +382,137 @@ class StatusResponse(_message.Message):
         breaker_opened_at: _timestamp_pb2.Timestamp | None = ...,
         outbox_depth: _builtins.int = ...,
         outbox_dropped: _builtins.int = ...,
+        scope_mode: Global___ScopeMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["breaker_opened_at", b"breaker_opened_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "enabled", b"enabled", "events", b"events", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "writeback", b"writeback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "enabled", b"enabled", "events", b"events", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "scope_mode", b"scope_mode", "writeback", b"writeback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class ListRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    """Whose episodes to list; required."""
+    limit: _builtins.int
+    """How many to return; 0 means 50, at most 100."""
+    before: _builtins.str
+    """The cursor of the page to read: ListResponse.next of the previous page;
+    empty for the newest.
+    """
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        before: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "limit", b"limit", "scope", b"scope"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRequest: _TypeAlias = ListRequest  # noqa: Y015
+
+@_typing.final
+class Episode(_message.Message):
+    """Episode is one episode this service stored, as its index knows it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    preview: _builtins.str
+    """The start of the episode text."""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp:
+        """When it was stored."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        preview: _builtins.str = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "node_id", b"node_id", "preview", b"preview"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Episode: _TypeAlias = Episode  # noqa: Y015
+
+@_typing.final
+class ListResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODES_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    next: _builtins.str
+    """The cursor of the next page; empty at the end."""
+    @_builtins.property
+    def episodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Episode]: ...
+    def __init__(
+        self,
+        *,
+        episodes: _abc.Iterable[Global___Episode] | None = ...,
+        next: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes", b"episodes", "next", b"next"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListResponse: _TypeAlias = ListResponse  # noqa: Y015
+
+@_typing.final
+class ForgetRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCOPE_FIELD_NUMBER: _builtins.int
+    scope: _builtins.str
+    """Whose episodes to delete; required."""
+    def __init__(
+        self,
+        *,
+        scope: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scope", b"scope"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetRequest: _TypeAlias = ForgetRequest  # noqa: Y015
+
+@_typing.final
+class ForgetResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.int
+    """How many episodes were deleted."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetResponse: _TypeAlias = ForgetResponse  # noqa: Y015

@@ -57,6 +57,16 @@ class MemoryServiceStub:
                 request_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/arona.memory.v1.MemoryService/List',
+                request_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ListRequest.SerializeToString,
+                response_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ListResponse.FromString,
+                _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/arona.memory.v1.MemoryService/Forget',
+                request_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.SerializeToString,
+                response_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -94,6 +104,21 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def List(self, request, context):
+        """List pages through the episodes this service stored for one scope, newest
+        first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forget(self, request, context):
+        """Forget deletes every episode this service stored for one scope.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +141,16 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusRequest.FromString,
                     response_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ListRequest.FromString,
+                    response_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ListResponse.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
+                    request_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.FromString,
+                    response_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +264,60 @@ class MemoryService:
             '/arona.memory.v1.MemoryService/Status',
             arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusRequest.SerializeToString,
             arona_dot_memory_dot_v1_dot_memory__service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arona.memory.v1.MemoryService/List',
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ListRequest.SerializeToString,
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arona.memory.v1.MemoryService/Forget',
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.SerializeToString,
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.FromString,
             options,
             channel_credentials,
             insecure,

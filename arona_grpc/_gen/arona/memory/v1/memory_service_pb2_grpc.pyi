@@ -46,6 +46,12 @@ class MemoryServiceStub:
     """Delete removes one stored node by id."""
     Status: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.StatusRequest, _memory_service_pb2.StatusResponse]
     """Status reports the configuration and the most recent memory events."""
+    List: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.ListRequest, _memory_service_pb2.ListResponse]
+    """List pages through the episodes this service stored for one scope, newest
+    first.
+    """
+    Forget: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]
+    """Forget deletes every episode this service stored for one scope."""
 
 @_typing.type_check_only
 class MemoryServiceAsyncStub(MemoryServiceStub):
@@ -65,6 +71,12 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     """Delete removes one stored node by id."""
     Status: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.StatusRequest, _memory_service_pb2.StatusResponse]  # type: ignore[assignment]
     """Status reports the configuration and the most recent memory events."""
+    List: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.ListRequest, _memory_service_pb2.ListResponse]  # type: ignore[assignment]
+    """List pages through the episodes this service stored for one scope, newest
+    first.
+    """
+    Forget: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]  # type: ignore[assignment]
+    """Forget deletes every episode this service stored for one scope."""
 
 class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     """MemoryService gives chat turns long-term memory held by the Philia memory
@@ -105,5 +117,23 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_memory_service_pb2.StatusResponse, _abc.Awaitable[_memory_service_pb2.StatusResponse]]:
         """Status reports the configuration and the most recent memory events."""
+
+    @_abc_1.abstractmethod
+    def List(
+        self,
+        request: _memory_service_pb2.ListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_service_pb2.ListResponse, _abc.Awaitable[_memory_service_pb2.ListResponse]]:
+        """List pages through the episodes this service stored for one scope, newest
+        first.
+        """
+
+    @_abc_1.abstractmethod
+    def Forget(
+        self,
+        request: _memory_service_pb2.ForgetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_service_pb2.ForgetResponse, _abc.Awaitable[_memory_service_pb2.ForgetResponse]]:
+        """Forget deletes every episode this service stored for one scope."""
 
 def add_MemoryServiceServicer_to_server(servicer: MemoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,227 @@
+"""The index of the episodes this service stored: node id, scope id, time and a preview.
+
+Philia's query results carry no node ids and Philia has no "list my nodes", so the
+MemoryService keeps its own record of each episode it stored, by scope. That is what
+``List`` pages through, what ``Forget`` deletes, and what ``Delete`` checks ownership
+against in ``user`` mode.
+
+:class:`EpisodeIndex` is the interface the domain uses; :class:`SqliteEpisodeIndex` keeps
+it in ``episodes.db`` under ``ARONA_DATA_DIR``. Writes are off the chat path twice over:
+:meth:`EpisodeIndex.record` only queues the entry, and one worker thread commits what
+has queued in one transaction. Reads run on the same thread after the writes queued before
+them, so a ``List`` right after a ``Writeback`` sees its episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+INDEX_FILE = "episodes.db"
+PREVIEW_CHARS = 120
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS episodes (
+    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id   TEXT NOT NULL UNIQUE,
+    scope_id  TEXT NOT NULL,
+    at_us     INTEGER NOT NULL,
+    preview   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS episodes_by_scope ON episodes (scope_id, seq);
+"""
+
+
+class IndexUnavailable(RuntimeError):
+    """The index could not be read (its file is unreadable, the disk failed)."""
+
+
+@dataclass(frozen=True)
+class IndexedEpisode:
+    node_id: str
+    preview: str
+    # Wall-clock seconds since the epoch.
+    at: float
+
+
+@dataclass(frozen=True)
+class IndexPage:
+    episodes: tuple[IndexedEpisode, ...]
+    # The cursor of the next (older) page; None at the end.
+    next: int | None
+
+
+def preview_of(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """The start of ``text`` on one line, cut with ``…`` beyond ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "\u2026"
+
+
+class EpisodeIndex(Protocol):
+    """What the domain needs from an episode index (one implementation per backend)."""
+
+    def record(self, node_id: str, scope_id: str, text: str) -> None:
+        """Note an episode just stored (a re-stored node id becomes the newest)."""
+
+    async def owner(self, node_id: str) -> str | None:
+        """The scope id an episode was stored for; None if it is not indexed."""
+
+    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
+        """A scope's episodes older than ``before`` (all when None), newest first."""
+
+    async def node_ids(self, scope_id: str) -> list[str]:
+        """Every indexed episode of a scope, newest first."""
+
+    async def remove(self, node_ids: Sequence[str]) -> None:
+        """Forget these episodes (unknown ids are ignored)."""
+
+    async def aclose(self) -> None:
+        """Commit what is queued and close."""
+
+
+class SqliteEpisodeIndex:
+    """:class:`EpisodeIndex` in one SQLite file, written by one worker thread."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / INDEX_FILE
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episode-index")
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._queued: list[tuple[str, str, int, str]] = []
+        self._flush_submitted = False
+        self._closed = False
+
+    def record(self, node_id: str, scope_id: str, text: str) -> None:
+        if self._closed:
+            return
+        entry = (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text))
+        with self._lock:
+            self._queued.append(entry)
+            if self._flush_submitted:
+                return
+            self._flush_submitted = True
+        self._executor.submit(self._flush)
+
+    async def owner(self, node_id: str) -> str | None:
+        row = await self._read(
+            lambda db: db.execute(
+                "SELECT scope_id FROM episodes WHERE node_id = ?", (node_id,)
+            ).fetchone()
+        )
+        return None if row is None else str(row[0])
+
+    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
+        def read(db: sqlite3.Connection) -> list[tuple[int, str, str, int]]:
+            return db.execute(
+                "SELECT seq, node_id, preview, at_us FROM episodes"
+                " WHERE scope_id = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
+                (scope_id, before if before is not None else 2**63 - 1, limit + 1),
+            ).fetchall()
+
+        rows = await self._read(read)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return IndexPage(
+            tuple(IndexedEpisode(str(r[1]), str(r[2]), r[3] / 1_000_000) for r in rows),
+            int(rows[-1][0]) if more and rows else None,
+        )
+
+    async def node_ids(self, scope_id: str) -> list[str]:
+        rows = await self._read(
+            lambda db: db.execute(
+                "SELECT node_id FROM episodes WHERE scope_id = ? ORDER BY seq DESC", (scope_id,)
+            ).fetchall()
+        )
+        return [str(r[0]) for r in rows]
+
+    async def remove(self, node_ids: Sequence[str]) -> None:
+        ids = [(node_id,) for node_id in node_ids]
+
+        def write(db: sqlite3.Connection) -> None:
+            with db:
+                db.executemany("DELETE FROM episodes WHERE node_id = ?", ids)
+
+        if ids:
+            await self._read(write)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._close)
+        self._executor.shutdown(wait=True)
+
+    # --- the worker thread -------------------------------------------------------------
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise IndexUnavailable("the episode index is closed")
+
+        def run() -> T:
+            try:
+                return fn(self._open())
+            except sqlite3.Error as exc:
+                logger.error("episode index %s failed: %s", self.path, exc)
+                raise IndexUnavailable("the episode index could not be read") from None
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def _open(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.isolation_level = "DEFERRED"
+            with db:
+                db.executescript(_SCHEMA)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._db = db
+        return self._db
+
+    def _flush(self) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, []
+            self._flush_submitted = False
+        if not queued:
+            return
+        # The same node twice in one batch: its later entry stands.
+        latest: dict[str, tuple[str, str, int, str]] = {}
+        for entry in queued:
+            latest.pop(entry[0], None)
+            latest[entry[0]] = entry
+        queued = list(latest.values())
+        try:
+            db = self._open()
+            with db:
+                # A node stored again (the same episode, deduplicated by Philia) becomes the
+                # newest entry: delete and insert rather than update in place.
+                db.executemany("DELETE FROM episodes WHERE node_id = ?", [(e[0],) for e in queued])
+                db.executemany(
+                    "INSERT INTO episodes (node_id, scope_id, at_us, preview) VALUES (?, ?, ?, ?)",
+                    queued,
+                )
+        except sqlite3.Error as exc:
+            logger.error(
+                "episode index %s: %d entr(ies) not recorded: %s", self.path, len(queued), exc
+            )
+
+    def _close(self) -> None:
+        self._flush()
+        if self._db is not None:
+            self._db.close()
+            self._db = None

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from arona_grpc.config import Settings
-from gateway_http.auth import ApiKeys, JwtVerifier
+from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import Dispatcher, rpc_router
@@ -133,14 +133,18 @@ def create_app(
                 rpc_timeout_s=settings.memory_timeout_s,
             )
         conversations = ConversationStore.open(settings.data_dir / "conversations.db")
-        pipeline = TurnPipeline(memory, chat_backend, conversations)
+        pipeline = TurnPipeline(
+            memory, chat_backend, conversations, user_scoped=settings.user_scoped
+        )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
             logger.warning("ARONA_API_KEYS is not set: the REST /v1 endpoints are open")
         if not settings.jwt_secret:
             logger.warning("ARONA_JWT_SECRET is not set: every JSON-RPC method is refused")
-        dispatcher = Dispatcher(JwtVerifier(settings.jwt_secret))
-        gw = Gateway(settings, memory, chat_backend, conversations, pipeline, api_keys, dispatcher)
+        verifier = JwtVerifier(settings.jwt_secret)
+        dispatcher = Dispatcher(verifier)
+        rest_auth = RestAuth(api_keys, verifier)
+        gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)
         app.state.gateway = gw
         try:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jwt
@@ -24,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 ALGORITHM = "HS256"
 ANONYMOUS = "anonymous"
+ADMIN_ROLE = "admin"
+# A key entry ``name=key`` names its key when the name is made of these characters.
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 AUTH_REQUIRED_MESSAGE = "Authentication required"
 INVALID_API_KEY_MESSAGE = "Invalid or missing API key"
 
@@ -38,6 +43,22 @@ _JWT_REASONS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
     (jwt.DecodeError, "malformed"),
     (jwt.InvalidTokenError, "invalid claims"),
 )
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a JWT ``sub`` or ``key:<name>``; ``admin`` for a JWT with role admin."""
+
+    id: str
+    admin: bool = False
+
+
+def memory_scope(principal: Principal | None, user: str | None) -> str | None:
+    """Whose memory a turn uses: the principal, narrowed by the OpenAI ``user`` field
+    (``<principal>/<user>``); None without a principal (never a guessed scope)."""
+    if principal is None:
+        return None
+    return f"{principal.id}/{user}" if user else principal.id
 
 
 class AuthError(Exception):
@@ -76,6 +97,11 @@ class JwtVerifier:
 
     def verify(self, token: str | None) -> str:
         """Return the token's ``sub``; raise :class:`AuthError` for anything less than valid."""
+        return self.principal(token).id
+
+    def principal(self, token: str | None) -> Principal:
+        """The token's ``sub`` and whether it carries ``"role": "admin"``; raise
+        :class:`AuthError` for anything less than valid."""
         if self._secret is None:
             raise AuthError(reason="no JWT secret configured")
         if not token:
@@ -95,7 +121,7 @@ class JwtVerifier:
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub.strip():
             raise AuthError(reason="empty subject")
-        return sub
+        return Principal(sub, admin=claims.get("role") == ADMIN_ROLE)
 
 
 def _reason(exc: jwt.PyJWTError) -> str:
@@ -105,8 +131,9 @@ def _reason(exc: jwt.PyJWTError) -> str:
     return "invalid token"
 
 
-def mint_token(secret: str, sub: str, ttl_s: int = 3600) -> str:
-    """Mint an HS256 JWT for ``sub`` valid for ``ttl_s`` seconds (``arona-gateway token``)."""
+def mint_token(secret: str, sub: str, ttl_s: int = 3600, *, admin: bool = False) -> str:
+    """Mint an HS256 JWT for ``sub`` valid for ``ttl_s`` seconds (``arona-gateway token``);
+    ``admin`` adds ``"role": "admin"``."""
     if not secret:
         raise ValueError("a JWT secret is required to mint a token")
     if not sub or not sub.strip():
@@ -114,13 +141,29 @@ def mint_token(secret: str, sub: str, ttl_s: int = 3600) -> str:
     if ttl_s <= 0:
         raise ValueError("ttl_s must be positive")
     now = int(time.time())
-    payload = {"sub": sub, "iat": now, "exp": now + ttl_s}
+    payload: dict[str, Any] = {"sub": sub, "iat": now, "exp": now + ttl_s}
+    if admin:
+        payload["role"] = ADMIN_ROLE
     return jwt.encode(payload, secret, algorithm=ALGORITHM)
 
 
 def _owner_id(key: str) -> str:
     # A stable id that names the key without being it: stored as the conversation owner.
     return "key:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+def parse_key_entry(entry: str) -> tuple[str, str]:
+    """``(principal, key)`` of one ``ARONA_API_KEYS`` entry: ``name=key`` or a bare key.
+
+    A named key's principal is ``key:<name>``; a bare key's is ``key:`` and a short hash of
+    it (never the key). An entry is named only when what stands before its first ``=`` is a
+    name (letters, digits, ``_ . -``) and what follows is a key that does not start with
+    ``=``, so base64 keys ending in ``=`` padding stay bare keys.
+    """
+    name, sep, key = entry.partition("=")
+    if sep and key and not key.startswith("=") and _KEY_NAME.fullmatch(name):
+        return f"key:{name}", key
+    return _owner_id(entry), entry
 
 
 class ApiKeys:
@@ -130,12 +173,27 @@ class ApiKeys:
         # Only an empty tuple opens REST. Empty entries are dropped (they would match an empty
         # credential), so a tuple of only empty strings fails closed rather than open.
         self._open = not keys
-        self._keys = tuple(key.encode("utf-8") for key in keys if key)
+        self._keys = tuple(
+            (key.encode("utf-8"), principal)
+            for principal, key in (parse_key_entry(entry) for entry in keys if entry)
+        )
 
     @property
     def open(self) -> bool:
         """True when no key is configured (REST is unauthenticated)."""
         return self._open
+
+    def match(self, credential: str) -> str | None:
+        """The principal of the configured key equal to ``credential``, else None."""
+        candidate = credential.encode("utf-8")
+        match: str | None = None
+        # Compare against every key without stopping early, so timing does not reveal which
+        # (or whether an earlier) key matched. Bytes, because compare_digest refuses non-ASCII
+        # str.
+        for key, principal in self._keys:
+            if hmac.compare_digest(candidate, key):
+                match = principal
+        return match
 
     def owner(self, authorization: str | None) -> str:
         """Return the owner id for an ``Authorization`` header; raise :class:`AuthError`."""
@@ -144,14 +202,42 @@ class ApiKeys:
         credential = bearer(authorization)
         if credential is None:
             raise AuthError(INVALID_API_KEY_MESSAGE, reason="no API key")
-        candidate = credential.encode("utf-8")
-        match: bytes | None = None
-        # Compare against every key without stopping early, so timing does not reveal which
-        # (or whether an earlier) key matched. Bytes, because compare_digest refuses non-ASCII
-        # str.
-        for key in self._keys:
-            if hmac.compare_digest(candidate, key):
-                match = key
-        if match is None:
+        principal = self.match(credential)
+        if principal is None:
             raise AuthError(INVALID_API_KEY_MESSAGE, reason="unknown API key")
-        return _owner_id(match.decode("utf-8"))
+        return principal
+
+
+class RestAuth:
+    """Who a REST caller is: one of ``ARONA_API_KEYS``, or a valid JWT (its ``sub``).
+
+    A person is then the same owner on REST and JSON-RPC. With keys configured, a bearer that
+    is neither is refused; with REST open, a caller without a valid JWT is nobody (None).
+    """
+
+    def __init__(self, keys: ApiKeys, verifier: JwtVerifier) -> None:
+        self.keys = keys
+        self._verifier = verifier
+
+    @property
+    def open(self) -> bool:
+        return self.keys.open
+
+    def principal(self, authorization: str | None) -> Principal | None:
+        credential = bearer(authorization)
+        if credential is None:
+            if self.keys.open:
+                return None
+            raise AuthError(INVALID_API_KEY_MESSAGE, reason="no API key")
+        if not self.keys.open:
+            key_principal = self.keys.match(credential)
+            if key_principal is not None:
+                return Principal(key_principal)
+        if self._verifier.configured and credential.count(".") == 2:
+            try:
+                return self._verifier.principal(credential)
+            except AuthError as exc:
+                logger.debug("REST bearer refused as a JWT: %s", exc.reason)
+        if self.keys.open:
+            return None
+        raise AuthError(INVALID_API_KEY_MESSAGE, reason="unknown API key")

@@ -11,6 +11,9 @@ from typing import Any
 
 from gateway_http.errors import bad_input
 
+# The OpenAI `user` field narrows a caller's memory scope: bounded, printable.
+MAX_USER_CHARS = 256
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # The gateway's own fields: read here, never forwarded upstream.
 GATEWAY_FIELDS = ("memory", "conversation_id")
@@ -33,8 +36,24 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def user_error(user: Any) -> str | None:
+    """Why an OpenAI ``user`` value is refused, or None when it is fine (or absent)."""
+    if user is None:
+        return None
+    if not isinstance(user, str):
+        return "'user' must be a string"
+    if len(user) > MAX_USER_CHARS:
+        return f"'user' must be at most {MAX_USER_CHARS} characters"
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in user):
+        return "'user' must not contain control characters"
+    return None
+
+
 def split_body(body: Any) -> tuple[dict[str, Any], bool | None, str | None]:
-    """Validate an OpenAI chat body; return (body for upstream, memory, conversation_id)."""
+    """Validate an OpenAI chat body; return (body for upstream, memory, conversation_id).
+
+    The ``user`` field is checked here and forwarded upstream with the rest.
+    """
     if not isinstance(body, dict):
         raise bad_input("the request body must be a JSON object")
     model = body.get("model")
@@ -52,5 +71,8 @@ def split_body(body: Any) -> tuple[dict[str, Any], bool | None, str | None]:
         not isinstance(conversation_id, str) or not conversation_id
     ):
         raise bad_input("'conversation_id' must be a non-empty string or null")
+    problem = user_error(body.get("user"))
+    if problem is not None:
+        raise bad_input(problem)
     upstream = {k: v for k, v in body.items() if k not in GATEWAY_FIELDS}
     return upstream, memory, conversation_id

@@ -1,4 +1,4 @@
-"""The ``arona-gateway`` command line: ``up``, ``serve``, ``store``, ``token``.
+"""The ``arona-gateway`` command line: ``up``, ``serve``, ``store``, ``token``, ``check-memory``.
 
 The entry point is the only place that configures logging and reads the
 environment (once, into :class:`~arona_grpc.config.Settings`). Every part runs
@@ -252,6 +252,12 @@ async def embedded_store(db_path: Path, token: str, host: str, port: int) -> Asy
         await store.stop()
 
 
+_SCOPE_WORDS = {
+    "shared": "one memory pool for every caller",
+    "user": "each caller recalls only their own memories",
+}
+
+
 def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: str | None) -> str:
     from gateway_http.auth import mint_token
 
@@ -261,10 +267,12 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
     body = json.dumps(
         {"model": "echo", "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
     )
+    scope = running.settings.memory_scope
     lines = [
         "Arona Memory Gateway is up.",
         f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
         f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
+        f"  scope    {scope}  ({_SCOPE_WORDS[scope]}; ARONA_MEMORY_SCOPE)",
     ]
     if store_url is not None:
         lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
@@ -318,6 +326,7 @@ async def _serve(env: Mapping[str, str], only: str | None) -> None:
         settle_gc()
         parts = [p for p in (running.http_url, running.grpc_target) if p]
         logger.info("serving on %s", ", ".join(parts))
+        logger.info("memory scope: %s (ARONA_MEMORY_SCOPE)", settings.memory_scope)
         if settings.upstream_url is None and only != "grpc":
             logger.info("no ARONA_UPSTREAM_URL: using the echo model (a development default)")
 
@@ -337,7 +346,7 @@ async def _store(env: Mapping[str, str], host: str, port: int) -> None:
         await stop.wait()
 
 
-def _token(env: Mapping[str, str], sub: str, ttl: int) -> str:
+def _token(env: Mapping[str, str], sub: str, ttl: int, admin: bool = False) -> str:
     from gateway_http.auth import mint_token
 
     settings = Settings.from_env(env)
@@ -347,7 +356,44 @@ def _token(env: Mapping[str, str], sub: str, ttl: int) -> str:
         if not dev.exists():
             raise StartupError("ARONA_JWT_SECRET is not set (and no dev secret exists yet)")
         secret = load_dev_secrets(settings.data_dir)["jwt_secret"]
-    return mint_token(secret, sub, ttl)
+    return mint_token(secret, sub, ttl, admin=admin)
+
+
+async def _check_memory(env: Mapping[str, str]) -> int:
+    """Probe the configured Philia for user isolation; 0 when it isolates, 1 otherwise."""
+    from arona_grpc.isolation import check_isolation
+    from arona_grpc.philia import PhiliaClient, PhiliaError
+
+    settings = Settings.from_env(env)
+    if not settings.memory_enabled:
+        raise StartupError(
+            "ARONA_MEMORY_URL and ARONA_MEMORY_TOKEN must be set: there is no Philia to check"
+        )
+    assert settings.memory_url is not None and settings.memory_token is not None
+    client = PhiliaClient(settings.memory_url, settings.memory_token, settings.memory_timeout_s)
+    where = redact_url(settings.memory_url)
+    try:
+        report = await check_isolation(client)
+    except PhiliaError as exc:
+        print(f"check-memory: cannot tell: {client.redact(str(exc))}", flush=True)
+        return 1
+    finally:
+        await client.aclose()
+    if report.left_behind:
+        print(
+            f"check-memory: {len(report.left_behind)} probe(s) could not be deleted: "
+            + ", ".join(report.left_behind),
+            flush=True,
+        )
+    if report.isolated:
+        print(f"check-memory: {where} isolates users: {report.summary}.", flush=True)
+        return 0
+    print(
+        f"check-memory: {where} does NOT isolate users: {report.summary}. "
+        "Do not run ARONA_MEMORY_SCOPE=user against it.",
+        flush=True,
+    )
+    return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -365,6 +411,13 @@ def _parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="mint a JWT for the JSON-RPC surface")
     token.add_argument("--sub", required=True, help="the user id (JWT sub)")
     token.add_argument("--ttl", type=int, default=3600, help="lifetime in seconds")
+    token.add_argument(
+        "--admin", action="store_true", help='add "role": "admin" (status and others\' memory)'
+    )
+    sub.add_parser(
+        "check-memory",
+        help="check that the configured Philia keeps users' memories apart (exit 0 if so)",
+    )
     return parser
 
 
@@ -395,6 +448,16 @@ def prefer_grpc_iomgr(env: MutableMapping[str, str]) -> None:
         env["GRPC_EXPERIMENTS"] = GRPC_IOMGR_EXPERIMENTS
 
 
+def _check_memory_sync(env: Mapping[str, str]) -> int:
+    outcome: list[int] = []
+
+    async def run() -> None:
+        outcome.append(await _check_memory(env))
+
+    _run(run())
+    return outcome[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = os.environ
@@ -404,7 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "token":
             if args.ttl <= 0 or not args.sub:
                 raise StartupError("--sub must be non-empty and --ttl positive")
-            print(_token(env, args.sub, args.ttl))
+            print(_token(env, args.sub, args.ttl, args.admin))
+        elif args.command == "check-memory":
+            return _check_memory_sync(env)
         elif args.command == "up":
             _run(_up(env))
         elif args.command == "serve":

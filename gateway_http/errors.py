@@ -22,6 +22,8 @@ class ErrorKind(enum.Enum):
     TIMEOUT = "timeout"
     AUTH = "auth"
     FORBIDDEN = "forbidden"
+    # Authenticated, but this caller may not do that (an admin's right in user scope mode).
+    NOT_ALLOWED = "not_allowed"
     NOT_FOUND = "not_found"
     TOO_LARGE = "too_large"
     UPSTREAM = "upstream"
@@ -36,7 +38,7 @@ class Mapping:
 
 
 # JSON-RPC codes: -32602 invalid params, -32000 application error,
-# -32005 authentication, -32603 internal.
+# -32005 authentication, -32007 authenticated but not allowed, -32603 internal.
 TABLE: dict[ErrorKind, Mapping] = {
     ErrorKind.BAD_INPUT: Mapping(400, "invalid_request_error", -32602),
     ErrorKind.NOT_CONFIGURED: Mapping(400, "invalid_request_error", -32000),
@@ -44,6 +46,7 @@ TABLE: dict[ErrorKind, Mapping] = {
     ErrorKind.TIMEOUT: Mapping(504, "timeout", -32000),
     ErrorKind.AUTH: Mapping(401, "authentication_error", -32005),
     ErrorKind.FORBIDDEN: Mapping(403, "permission_error", -32000),
+    ErrorKind.NOT_ALLOWED: Mapping(403, "permission_error", -32007),
     ErrorKind.NOT_FOUND: Mapping(404, "invalid_request_error", -32000),
     ErrorKind.TOO_LARGE: Mapping(413, "invalid_request_error", -32600),
     ErrorKind.UPSTREAM: Mapping(502, "upstream_error", -32000),

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
-from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, bearer
+from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, Principal, bearer
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 APPLICATION_ERROR = -32000
 AUTH_REQUIRED = -32005
+NOT_ALLOWED = -32007
 
 
 RPC_PATH = "/api/rpc"
@@ -69,6 +70,8 @@ class RpcContext:
 
     user: str  # JWT sub
     notify: Notify | None  # WebSocket push; None over HTTP
+    # The JWT carries "role": "admin".
+    admin: bool = False
 
 
 Handler = Callable[[Any, RpcContext], Awaitable[Any]]
@@ -131,12 +134,12 @@ class _Auth:
     def __init__(self, verifier: JwtVerifier, token: str | None) -> None:
         self._verifier = verifier
         self._token = token
-        self._result: str | AuthError | None = None
+        self._result: Principal | AuthError | None = None
 
-    def user(self) -> str:
+    def user(self) -> Principal:
         if self._result is None:
             try:
-                self._result = self._verifier.verify(self._token)
+                self._result = self._verifier.principal(self._token)
             except AuthError as exc:
                 logger.debug("JSON-RPC call refused: %s", exc.reason)
                 self._result = exc
@@ -266,7 +269,8 @@ class Dispatcher:
 
         # 5) Handler.
         try:
-            result = await entry.handler(model, RpcContext(user=user, notify=notify))
+            context = RpcContext(user=user.id, notify=notify, admin=user.admin)
+            result = await entry.handler(model, context)
         except RpcError as exc:
             return _error(id_, exc.code, exc.message, exc.data)
         except Exception:

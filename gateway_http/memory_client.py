@@ -45,6 +45,10 @@ _EVENT_KINDS = {
     pb.EVENT_KIND_DELETE: "delete",
     pb.EVENT_KIND_ERROR: "error",
 }
+_SCOPE_MODES = {
+    pb.SCOPE_MODE_SHARED: "shared",
+    pb.SCOPE_MODE_USER: "user",
+}
 _BREAKER_NAMES = {
     pb.BREAKER_STATE_CLOSED: "closed",
     pb.BREAKER_STATE_OPEN: "open",
@@ -97,10 +101,11 @@ class MemoryClient:
         self._recall_log = FailureLog(logger, "MemoryService/Recall")
         self._writeback_log = FailureLog(logger, "MemoryService/Writeback")
 
-    async def recall(self, query: str, limit: int = 5) -> Recall:
+    async def recall(self, query: str, limit: int = 5, scope: str = "") -> Recall:
         try:
             reply = await self._stub.Recall(
-                pb.RecallRequest(query=query, limit=limit), timeout=self._recall_budget_s
+                pb.RecallRequest(query=query, limit=limit, scope=scope),
+                timeout=self._recall_budget_s,
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -114,7 +119,7 @@ class MemoryClient:
             state = DISABLED
         return Recall(state, reply.section if state == ENABLED else "")
 
-    async def writeback(self, user: str, assistant: str) -> str | None:
+    async def writeback(self, user: str, assistant: str, scope: str = "") -> str | None:
         """Store one turn; the node id, or None when nothing was stored.
 
         Nothing is stored when memory or writeback is off, or the turn is empty; a failed
@@ -123,7 +128,8 @@ class MemoryClient:
         """
         try:
             reply = await self._stub.Writeback(
-                pb.WritebackRequest(user=user, assistant=assistant), timeout=self._rpc_timeout_s
+                pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
+                timeout=self._rpc_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
@@ -131,9 +137,27 @@ class MemoryClient:
         self._writeback_log.succeeded()
         return reply.node_id if reply.stored else None
 
-    async def delete(self, node_id: str) -> bool:
-        reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id))
+    async def delete(self, node_id: str, scope: str = "") -> bool:
+        reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id, scope=scope))
         return bool(reply.deleted)
+
+    async def list_episodes(self, scope: str, limit: int, before: str = "") -> dict[str, Any]:
+        """``{memories: [{node_id, preview, at}], next}``: a page of a scope's episodes."""
+        reply = await self._call(
+            self._stub.List, pb.ListRequest(scope=scope, limit=limit, before=before)
+        )
+        return {
+            "memories": [
+                {"node_id": e.node_id, "preview": e.preview, "at": _rfc3339_ms(e.at)}
+                for e in reply.episodes
+            ],
+            "next": reply.next or None,
+        }
+
+    async def forget(self, scope: str) -> int:
+        """Delete every episode of ``scope``; how many were deleted."""
+        reply = await self._call(self._stub.Forget, pb.ForgetRequest(scope=scope))
+        return int(reply.deleted)
 
     async def status(self, limit: int = 50) -> dict[str, Any]:
         reply = await self._call(self._stub.Status, pb.StatusRequest(limit=limit))
@@ -145,6 +169,7 @@ class MemoryClient:
                     "kind": _EVENT_KINDS.get(e.kind, "error"),
                     "detail": e.detail,
                     "at": _rfc3339_ms(e.at),
+                    "scope_id": e.scope_id or None,
                 }
                 for e in reply.events
             ],
@@ -156,6 +181,7 @@ class MemoryClient:
             ),
             "outbox_depth": reply.outbox_depth,
             "outbox_dropped": reply.outbox_dropped,
+            "scope": _SCOPE_MODES.get(reply.scope_mode, "shared"),
         }
         return result
 

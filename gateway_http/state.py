@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from arona_grpc.config import Settings
-from gateway_http.auth import ApiKeys
+from gateway_http.auth import RestAuth
 from gateway_http.conversations import ConversationStore
 from gateway_http.jsonrpc import Dispatcher
 from gateway_http.memory_client import MemoryClient
@@ -22,7 +22,7 @@ class Gateway:
     backend: ChatBackend
     conversations: ConversationStore
     pipeline: TurnPipeline
-    api_keys: ApiKeys
+    rest_auth: RestAuth
     dispatcher: Dispatcher
 
 

@@ -43,6 +43,8 @@ class TurnRequest:
     body: dict[str, Any]
     memory: bool | None = None
     conversation_id: str | None = None
+    # Whose memory the turn uses (gateway_http.auth.memory_scope); None without a principal.
+    scope: str | None = None
 
 
 @dataclass
@@ -68,9 +70,16 @@ def has_memory_section(messages: list[dict[str, Any]]) -> bool:
 
 class TurnPipeline:
     def __init__(
-        self, memory: MemoryClient, backend: ChatBackend, conversations: ConversationStore
+        self,
+        memory: MemoryClient,
+        backend: ChatBackend,
+        conversations: ConversationStore,
+        *,
+        user_scoped: bool = False,
     ) -> None:
         self._memory = memory
+        # ARONA_MEMORY_SCOPE=user: a turn without a principal gets no memory at all.
+        self._user_scoped = user_scoped
         self._backend = backend
         self._conversations = conversations
         # asyncio keeps only weak references to tasks: hold them until done.
@@ -87,8 +96,13 @@ class TurnPipeline:
         user_text = last_user_text(messages)
 
         state = DISABLED
-        if request.memory is not False and user_text.strip() and not has_memory_section(messages):
-            recall = await self._memory.recall(user_text, RECALL_LIMIT)
+        if (
+            request.memory is not False
+            and self._has_memory(request)
+            and user_text.strip()
+            and not has_memory_section(messages)
+        ):
+            recall = await self._memory.recall(user_text, RECALL_LIMIT, request.scope or "")
             state = recall.state
             if recall.section:
                 messages.insert(0, {"role": "system", "content": recall.section})
@@ -146,6 +160,11 @@ class TurnPipeline:
         if still:
             logger.warning("%d writeback(s) did not finish within the grace period", len(still))
 
+    def _has_memory(self, request: TurnRequest) -> bool:
+        """Whether the turn may recall and write back: always in shared mode, only with a
+        scope in user mode."""
+        return request.scope is not None or not self._user_scoped
+
     async def _check_owner(self, conversation_id: str, owner: str) -> None:
         with conversation_errors():
             await self._conversations.get(conversation_id, owner)
@@ -154,15 +173,17 @@ class TurnPipeline:
         conversation_id = turn.request.conversation_id
         if conversation_id is not None:
             await self._conversations.append(conversation_id, "assistant", content)
-        if writeback and (turn.user_text or content):
-            task = asyncio.create_task(self._writeback(turn.user_text, content))
+        if writeback and (turn.user_text or content) and self._has_memory(turn.request):
+            task = asyncio.create_task(
+                self._writeback(turn.user_text, content, turn.request.scope or "")
+            )
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _writeback(self, user: str, assistant: str) -> None:
+    async def _writeback(self, user: str, assistant: str, scope: str) -> None:
         try:
             # Its failures are logged by the memory client.
-            await self._memory.writeback(user, assistant)
+            await self._memory.writeback(user, assistant, scope)
         except Exception:
             logger.exception("writeback failed")
 

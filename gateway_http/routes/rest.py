@@ -12,7 +12,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from gateway_http.auth import AuthError
+from gateway_http.auth import ANONYMOUS, AuthError, Principal, memory_scope
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
@@ -46,13 +46,21 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return body
 
 
-def rest_owner(gw: Gateway, request: Request) -> str:
+def rest_caller(gw: Gateway, request: Request) -> Principal | None:
+    """The REST caller (an API key or a JWT's ``sub``); None when REST is open and the
+    caller shows no valid JWT. A bearer that is neither, with keys set, is a 401."""
     try:
-        return gw.api_keys.owner(request.headers.get("authorization"))
+        return gw.rest_auth.principal(request.headers.get("authorization"))
     except AuthError:
         raise GatewayError(
             ErrorKind.AUTH, "Invalid or missing API key", "invalid_api_key"
         ) from None
+
+
+def rest_owner(gw: Gateway, request: Request) -> str:
+    """The owner of the caller's conversations (``anonymous`` without a principal)."""
+    principal = rest_caller(gw, request)
+    return principal.id if principal is not None else ANONYMOUS
 
 
 def upstream_failure(exc: UpstreamError) -> GatewayError:
@@ -70,14 +78,22 @@ def _event(payload: Any) -> bytes:
 @router.post(CHAT_COMPLETIONS_PATH)
 async def chat_completions(request: Request) -> Response:
     gw = gateway_of(request)
-    owner = rest_owner(gw, request)
+    principal = rest_caller(gw, request)
     raw = await read_body(request)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise bad_input("the request body is not valid JSON") from None
     upstream_body, memory, conversation_id = split_body(body)
-    turn = await gw.pipeline.prepare(TurnRequest(owner, upstream_body, memory, conversation_id))
+    turn = await gw.pipeline.prepare(
+        TurnRequest(
+            principal.id if principal is not None else ANONYMOUS,
+            upstream_body,
+            memory,
+            conversation_id,
+            memory_scope(principal, upstream_body.get("user")),
+        )
+    )
     headers = {MEMORY_HEADER: turn.memory_state}
     if upstream_body.get("stream"):
         return await _stream(gw, turn, headers)

@@ -11,10 +11,20 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
-from gateway_http.chat_request import validate_messages
-from gateway_http.errors import GatewayError
+from gateway_http.auth import Principal, memory_scope
+from gateway_http.chat_request import user_error, validate_messages
+from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnRequest, delta_text, first_choice
@@ -37,6 +47,16 @@ class ChatSendParams(_Params):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     conversation_id: NonEmpty | None = None
     memory: StrictBool | None = None
+    # The OpenAI `user` field: narrows the caller's memory scope.
+    user: StrictStr | None = None
+
+    @field_validator("user")
+    @classmethod
+    def _sane_user(cls, value: str | None) -> str | None:
+        problem = user_error(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class StatusParams(_Params):
@@ -45,6 +65,18 @@ class StatusParams(_Params):
 
 class DeleteParams(_Params):
     node_id: NonEmpty
+    # Another scope than the caller's own (an admin's right in user mode).
+    scope: NonEmpty | None = None
+
+
+class ListParams(_Params):
+    limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
+    before: NonEmpty | None = None
+    scope: NonEmpty | None = None
+
+
+class ForgetParams(_Params):
+    scope: NonEmpty | None = None
 
 
 class CreateConversationParams(_Params):
@@ -77,7 +109,27 @@ def _translated(
     return run
 
 
+def _not_allowed(what: str) -> GatewayError:
+    return GatewayError(
+        ErrorKind.NOT_ALLOWED, f"Not allowed: {what} needs an admin token", "admin_required"
+    )
+
+
 def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
+    user_scoped = gw.settings.user_scoped
+
+    def scope_for(ctx: RpcContext, requested: str | None) -> str:
+        """The scope a memory method acts on: the caller's own (or one they narrowed),
+        unless an admin (or anyone, in shared mode) names another."""
+        own = ctx.user
+        if requested is None:
+            return own
+        if requested == own or requested.startswith(own + "/"):
+            return requested
+        if user_scoped and not ctx.admin:
+            raise _not_allowed("another user's memory")
+        return requested
+
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
         try:
             messages = validate_messages(params.messages)
@@ -88,8 +140,11 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
             body["temperature"] = params.temperature
         if params.max_tokens is not None:
             body["max_tokens"] = params.max_tokens
+        if params.user is not None:
+            body["user"] = params.user
+        scope = memory_scope(Principal(ctx.user), params.user)
         turn = await gw.pipeline.prepare(
-            TurnRequest(ctx.user, body, params.memory, params.conversation_id)
+            TurnRequest(ctx.user, body, params.memory, params.conversation_id, scope)
         )
         stream_id = f"stream-{uuid.uuid4().hex}"
         if ctx.notify is None:
@@ -125,10 +180,21 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         }
 
     async def memory_status(params: StatusParams, ctx: RpcContext) -> dict[str, Any]:
+        if user_scoped and not ctx.admin:
+            # Every user's recent questions are in it.
+            raise _not_allowed("memory.status")
         return await gw.memory.status(params.limit)
 
     async def memory_delete(params: DeleteParams, ctx: RpcContext) -> dict[str, Any]:
-        return {"deleted": await gw.memory.delete(params.node_id)}
+        scope = scope_for(ctx, params.scope)
+        return {"deleted": await gw.memory.delete(params.node_id, scope)}
+
+    async def memory_list(params: ListParams, ctx: RpcContext) -> dict[str, Any]:
+        scope = scope_for(ctx, params.scope)
+        return await gw.memory.list_episodes(scope, params.limit, params.before or "")
+
+    async def memory_forget(params: ForgetParams, ctx: RpcContext) -> dict[str, Any]:
+        return {"deleted": await gw.memory.forget(scope_for(ctx, params.scope))}
 
     async def conversations_create(
         params: CreateConversationParams, ctx: RpcContext
@@ -154,6 +220,8 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
     dispatcher.register("chat.send", _translated(chat_send), ChatSendParams)
     dispatcher.register("memory.status", _translated(memory_status), StatusParams)
     dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)
+    dispatcher.register("memory.list", _translated(memory_list), ListParams)
+    dispatcher.register("memory.forget", _translated(memory_forget), ForgetParams)
     dispatcher.register(
         "conversations.create", _translated(conversations_create), CreateConversationParams
     )

@@ -35,9 +35,9 @@ class Writebacks:
         self.done = 0
         self._changed = asyncio.Condition()
 
-        async def counted(user: str, assistant: str) -> WritebackOutcome:
+        async def counted(user: str, assistant: str, scope: str = "") -> WritebackOutcome:
             try:
-                return await original(user, assistant)
+                return await original(user, assistant, scope)
             finally:
                 async with self._changed:
                     self.done += 1

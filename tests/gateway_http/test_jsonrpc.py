@@ -19,7 +19,7 @@ import pytest_asyncio
 from fastapi import FastAPI
 from websockets.asyncio.client import ClientConnection, connect
 
-from gateway_http.auth import AuthError, JwtVerifier, mint_token
+from gateway_http.auth import AuthError, JwtVerifier, Principal, mint_token
 from gateway_http.jsonrpc import (
     AUTH_REQUIRED,
     INTERNAL_ERROR,
@@ -76,10 +76,10 @@ class RevocableVerifier(JwtVerifier):
         super().__init__(secret)
         self.revoked = False
 
-    def verify(self, token: str | None) -> str:
+    def principal(self, token: str | None) -> Principal:
         if self.revoked:
             raise AuthError(reason="revoked")
-        return super().verify(token)
+        return super().principal(token)
 
 
 @dataclass

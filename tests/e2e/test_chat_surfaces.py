@@ -43,8 +43,8 @@ async def test_recalled_memories_are_injected_exactly(tmp_path: Path, surface: s
         sent = stack.upstream.last_body["messages"]
         assert sent == [{"role": "system", "content": SECTION}, *ASK]
         [query] = stack.philia.frames_of(QUERY)
-        assert query["params"]["query"] == "what tea do I like?"
-        assert query["params"]["limit"] == 5
+        # Shared scope mode: the wire is exactly the seed's, no node_type_filter.
+        assert query["params"] == {"query": "what tea do I like?", "limit": 5}
 
 
 @pytest.mark.parametrize("surface", SURFACES)
@@ -156,10 +156,11 @@ async def test_turn_is_written_back_as_an_episode(tmp_path: Path, surface: str) 
         turn = await stack.turn(surface, ASK, memory=False)
         assert turn.status == 200
         [store] = await stack.philia.wait_frames(STORE)
-        assert store["params"]["text"] == (
-            "User: what tea do I like?\nAssistant: reply to: what tea do I like?"
-        )
-        assert store["params"]["node_type"] == "episode"
+        # Shared scope mode: exactly the seed's params.
+        assert store["params"] == {
+            "text": "User: what tea do I like?\nAssistant: reply to: what tea do I like?",
+            "node_type": "episode",
+        }
 
 
 async def test_sse_writes_back_only_with_a_conversation(tmp_path: Path) -> None:

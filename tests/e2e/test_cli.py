@@ -165,6 +165,14 @@ def test_token_mints_a_jwt_for_the_configured_secret(tmp_path: Path) -> None:
     claims = jwt.decode(result.stdout.strip(), SECRET, algorithms=["HS256"])
     assert claims["sub"] == "alice"
     assert 0 < claims["exp"] - claims["iat"] <= 120
+    assert "role" not in claims
+
+
+def test_token_admin_mints_an_admin_jwt(tmp_path: Path) -> None:
+    result = _run(["token", "--sub", "ops", "--admin"], _env(tmp_path, ARONA_JWT_SECRET=SECRET))
+    assert result.returncode == 0, result.stderr
+    claims = jwt.decode(result.stdout.strip(), SECRET, algorithms=["HS256"])
+    assert (claims["sub"], claims["role"]) == ("ops", "admin")
 
 
 @pytest.mark.parametrize(
@@ -175,6 +183,7 @@ def test_token_mints_a_jwt_for_the_configured_secret(tmp_path: Path) -> None:
         (["serve"], {"ARONA_HTTP_PORT": "80x"}, "ARONA_HTTP_PORT must be a port number"),
         (["serve"], {"ARONA_MEMORY_TIMEOUT_S": "-1"}, "ARONA_MEMORY_TIMEOUT_S must be"),
         (["serve"], {"ARONA_UPSTREAM_URL": "ftp://x"}, "ARONA_UPSTREAM_URL must be"),
+        (["serve"], {"ARONA_MEMORY_SCOPE": "team"}, "ARONA_MEMORY_SCOPE must be 'shared' or"),
     ],
 )
 def test_bad_configuration_is_one_clear_line(

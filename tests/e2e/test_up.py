@@ -108,6 +108,7 @@ async def test_up_remembers_and_survives_a_restart(tmp_path: Path) -> None:
         async with gateway_up(data_dir) as up:
             assert "echo" in up.banner and "grpcurl -plaintext" in up.banner
             assert "curl " in up.banner
+            assert "scope    shared  (one memory pool for every caller" in up.banner
             conversation = (await up.rpc(client, "conversations.create", {"title": "tea"}))["id"]
             first = await up.rpc(
                 client,

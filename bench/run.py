@@ -38,6 +38,21 @@ RESULTS_DIR = BENCH_DIR / "results"
 STORE_TOKEN = "bench-store-token"
 # LiteLLM refuses to start without a master key; this one only ever exists on loopback.
 LITELLM_KEY = "sk-bench-" + "0123456789abcdef" * 2
+# The caller of the user-scope gateway: an API key named "bench", so principal "key:bench".
+USER_KEY_NAME = "bench"
+USER_KEY = "bench-user-key-" + "0123456789abcdef"
+# How many users share the user-scope gateway's store (the caller is one of them).
+USER_SCOPES = 4
+
+
+def user_node_types() -> list[str]:
+    """The node types of the user-scope store: the caller's scope first, then the others'."""
+    from arona_grpc.scopes import scope_id, scoped_node_type
+
+    scopes = [f"key:{USER_KEY_NAME}"] + [f"key:other-{i}" for i in range(1, USER_SCOPES)]
+    return [scoped_node_type(scope_id(scope)) for scope in scopes]
+
+
 MODEL = "bench-model"
 CONCURRENCIES = (1, 32)
 # Warm-up turns before each round after the first (new connections, same processes).
@@ -64,12 +79,21 @@ class Config:
     stream: bool = False
     expect: str = "any"
     baseline: str = "direct"
+    # A bearer to send (the user-scope gateway knows callers by their API key).
+    api_key: str = ""
 
 
 CONFIGS = (
     Config("direct", "1. direct to the upstream (no gateway)", "upstream"),
     Config("mem_off", "2. gateway, memory disabled", "gw_off", expect="disabled"),
     Config("mem_on", "3. gateway, memory enabled (recall + writeback)", "gw_on", expect="enabled"),
+    Config(
+        "mem_user",
+        "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user (API key)",
+        "gw_user",
+        expect="enabled",
+        api_key=USER_KEY,
+    ),
     Config(
         "blackhole",
         "4. gateway, memory enabled, Philia blackholed",
@@ -166,8 +190,12 @@ def _cpu_ns(pids: Sequence[int]) -> int | None:
     return total
 
 
-def preload(db_path: Path, count: int) -> int:
-    """Fill a fresh store at ``db_path`` with ``count`` episodes from the last 90 days."""
+def preload(db_path: Path, count: int, node_types: Sequence[str] = ("episode",)) -> int:
+    """Fill a fresh store at ``db_path`` with ``count`` episodes from the last 90 days.
+
+    Episodes take the ``node_types`` in turn (per-user scopes: ``episode:<scope id>``); the
+    texts and times are the same whatever the types.
+    """
     from arona_store.store import MemoryStore
 
     rng = random.Random(corpus.SEED + count)
@@ -175,8 +203,9 @@ def preload(db_path: Path, count: int) -> int:
     store = MemoryStore.open(db_path)
     try:
         batch: list[tuple[str, str, float]] = []
-        for text in corpus.episodes(count):
-            batch.append((text, "episode", now - rng.uniform(0, 90 * 86400)))
+        for i, text in enumerate(corpus.episodes(count)):
+            node_type = node_types[i % len(node_types)]
+            batch.append((text, node_type, now - rng.uniform(0, 90 * 86400)))
             if len(batch) == 5000:
                 store.add_many(batch)
                 batch = []
@@ -316,6 +345,8 @@ def measure(
         argv.append("--stream")
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
+    elif config.api_key:
+        argv += ["--api-key", config.api_key]
     waited = run.settle()
     if waited > 2 * SETTLE_WINDOW_S:
         log(f"waited {waited:.1f} s for the processes to go idle")
@@ -415,12 +446,26 @@ def execute(run: Run) -> None:
     nodes = preload(work / "store" / "memory.db", o.nodes)
     log(f"store preloaded with {nodes} episodes in {time.monotonic() - started:.1f} s")
     store_url = start_store(run, "store", work / "store")
+    # The user-scope gateway's store: the same episodes, spread over USER_SCOPES users, the
+    # benchmark's caller being one of them.
+    preload(work / "store_user" / "memory.db", o.nodes, user_node_types())
+    user_store_url = start_store(run, "store_user", work / "store_user")
     hole = run.start("blackhole", [PY, "-m", "bench.blackhole"])
     hole_port = int(hole.wait_for(r"READY (\d+)", 30).group(1))
 
     start_gateway(run, "gw_off", {})
     memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
     start_gateway(run, "gw_on", memory)
+    start_gateway(
+        run,
+        "gw_user",
+        {
+            "ARONA_MEMORY_URL": user_store_url,
+            "ARONA_MEMORY_TOKEN": STORE_TOKEN,
+            "ARONA_MEMORY_SCOPE": "user",
+            "ARONA_API_KEYS": f"{USER_KEY_NAME}={USER_KEY}",
+        },
+    )
     start_gateway(
         run,
         "gw_blackhole",
@@ -554,6 +599,16 @@ def targets(run: Run) -> list[list[str]]:
             "our added p50 (memory on) below LiteLLM's (no memory), c=1",
             f"{ours:.3f} ms vs {theirs:.3f} ms",
             ours < theirs,
+        )
+    user1 = r.get(("mem_user", 1))
+    if on1 and user1 and direct1:
+        shared = on1["p50_ms"] - direct1["p50_ms"]
+        scoped = user1["p50_ms"] - direct1["p50_ms"]
+        ratio = scoped / shared if shared > 0 else float("inf")
+        add(
+            "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1",
+            f"{ratio:.2f}× ({scoped:.3f} ms vs {shared:.3f} ms)",
+            ratio <= 1.10,
         )
     if not lite32:
         add("LiteLLM comparisons", "LiteLLM not measured in this run", None)

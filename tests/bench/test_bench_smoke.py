@@ -47,6 +47,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "1. direct to the upstream",
         "2. gateway, memory disabled",
         "3. gateway, memory enabled",
+        "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "4. gateway, memory enabled, Philia blackholed",
         "5a. streaming direct",
         "5b. streaming via gateway, memory enabled",
@@ -59,6 +60,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert len(recall) == 4 and all(row.endswith("| 0 / 0 |") for row in recall), table
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "memory-enabled p50 over direct" in table
+    assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     # The throughput target's row also says how far apart its rounds were.
     [share] = [row for row in rows if row.startswith("| memory-enabled turns/s ≥ 75%")]
     assert re.search(r"\| \d+% \(rounds: \d+%–\d+%\) \|", share), share

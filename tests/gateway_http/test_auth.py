@@ -15,8 +15,12 @@ from gateway_http.auth import (
     ApiKeys,
     AuthError,
     JwtVerifier,
+    Principal,
+    RestAuth,
     bearer,
+    memory_scope,
     mint_token,
+    parse_key_entry,
 )
 
 # 64 bytes, so the HS512 case below is refused for its algorithm, not its key length.
@@ -166,3 +170,61 @@ def test_only_empty_keys_fail_closed() -> None:
         keys.owner("Bearer ")
     with pytest.raises(AuthError):
         keys.owner(None)
+
+
+@pytest.mark.parametrize(
+    ("entry", "principal", "key"),
+    [
+        ("team-a=sk-abc123", "key:team-a", "sk-abc123"),
+        ("ops.eu_1=k=v", "key:ops.eu_1", "k=v"),
+        # Base64 padding and odd names are parts of a bare key, not names.
+        ("c2VjcmV0a2V5==", None, "c2VjcmV0a2V5=="),
+        ("abc=", None, "abc="),
+        ("two words=key", None, "two words=key"),
+        ("=key", None, "=key"),
+        ("plain-key", None, "plain-key"),
+    ],
+)
+def test_key_entries_are_named_or_bare(entry: str, principal: str | None, key: str) -> None:
+    got_principal, got_key = parse_key_entry(entry)
+    assert got_key == key
+    if principal is None:
+        assert got_principal == "key:" + hashlib.sha256(entry.encode()).hexdigest()[:16]
+    else:
+        assert got_principal == principal
+
+
+def test_rest_callers_are_a_key_or_a_jwt_sub() -> None:
+    keys = ApiKeys(("team-a=sk-team-a", "sk-bare"))
+    rest = RestAuth(keys, JwtVerifier(SECRET))
+    assert rest.principal("Bearer sk-team-a") == Principal("key:team-a")
+    assert rest.principal("Bearer sk-bare") == Principal(parse_key_entry("sk-bare")[0])
+    assert rest.principal(f"Bearer {mint_token(SECRET, 'alice')}") == Principal("alice")
+    admin = mint_token(SECRET, "ops", admin=True)
+    assert rest.principal(f"Bearer {admin}") == Principal("ops", admin=True)
+    for header in (None, "Bearer nope", f"Bearer {mint_token(OTHER_SECRET, 'alice')}"):
+        with pytest.raises(AuthError):
+            rest.principal(header)
+
+
+def test_open_rest_knows_jwt_holders_and_nobody_else() -> None:
+    rest = RestAuth(ApiKeys(()), JwtVerifier(SECRET))
+    assert rest.principal(f"Bearer {mint_token(SECRET, 'alice')}") == Principal("alice")
+    assert rest.principal(None) is None
+    assert rest.principal("Bearer unused-when-rest-is-open") is None
+    assert rest.principal(f"Bearer {mint_token(OTHER_SECRET, 'alice')}") is None
+
+
+def test_the_user_field_only_narrows_a_principal() -> None:
+    assert memory_scope(Principal("alice"), None) == "alice"
+    assert memory_scope(Principal("alice"), "") == "alice"
+    assert memory_scope(Principal("key:team-a"), "bob") == "key:team-a/bob"
+    assert memory_scope(None, "bob") is None
+
+
+def test_an_admin_token_says_so() -> None:
+    verifier = JwtVerifier(SECRET)
+    assert verifier.principal(mint_token(SECRET, "ops", admin=True)) == Principal("ops", True)
+    assert verifier.principal(mint_token(SECRET, "ops")) == Principal("ops", False)
+    other_role = _sign({"sub": "eve", "exp": _future(), "role": "Admin"})
+    assert verifier.principal(other_role) == Principal("eve", False)

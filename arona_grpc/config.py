@@ -60,6 +60,12 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     data_dir: Path = Path(".arona")
     log_level: str = "info"
+    # postgresql://…: conversations, the episode index and the outbox shared by every replica;
+    # None = SQLite files under data_dir.
+    database_url: str | None = field(default=None, repr=False)
+    # How long a replica's claim on an outbox episode (PostgreSQL) holds before another
+    # replica may replay it.
+    memory_outbox_claim_s: float = 30.0
 
     @property
     def memory_enabled(self) -> bool:
@@ -116,6 +122,8 @@ class Settings:
             api_keys=_api_keys(env),
             data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
             log_level=_log_level(env),
+            database_url=_database_url(env),
+            memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
         )
 
 
@@ -192,6 +200,16 @@ def _jwt_secret(env: Mapping[str, str]) -> str | None:
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(k.strip() for k in env.get("ARONA_API_KEYS", "").split(",") if k.strip())
+
+
+def _database_url(env: Mapping[str, str]) -> str | None:
+    url = _str(env, "ARONA_DATABASE_URL")
+    if url is None:
+        return None
+    if not url.startswith(("postgresql://", "postgres://")):
+        # The value may hold a password: it is not echoed.
+        raise ConfigError("ARONA_DATABASE_URL must be a postgresql:// URL")
+    return url
 
 
 def _memory_scope(env: Mapping[str, str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from arona_grpc.service import MemoryDomain
 from arona_grpc.servicer import MemoryServicer
 
@@ -75,8 +77,11 @@ class GrpcServer:
         health_servicer: health_aio.HealthServicer,
         domain: MemoryDomain,
         target: str,
+        owned_pool: Any | None = None,
     ) -> None:
         self._server = server
+        # A database pool the server opened itself (closed with it).
+        self._owned_pool = owned_pool
         self._health = health_servicer
         self.domain = domain
         self.target = target
@@ -84,12 +89,20 @@ class GrpcServer:
         self._stopped = False
 
     @classmethod
-    async def start(cls, settings: Settings, domain: MemoryDomain | None = None) -> GrpcServer:
+    async def start(
+        cls, settings: Settings, domain: MemoryDomain | None = None, *, pool: Any | None = None
+    ) -> GrpcServer:
         """Bind ``settings.grpc_host:settings.grpc_port`` and start serving.
 
-        Raises :class:`GrpcBindError` when the address cannot be bound.
+        With ``ARONA_DATABASE_URL`` the episode index and the outbox use ``pool``, or a pool
+        opened here (:class:`~arona_grpc.database.DatabaseUnavailable` when the database
+        cannot be reached). Raises :class:`GrpcBindError` when the address cannot be bound.
         """
-        domain = domain or MemoryDomain(settings)
+        owned_pool = None
+        if domain is None:
+            if pool is None and settings.database_url and settings.memory_enabled:
+                pool = owned_pool = await open_pool(settings.database_url)
+            domain = MemoryDomain(settings, pool=pool)
         health_servicer = health_aio.HealthServicer()
         server = build_server(domain, health_servicer)
         address = _bind_address(settings.grpc_host, settings.grpc_port)
@@ -99,6 +112,8 @@ class GrpcServer:
             port = 0
         if port == 0:
             await domain.aclose()
+            if owned_pool is not None:
+                await owned_pool.close()
             raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
         await server.start()
         # An outbox left by an earlier run starts replaying now.
@@ -114,7 +129,7 @@ class GrpcServer:
             target,
             "enabled" if domain.enabled else "disabled",
         )
-        return cls(server, health_servicer, domain, target)
+        return cls(server, health_servicer, domain, target, owned_pool)
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
@@ -128,6 +143,8 @@ class GrpcServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await self.domain.aclose(grace)
+        if self._owned_pool is not None:
+            await self._owned_pool.close()
         logger.info("MemoryService stopped")
 
     async def wait_for_termination(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import orjson
@@ -21,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
-from gateway_http.conversations import ConversationStore
+from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
@@ -113,7 +115,11 @@ def create_app(
     settings: Settings,
     memory_client: MemoryClient | None = None,
     backend: ChatBackend | None = None,
+    *,
+    pool: Any | None = None,
 ) -> FastAPI:
+    """The app; with ``ARONA_DATABASE_URL`` its conversations use ``pool``, or a pool the
+    lifespan opens (and closes)."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
     owns_backend = backend is None
@@ -132,7 +138,10 @@ def create_app(
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
             )
-        conversations = ConversationStore.open(settings.data_dir / "conversations.db")
+        db_pool = pool
+        if db_pool is None and settings.database_url:
+            db_pool = await open_pool(settings.database_url)
+        conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
         pipeline = TurnPipeline(
             memory, chat_backend, conversations, user_scoped=settings.user_scoped
         )
@@ -153,7 +162,9 @@ def create_app(
             await pipeline.drain(WRITEBACK_GRACE_S)
             if owns_backend:
                 await chat_backend.aclose()
-            conversations.close()
+            await conversations.aclose()
+            if db_pool is not None and pool is None:
+                await db_pool.close()
             if channel is not None:
                 await channel.close(grace=None)
 

@@ -174,10 +174,18 @@ async def run_parts(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal."""
+    from arona_grpc.database import DatabaseUnavailable, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
 
     stop = stop or asyncio.Event()
+    pool: Any | None = None
+    if settings.database_url:
+        # One pool for the process, opened (and the schema migrated) before anything listens.
+        try:
+            pool = await open_pool(settings.database_url)
+        except DatabaseUnavailable as exc:
+            raise StartupError(str(exc)) from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -188,7 +196,7 @@ async def run_parts(
     try:
         if grpc_part:
             try:
-                grpc_server = await GrpcServer.start(settings)
+                grpc_server = await GrpcServer.start(settings, pool=pool)
             except (OSError, RuntimeError) as exc:
                 raise StartupError(
                     f"cannot listen on {settings.grpc_host}:{settings.grpc_port}: {exc}"
@@ -201,7 +209,7 @@ async def run_parts(
             sock = _listen(settings.http_host, settings.http_port)
             port = sock.getsockname()[1]
             config = uvicorn.Config(
-                create_app(settings),
+                create_app(settings, pool=pool),
                 log_config=None,
                 # Access logs would print WebSocket URLs, which may carry a JWT.
                 access_log=False,
@@ -235,6 +243,8 @@ async def run_parts(
                 await http_task
         if grpc_server is not None:
             await grpc_server.stop(GRPC_GRACE_S)
+        if pool is not None:
+            await pool.close()
 
 
 @contextlib.asynccontextmanager

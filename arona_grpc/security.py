@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -73,9 +74,19 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
         raise GrpcSecurityError(
             "ARONA_GRPC_TLS_CERT and ARONA_GRPC_TLS_KEY must be set together (or neither)"
         )
-    return grpc.ssl_server_credentials(
-        [(read_pem("ARONA_GRPC_TLS_KEY", key), read_pem("ARONA_GRPC_TLS_CERT", cert))]
-    )
+    key_pem, cert_pem = read_pem("ARONA_GRPC_TLS_KEY", key), read_pem("ARONA_GRPC_TLS_CERT", cert)
+    # gRPC itself would only report "cannot bind" (and print its own lines) for a key that
+    # does not fit the certificate, or an encrypted one: check the pair with OpenSSL first.
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            cert, key, password=lambda: b""
+        )
+    except ssl.SSLError:
+        raise GrpcSecurityError(
+            "ARONA_GRPC_TLS_CERT and ARONA_GRPC_TLS_KEY are not a certificate and its "
+            "unencrypted private key"
+        ) from None
+    return grpc.ssl_server_credentials([(key_pem, cert_pem)])
 
 
 def read_pem(name: str, path: Path) -> bytes:

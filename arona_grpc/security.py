@@ -7,7 +7,8 @@
   only when a token is set, so an open service pays nothing per call.
 - :func:`server_credentials` turns ``ARONA_GRPC_TLS_CERT`` / ``ARONA_GRPC_TLS_KEY`` into
   TLS credentials for the listener.
-- :func:`check_exposure` refuses to listen beyond loopback without a token.
+- :func:`check_exposure` refuses to listen beyond loopback without a token;
+  :func:`check_listener` runs both checks for the command line before anything starts.
 
 Start-up problems raise :class:`GrpcSecurityError`, one line for the operator; the token
 never appears in a message or a log line.
@@ -58,11 +59,24 @@ def check_exposure(settings: Settings) -> None:
     """Refuse a non-loopback listener without ``ARONA_GRPC_TOKEN``, before anything binds."""
     if settings.grpc_token or is_loopback(settings.grpc_host):
         return
+    host = settings.grpc_host or "*"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     raise GrpcSecurityError(
-        f"refusing to listen for gRPC on {settings.grpc_host or '*'}:{settings.grpc_port} "
+        f"refusing to listen for gRPC on {host}:{settings.grpc_port} "
         "without ARONA_GRPC_TOKEN: set it (ideally with ARONA_GRPC_TLS_CERT/KEY too), "
         "or listen on 127.0.0.1"
     )
+
+
+def check_listener(settings: Settings) -> None:
+    """Everything :func:`check_exposure` and :func:`server_credentials` refuse, checked early.
+
+    The command line runs this before it starts any part, so a refused listener is one
+    line on stderr rather than other parts starting and stopping around it.
+    """
+    check_exposure(settings)
+    server_credentials(settings)
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -415,12 +415,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_env(env)
         _configure_logging(settings.log_level)
-        if args.command == "up" or (args.command == "serve" and args.only != "http"):
+        only = getattr(args, "only", None)  # `serve --only`; `up` runs every part
+        if args.command == "up" or (args.command == "serve" and only != "http"):
             # Before any part starts: a gRPC listener it would refuse (beyond loopback
             # without a token, unusable TLS files) is one line, nothing started and stopped.
             from arona_grpc.security import check_listener
 
             check_listener(settings)
+            local_tls = settings.grpc_tls_cert is not None and settings.grpc_target is None
+            if only is None and local_tls and settings.grpc_tls_ca is None:
+                raise StartupError(
+                    "ARONA_GRPC_TLS_CA must be set with ARONA_GRPC_TLS_CERT: the HTTP gateway "
+                    "calls its own gRPC listener over TLS and checks its certificate"
+                )
         if args.command == "token":
             if args.ttl <= 0 or not args.sub:
                 raise StartupError("--sub must be non-empty and --ttl positive")

@@ -189,22 +189,26 @@ async def test_an_http_only_gateway_needs_no_token(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("args", "extra", "message"),
     [
-        ({"ARONA_GRPC_TLS_CERT": "server.pem"}, "must be set together"),
+        (["serve", "--only", "grpc"], {"ARONA_GRPC_TLS_CERT": "server.pem"}, "set together"),
         (
+            ["serve", "--only", "grpc"],
             {"ARONA_GRPC_TLS_CERT": "absent.pem", "ARONA_GRPC_TLS_KEY": "absent-key.pem"},
             "ARONA_GRPC_TLS_KEY: cannot read absent-key.pem",
         ),
+        # Both parts in one process: the HTTP layer could not check its own listener.
+        (["up"], {}, "ARONA_GRPC_TLS_CA must be set with ARONA_GRPC_TLS_CERT"),
+        (["serve"], {}, "ARONA_GRPC_TLS_CA must be set with ARONA_GRPC_TLS_CERT"),
     ],
 )
 def test_unusable_tls_settings_are_one_line(
-    tmp_path: Path, extra: dict[str, str], message: str
+    tmp_path: Path, args: list[str], extra: dict[str, str], message: str
 ) -> None:
-    result = _run(
-        ["serve", "--only", "grpc"],
-        _env(tmp_path, ARONA_GRPC_PORT="0", ARONA_GRPC_TOKEN=GRPC_TOKEN, **extra),
-    )
+    if not extra:
+        tls = make_tls_files(tmp_path / "tls")
+        extra = {"ARONA_GRPC_TLS_CERT": str(tls.cert), "ARONA_GRPC_TLS_KEY": str(tls.key)}
+    result = _run(args, _env(tmp_path, ARONA_GRPC_PORT="0", ARONA_GRPC_TOKEN=GRPC_TOKEN, **extra))
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("arona-gateway: error: ") and message in line

@@ -56,6 +56,12 @@ class Settings:
     grpc_port: int = 50051
     # None = the local gRPC listener.
     grpc_target: str | None = None
+    # Every MemoryService call must carry `authorization: Bearer <token>` (None = open).
+    grpc_token: str | None = field(default=None, repr=False)
+    # PEM files: the service's certificate and key (TLS listener), the CA the HTTP layer trusts.
+    grpc_tls_cert: Path | None = None
+    grpc_tls_key: Path | None = None
+    grpc_tls_ca: Path | None = None
     jwt_secret: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     data_dir: Path = Path(".arona")
@@ -118,6 +124,10 @@ class Settings:
             grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",
             grpc_port=_port(env, "ARONA_GRPC_PORT", 50051),
             grpc_target=_str(env, "ARONA_GRPC_TARGET"),
+            grpc_token=_str(env, "ARONA_GRPC_TOKEN"),
+            grpc_tls_cert=_path(env, "ARONA_GRPC_TLS_CERT"),
+            grpc_tls_key=_path(env, "ARONA_GRPC_TLS_KEY"),
+            grpc_tls_ca=_path(env, "ARONA_GRPC_TLS_CA"),
             jwt_secret=_jwt_secret(env),
             api_keys=_api_keys(env),
             data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
@@ -130,6 +140,11 @@ class Settings:
 def _str(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    value = _str(env, name)
+    return Path(value) if value else None
 
 
 def _strict_bool(env: Mapping[str, str], name: str, default: bool) -> bool:

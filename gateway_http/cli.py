@@ -297,11 +297,24 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
         "Try it:",
         f"  curl -si {http}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(body)}",
-        f"  grpcurl -plaintext {grpc_target} arona.memory.v1.MemoryService/Status",
+        f"  grpcurl {_grpcurl_flags(running.settings)}{grpc_target} "
+        "arona.memory.v1.MemoryService/Status",
         "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def _grpcurl_flags(settings: Settings) -> str:
+    """grpcurl's flags for the listener: TLS or not, and the token (by name, never its value)."""
+    flags = ""
+    if settings.grpc_tls_ca is not None:
+        flags += f"-cacert {shlex.quote(str(settings.grpc_tls_ca))} "
+    elif settings.grpc_tls_cert is None:
+        flags += "-plaintext "
+    if settings.grpc_token:
+        flags += '-H "authorization: Bearer $ARONA_GRPC_TOKEN" '
+    return flags
 
 
 async def _up(env: Mapping[str, str]) -> None:
@@ -473,7 +486,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = os.environ
     prefer_grpc_iomgr(env)
     try:
-        _configure_logging(Settings.from_env(env).log_level)
+        settings = Settings.from_env(env)
+        _configure_logging(settings.log_level)
+        only = getattr(args, "only", None)  # `serve --only`; `up` runs every part
+        if args.command == "up" or (args.command == "serve" and only != "http"):
+            # Before any part starts: a gRPC listener it would refuse (beyond loopback
+            # without a token, unusable TLS files) is one line, nothing started and stopped.
+            from arona_grpc.security import check_listener
+
+            check_listener(settings)
+            local_tls = settings.grpc_tls_cert is not None and settings.grpc_target is None
+            if only is None and local_tls and settings.grpc_tls_ca is None:
+                raise StartupError(
+                    "ARONA_GRPC_TLS_CA must be set with ARONA_GRPC_TLS_CERT: the HTTP gateway "
+                    "calls its own gRPC listener over TLS and checks its certificate"
+                )
         if args.command == "token":
             if args.ttl <= 0 or not args.sub:
                 raise StartupError("--sub must be non-empty and --ttl positive")

@@ -90,9 +90,16 @@ class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService`` over one shared channel."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, *, recall_budget_s: float, rpc_timeout_s: float
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        recall_budget_s: float,
+        rpc_timeout_s: float,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
+        # Sent on every MemoryService call (the bearer token); the health check needs none.
+        self._metadata = metadata
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self._recall_budget_s = recall_budget_s
@@ -106,6 +113,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -130,6 +138,7 @@ class MemoryClient:
             reply = await self._stub.Writeback(
                 pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
                 timeout=self._rpc_timeout_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
@@ -198,7 +207,7 @@ class MemoryClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._rpc_timeout_s)
+            return await method(request, timeout=self._rpc_timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)

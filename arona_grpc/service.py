@@ -66,6 +66,8 @@ DEFAULT_RECALL_LIMIT = 5
 # beyond its frame budget.
 MAX_RECALL_LIMIT = 100
 EVENT_BUFFER_SIZE = 100
+# The code of an error caused by the database (PostgreSQL) being unreachable.
+DATABASE_UNAVAILABLE = "database_unavailable"
 DEFAULT_STATUS_LIMIT = 50
 DEFAULT_LIST_LIMIT = 50
 MAX_LIST_LIMIT = 100
@@ -138,7 +140,16 @@ class StatusSnapshot:
 
 
 class MemoryDomainError(Exception):
-    """Base of the errors the service reports; messages never carry secrets."""
+    """Base of the errors the service reports; messages never carry secrets.
+
+    ``code`` names the cause for machines (``database_unavailable``); ``queued`` says that
+    a writeback's episode is safe in the outbox although the call failed.
+    """
+
+    def __init__(self, message: str = "", *, code: str = "", queued: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.queued = queued
 
 
 class InvalidArgument(MemoryDomainError):
@@ -243,13 +254,15 @@ def episode_text(user: str, assistant: str) -> str:
     return "\n".join(parts)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Episode:
     """One episode to store: its text, node type and scope id ("" for nobody's)."""
 
     text: str
     node_type: str
     scope_id: str
+    # Set once the outbox has it: a failure after that still leaves it safe.
+    kept: bool = False
 
 
 @dataclass
@@ -435,6 +448,15 @@ class MemoryDomain:
             return WritebackOutcome(stored=False)
         node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
         episode = _Episode(text, node_type, sid)
+        try:
+            return await self._writeback(episode)
+        except MemoryDomainError as exc:
+            exc.queued = episode.kept
+            raise
+
+    async def _writeback(self, episode: _Episode) -> WritebackOutcome:
+        assert self._client is not None and self._outbox is not None
+        text, node_type, sid = episode.text, episode.node_type, episode.scope_id
         if self._closing:
             await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
@@ -505,7 +527,7 @@ class MemoryDomain:
         try:
             return await self._index.page(scope_id(scope), limit, int(before) if before else None)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
     async def forget(self, scope: str) -> int:
         """Delete every episode stored for ``scope``; how many Philia deleted.
@@ -521,7 +543,7 @@ class MemoryDomain:
         try:
             node_ids = await self._index.node_ids(sid)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
         deleted = 0
         done: list[str] = []
         try:
@@ -531,7 +553,8 @@ class MemoryDomain:
                 done.append(node_id)
         except MemoryDomainError as exc:
             raise type(exc)(
-                f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)"
+                f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)",
+                code=exc.code,
             ) from None
         finally:
             await self._unindex(done)
@@ -611,6 +634,7 @@ class MemoryDomain:
                 EventKind.ERROR, "outbox write failed: an episode was lost", episode.scope_id
             )
             raise MemoryUnavailable("writeback failed and the outbox could not keep it") from None
+        episode.kept = True
         self._kick_replay()
         return seq
 
@@ -775,7 +799,7 @@ class MemoryDomain:
         try:
             return await self._index.owner(node_id)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
     async def _unindex(self, node_ids: list[str]) -> None:
         if self._index is None or not node_ids:

@@ -438,6 +438,10 @@ def _parser() -> argparse.ArgumentParser:
         "--admin", action="store_true", help='add "role": "admin" (status and others\' memory)'
     )
     sub.add_parser(
+        "migrate",
+        help="apply the database schema migrations (ARONA_DATABASE_URL, or the SQLite files)",
+    )
+    sub.add_parser(
         "check-memory",
         help="check that the configured Philia keeps users' memories apart (exit 0 if so)",
     )
@@ -469,6 +473,42 @@ def prefer_grpc_iomgr(env: MutableMapping[str, str]) -> None:
         return
     if release.startswith(GRPC_IOMGR_RELEASES):
         env["GRPC_EXPERIMENTS"] = GRPC_IOMGR_EXPERIMENTS
+
+
+async def _migrate(env: Mapping[str, str]) -> None:
+    """Bring every store's schema up to date, alone (replicas may then start without racing)."""
+    from arona_grpc.database import DatabaseUnavailable, apply_migrations, open_pool
+
+    settings = Settings.from_env(env)
+    if settings.database_url:
+        try:
+            pool = await open_pool(settings.database_url, migrate=False, max_size=1)
+        except DatabaseUnavailable as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            async with pool.acquire() as conn:
+                applied = await apply_migrations(conn)
+        finally:
+            await pool.close()
+        where = redact_url(settings.database_url)
+        if applied:
+            for migration in applied:
+                print(f"{where}: applied migration {migration.version}: {migration.name}")
+        else:
+            print(f"{where}: the schema is up to date")
+        return
+    from arona_grpc.episodes import SqliteEpisodeIndex
+    from arona_grpc.outbox import Outbox
+    from gateway_http.conversations import CONVERSATIONS_FILE, SqliteConversationStore
+
+    SqliteConversationStore.open(settings.data_dir / CONVERSATIONS_FILE).close()
+    index = SqliteEpisodeIndex(settings.data_dir)
+    await index.owner("")  # opens (and migrates) the file
+    await index.aclose()
+    outbox = Outbox(settings.data_dir, settings.memory_outbox_max)
+    await outbox.load()  # migrates an existing file; a missing one is created when needed
+    await outbox.aclose()
+    print(f"{settings.data_dir}: the SQLite files' schemas are up to date")
 
 
 def _check_memory_sync(env: Mapping[str, str]) -> int:
@@ -507,6 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_token(env, args.sub, args.ttl, args.admin))
         elif args.command == "check-memory":
             return _check_memory_sync(env)
+        elif args.command == "migrate":
+            _run(_migrate(env))
         elif args.command == "up":
             _run(_up(env))
         elif args.command == "serve":

@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
+from arona_grpc.service import DATABASE_UNAVAILABLE
+from arona_grpc.servicer import ERROR_CODE_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.views import rfc3339_ms
 
@@ -74,6 +76,16 @@ def _quoted(exc: grpc.aio.AioRpcError) -> str:
     """The status message of a failed call, for the log (never shown to a client)."""
     details = (exc.details() or "").strip()
     return details[:_MAX_QUOTED] if details else "no details"
+
+
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    """One trailing metadata value of a failed call (None when absent)."""
+    metadata: Any = exc.trailing_metadata() or ()
+    for item in metadata:
+        name, value = item[0], item[1]
+        if name == key:
+            return value if isinstance(value, str) else bytes(value).decode()
+    return None
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,10 @@ class MemoryClient:
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)
+            if _trailer(exc, ERROR_CODE_KEY) == DATABASE_UNAVAILABLE:
+                raise GatewayError(
+                    ErrorKind.UNAVAILABLE, "the database is unavailable", DATABASE_UNAVAILABLE
+                ) from None
             # The service's own messages for client mistakes are meant for the client;
             # transport details (addresses, resolver text) are not.
             if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():

@@ -172,8 +172,14 @@ async def run_parts(
     http_part: bool = True,
     on_ready: Callable[[Running], None] | None = None,
     stop: asyncio.Event | None = None,
+    listen_fd: int | None = None,
+    worker: int = 0,
 ) -> None:
-    """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal."""
+    """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal.
+
+    ``listen_fd`` is a listening socket handed down by ``serve --workers``; ``worker`` is
+    this HTTP worker's number among them.
+    """
     from arona_grpc.database import DatabaseUnavailable, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
@@ -206,7 +212,12 @@ async def run_parts(
                 # Port 0 asks for a free port: the HTTP layer must call the real one.
                 settings = dataclasses.replace(settings, grpc_port=grpc_server.port)
         if http_part:
-            sock = _listen(settings.http_host, settings.http_port)
+            if listen_fd is not None:
+                from gateway_http.workers import listen_fd_socket
+
+                sock = listen_fd_socket(listen_fd)
+            else:
+                sock = _listen(settings.http_host, settings.http_port)
             port = sock.getsockname()[1]
             config = uvicorn.Config(
                 create_app(settings, pool=pool),
@@ -342,7 +353,20 @@ async def _up(env: Mapping[str, str]) -> None:
         await run_parts(settings, on_ready=ready)
 
 
-async def _serve(env: Mapping[str, str], only: str | None) -> None:
+def _serve_workers(env: Mapping[str, str], workers: int, *, grpc_part: bool) -> int:
+    from gateway_http.workers import run_workers
+
+    settings = Settings.from_env(env)
+    listener = _listen(settings.http_host, settings.http_port)
+    try:
+        return run_workers(settings, env, workers, listener, grpc_part=grpc_part)
+    finally:
+        listener.close()
+
+
+async def _serve(
+    env: Mapping[str, str], only: str | None, listen_fd: int | None = None, worker: int = 0
+) -> None:
     settings = Settings.from_env(env)
 
     def ready(running: Running) -> None:
@@ -353,7 +377,14 @@ async def _serve(env: Mapping[str, str], only: str | None) -> None:
         if settings.upstream_url is None and only != "grpc":
             logger.info("no ARONA_UPSTREAM_URL: using the echo model (a development default)")
 
-    await run_parts(settings, grpc_part=only != "http", http_part=only != "grpc", on_ready=ready)
+    await run_parts(
+        settings,
+        grpc_part=only != "http",
+        http_part=only != "grpc",
+        on_ready=ready,
+        listen_fd=listen_fd,
+        worker=worker,
+    )
 
 
 async def _store(env: Mapping[str, str], host: str, port: int) -> None:
@@ -428,6 +459,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="run everything on embedded defaults (store, gRPC, HTTP, echo)")
     serve = sub.add_parser("serve", help="run the gRPC service and the HTTP gateway")
     serve.add_argument("--only", choices=("grpc", "http"), help="run one part only")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="HTTP worker processes sharing the port (default 1); the gRPC service runs in "
+        "a process of its own when there are more",
+    )
+    # Set by the supervisor of --workers for its children.
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     store = sub.add_parser("store", help="run the embedded Philia-compatible store alone")
     store.add_argument("--host", default="127.0.0.1")
     store.add_argument("--port", type=int, default=STORE_DEFAULT_PORT)
@@ -552,7 +593,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "up":
             _run(_up(env))
         elif args.command == "serve":
-            _run(_serve(env, args.only))
+            if args.workers < 1:
+                raise StartupError("--workers must be at least 1")
+            if args.workers > 1:
+                if args.only == "grpc":
+                    raise StartupError("--workers is for the HTTP layer; not with --only grpc")
+                return _serve_workers(env, args.workers, grpc_part=args.only != "http")
+            _run(_serve(env, args.only, args.listen_fd, args.worker))
         else:
             _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError) as exc:

@@ -89,6 +89,14 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         );
         """,
     ),
+    Migration(
+        2,
+        "outbox episodes keep their caller's id",
+        """
+        ALTER TABLE outbox ADD COLUMN episode_id text NOT NULL DEFAULT '';
+        CREATE INDEX outbox_by_episode ON outbox (episode_id) WHERE episode_id <> '';
+        """,
+    ),
 )
 
 # The errors that mean "the database is not there" (as opposed to a bug in a query).

@@ -60,6 +60,11 @@ _SQLITE_STEPS: tuple[SqliteStep, ...] = (
     """,
     # 2: whose episode it is, for the episode index.
     _add_scope_ids,
+    # 3: the caller's id of the episode, so that one sent again is not queued twice.
+    """
+    ALTER TABLE episodes ADD COLUMN episode_id TEXT NOT NULL DEFAULT '';
+    CREATE INDEX IF NOT EXISTS episodes_by_id ON episodes (episode_id) WHERE episode_id != '';
+    """,
 )
 
 
@@ -74,6 +79,8 @@ class OutboxEntry:
     node_type: str
     # Whose episode it is (for the episode index); "" when nobody's.
     scope_id: str = ""
+    # The caller's id of the episode ("" for none).
+    episode_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,14 +105,15 @@ class _OutboxFile:
             self._open()
         return self._counts()
 
-    def put(self, text: str, node_type: str, scope_id: str) -> tuple[int, _Counts]:
+    def put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> tuple[int, _Counts]:
         if self._db is None:
             self._open()
         assert self._db is not None
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO episodes (text, node_type, queued_us, scope_id) VALUES (?, ?, ?, ?)",
-                (text, node_type, int(time.time() * 1_000_000), scope_id),
+                "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (text, node_type, int(time.time() * 1_000_000), scope_id, episode_id),
             )
             seq = int(cursor.lastrowid or 0)
             self._depth += 1
@@ -125,15 +133,23 @@ class _OutboxFile:
                 )
         return seq, self._counts()
 
+    def has(self, episode_id: str) -> bool:
+        if self._db is None:
+            return False
+        row = self._db.execute(
+            "SELECT 1 FROM episodes WHERE episode_id = ? LIMIT 1", (episode_id,)
+        ).fetchone()
+        return row is not None
+
     def oldest(self) -> OutboxEntry | None:
         if self._db is None:
             return None
         row = self._db.execute(
-            "SELECT seq, text, node_type, scope_id FROM episodes ORDER BY seq LIMIT 1"
+            "SELECT seq, text, node_type, scope_id, episode_id FROM episodes ORDER BY seq LIMIT 1"
         ).fetchone()
         if row is None:
             return None
-        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
 
     def remove(self, seq: int) -> _Counts:
         if self._db is not None:
@@ -218,7 +234,13 @@ class Outbox:
         """Read the depth of an outbox left by an earlier run (creates no file)."""
         self._settle(await self._run(self._file.load))
 
-    def put(self, text: str, node_type: str, scope_id: str = "") -> asyncio.Future[int]:
+    async def has(self, episode_id: str) -> bool:
+        """Whether an episode with this caller's id is waiting."""
+        return await self._run(self._file.has, episode_id)
+
+    def put(
+        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
+    ) -> asyncio.Future[int]:
         """Queue one episode; a future of its sequence number.
 
         The write is submitted now and commits even if the future is never awaited
@@ -249,7 +271,9 @@ class Outbox:
                     )
                 done.set_result(seq)
 
-        self._submit(self._file.put, text, node_type, scope_id).add_done_callback(committed)
+        self._submit(self._file.put, text, node_type, scope_id, episode_id).add_done_callback(
+            committed
+        )
         return done
 
     async def oldest(self) -> OutboxEntry | None:
@@ -336,11 +360,19 @@ class PostgresOutbox:
         )
         self._depth, self._dropped = int(row[0]), int(row[1])
 
-    def put(self, text: str, node_type: str, scope_id: str = "") -> asyncio.Future[int]:
+    async def has(self, episode_id: str) -> bool:
+        row = await self._fetchrow("SELECT 1 FROM outbox WHERE episode_id = $1 LIMIT 1", episode_id)
+        return row is not None
+
+    def put(
+        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
+    ) -> asyncio.Future[int]:
         if self._closed:
             raise OutboxClosed("the outbox is closed")
         self._unsettled += 1
-        task = asyncio.get_running_loop().create_task(self._put(text, node_type, scope_id))
+        task = asyncio.get_running_loop().create_task(
+            self._put(text, node_type, scope_id, episode_id)
+        )
         self._writes.add(task)
         task.add_done_callback(self._settled)
         return task
@@ -349,16 +381,17 @@ class PostgresOutbox:
         self._writes.discard(task)
         self._unsettled -= 1
 
-    async def _put(self, text: str, node_type: str, scope_id: str) -> int:
+    async def _put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> int:
         async def work(conn: Any) -> tuple[int, int, int]:
             async with conn.transaction():
                 seq = await conn.fetchval(
-                    "INSERT INTO outbox (text, node_type, scope_id, queued_us)"
-                    " VALUES ($1, $2, $3, $4) RETURNING seq",
+                    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
+                    " VALUES ($1, $2, $3, $4, $5) RETURNING seq",
                     text,
                     node_type,
                     scope_id,
                     int(time.time() * 1_000_000),
+                    episode_id,
                 )
                 depth = await conn.fetchval("SELECT count(*) FROM outbox")
                 overflow = depth - self._max
@@ -396,14 +429,14 @@ class PostgresOutbox:
             " WHERE seq = (SELECT seq FROM outbox"
             "  WHERE claimed_until IS NULL OR claimed_until < now()"
             "  ORDER BY seq FOR UPDATE SKIP LOCKED LIMIT 1)"
-            " RETURNING seq, text, node_type, scope_id",
+            " RETURNING seq, text, node_type, scope_id, episode_id",
             self._owner,
             self._claim_s,
         )
         if row is None:
             await self.refresh()
             return None
-        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
 
     async def remove(self, seq: int) -> None:
         row = await self._fetchrow(

@@ -261,6 +261,8 @@ class _Episode:
     text: str
     node_type: str
     scope_id: str
+    # The caller's id of the episode ("" for none).
+    episode_id: str = ""
     # Set once the outbox has it: a failure after that still leaves it safe.
     kept: bool = False
 
@@ -318,6 +320,8 @@ class MemoryDomain:
         self._wake = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._replayed: OrderedDict[int, str] = OrderedDict()
+        # Callers' episode ids the replay stored lately, with their node ids.
+        self._replayed_ids: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[int, _InFlight] = {}
         self._inflight_idle = asyncio.Event()
         self._inflight_idle.set()
@@ -433,12 +437,15 @@ class MemoryDomain:
             return RecallOutcome(MemoryState.DISABLED, (), "")
         return RecallOutcome(MemoryState.ENABLED, kept, section)
 
-    async def writeback(self, user: str, assistant: str, scope: str = "") -> WritebackOutcome:
+    async def writeback(
+        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+    ) -> WritebackOutcome:
         """Store the turn as an episode, unless memory or writeback is off or it is empty.
 
         In ``user`` mode the episode's node type is ``episode:<scope id>`` (an empty scope is
         refused). An episode that cannot be stored now is kept in the outbox (the error says
-        so). A stored episode is noted in the episode index.
+        so). A stored episode is noted in the episode index. An episode sent again with an
+        ``episode_id`` that is already waiting in the outbox is not queued twice.
         """
         sid = self._scope_id(scope)
         if self._client is None or self._outbox is None:
@@ -447,7 +454,7 @@ class MemoryDomain:
         if not text:
             return WritebackOutcome(stored=False)
         node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
-        episode = _Episode(text, node_type, sid)
+        episode = _Episode(text, node_type, sid, episode_id)
         try:
             return await self._writeback(episode)
         except MemoryDomainError as exc:
@@ -457,6 +464,13 @@ class MemoryDomain:
     async def _writeback(self, episode: _Episode) -> WritebackOutcome:
         assert self._client is not None and self._outbox is not None
         text, node_type, sid = episode.text, episode.node_type, episode.scope_id
+        if episode.episode_id:
+            replayed = self._replayed_ids.get(episode.episode_id)
+            if replayed is not None:
+                # Sent again after the outbox already stored it: the same episode.
+                return WritebackOutcome(stored=True, node_id=replayed)
+            if self._outbox.pending and await self._queued(episode):
+                raise MemoryUnavailable("writeback already queued in the outbox")
         if self._closing:
             await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
@@ -624,7 +638,9 @@ class MemoryDomain:
         assert self._outbox is not None
         try:
             seq = await asyncio.shield(
-                self._outbox.put(episode.text, episode.node_type, episode.scope_id)
+                self._outbox.put(
+                    episode.text, episode.node_type, episode.scope_id, episode.episode_id
+                )
             )
         except OutboxClosed:
             raise MemoryUnavailable("the memory service is stopped; the episode is lost") from None
@@ -638,13 +654,23 @@ class MemoryDomain:
         self._kick_replay()
         return seq
 
+    async def _queued(self, episode: _Episode) -> bool:
+        """Whether the outbox already holds this episode (sent again by its caller)."""
+        assert self._outbox is not None
+        try:
+            episode.kept = await self._outbox.has(episode.episode_id)
+        except Exception as exc:  # unknown: treat it as new (at worst stored twice)
+            logger.debug("outbox lookup failed: %s", type(exc).__name__)
+            return False
+        return episode.kept
+
     def _put_soon(self, episode: _Episode) -> None:
         """Submit one episode to the outbox without waiting (cancellation, shutdown)."""
         assert self._outbox is not None
         try:
-            self._outbox.put(episode.text, episode.node_type, episode.scope_id).add_done_callback(
-                _ignore_result
-            )
+            self._outbox.put(
+                episode.text, episode.node_type, episode.scope_id, episode.episode_id
+            ).add_done_callback(_ignore_result)
         except OutboxClosed:
             logger.error("an in-flight writeback was lost: the outbox is already closed")
 
@@ -728,10 +754,16 @@ class MemoryDomain:
             except Exception as exc:
                 # Stored, but still queued: it will be sent again (the store keeps one copy).
                 logger.warning("a replayed episode stays in the outbox: %s", self._safe(str(exc)))
-            self._stored(_Episode(entry.text, entry.node_type, entry.scope_id), node_id)
+            self._stored(
+                _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id), node_id
+            )
             self._replayed[entry.seq] = node_id
             if len(self._replayed) > _REPLAYED_MEMORY:
                 self._replayed.popitem(last=False)
+            if entry.episode_id:
+                self._replayed_ids[entry.episode_id] = node_id
+                if len(self._replayed_ids) > _REPLAYED_MEMORY:
+                    self._replayed_ids.popitem(last=False)
             waiter = self._waiters.pop(entry.seq, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(node_id)

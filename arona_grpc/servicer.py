@@ -104,7 +104,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self, request: pb.WritebackRequest, context: Context
     ) -> pb.WritebackResponse:
         try:
-            outcome = await self._domain.writeback(request.user, request.assistant, request.scope)
+            outcome = await self._domain.writeback(
+                request.user, request.assistant, request.scope, request.episode_id
+            )
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
         except Exception as exc:
             await _abort(context, "Writeback", exc)

@@ -31,6 +31,7 @@ from gateway_http.grpc_channel import (
     memory_channel_credentials,
     open_memory_channel,
 )
+from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
 from gateway_http.routes import rest
@@ -95,6 +96,7 @@ def create_app(
     backend: ChatBackend | None = None,
     *,
     pool: Any | None = None,
+    worker: int = 0,
 ) -> FastAPI:
     """The app; with ``ARONA_DATABASE_URL`` its conversations use ``pool``, or a pool the
     lifespan opens (and closes)."""
@@ -123,8 +125,9 @@ def create_app(
         if db_pool is None and settings.database_url:
             db_pool = await open_pool(settings.database_url)
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
+        journal = Journal(journal_path(settings.data_dir, worker))
         pipeline = TurnPipeline(
-            memory, chat_backend, conversations, user_scoped=settings.user_scoped
+            memory, chat_backend, conversations, user_scoped=settings.user_scoped, journal=journal
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
@@ -137,10 +140,13 @@ def create_app(
         gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)
         app.state.gateway = gw
+        # Episodes a previous run answered but could not hand over.
+        pipeline.replay_journal()
         try:
             yield
         finally:
             await pipeline.drain(WRITEBACK_GRACE_S)
+            journal.close()
             if owns_backend:
                 await chat_backend.aclose()
             await conversations.aclose()

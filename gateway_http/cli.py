@@ -220,7 +220,7 @@ async def run_parts(
                 sock = _listen(settings.http_host, settings.http_port)
             port = sock.getsockname()[1]
             config = uvicorn.Config(
-                create_app(settings, pool=pool),
+                create_app(settings, pool=pool, worker=worker),
                 log_config=None,
                 # Access logs would print WebSocket URLs, which may carry a JWT.
                 access_log=False,

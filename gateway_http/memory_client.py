@@ -26,7 +26,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.service import DATABASE_UNAVAILABLE
-from arona_grpc.servicer import ERROR_CODE_KEY
+from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.views import rfc3339_ms
 
@@ -139,24 +139,29 @@ class MemoryClient:
             state = DISABLED
         return Recall(state, reply.section if state == ENABLED else "")
 
-    async def writeback(self, user: str, assistant: str, scope: str = "") -> str | None:
-        """Store one turn; the node id, or None when nothing was stored.
+    async def writeback(
+        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+    ) -> bool:
+        """Hand one turn to the memory service; whether the service took it.
 
-        Nothing is stored when memory or writeback is off, or the turn is empty; a failed
-        call is logged (the service's own message says whether its outbox kept the episode)
-        and stores nothing either.
+        Taken: stored, not wanted (memory or writeback off, an empty turn), or kept in the
+        service's outbox although the call failed (it says so in a trailer). Not taken: the
+        service was unreachable or failed otherwise, and the turn must be sent again. A failed
+        call is logged (the service's own message says whether its outbox kept the episode).
         """
         try:
-            reply = await self._stub.Writeback(
-                pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
+            await self._stub.Writeback(
+                pb.WritebackRequest(
+                    user=user, assistant=assistant, scope=scope, episode_id=episode_id
+                ),
                 timeout=self._rpc_timeout_s,
                 metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
-            return None
+            return _trailer(exc, QUEUED_KEY) == "1"
         self._writeback_log.succeeded()
-        return reply.node_id if reply.stored else None
+        return True
 
     async def delete(self, node_id: str, scope: str = "") -> bool:
         reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id, scope=scope))

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
+from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.upstream import (
     MEMORY_SECTION_HEADER,
@@ -77,8 +79,15 @@ class TurnPipeline:
         conversations: ConversationStore,
         *,
         user_scoped: bool = False,
+        journal: Journal | None = None,
     ) -> None:
         self._memory = memory
+        # Episodes answered but not yet taken by the memory service (durable before answered).
+        self._journal = journal
+        self._journal_behind = False
+        self._replaying: asyncio.Task[None] | None = None
+        # Journal entries whose writeback is under way (a replay leaves them alone).
+        self._sending: set[int] = set()
         # ARONA_MEMORY_SCOPE=user: a turn without a principal gets no memory at all.
         self._user_scoped = user_scoped
         self._backend = backend
@@ -184,18 +193,79 @@ class TurnPipeline:
                 # The answer exists; losing its copy in the history must not lose the answer.
                 logger.warning("the reply was not added to its conversation: %s", exc)
         if writeback and (turn.user_text or content) and self._has_memory(turn.request):
-            task = asyncio.create_task(
-                self._writeback(turn.user_text, content, turn.request.scope or "")
-            )
+            scope = turn.request.scope or ""
+            # Journaled before the reply's last byte leaves: a hard kill from here on loses
+            # nothing.
+            entry = self._journal_add(turn.user_text, content, scope)
+            task = asyncio.create_task(self._writeback(turn.user_text, content, scope, entry))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _writeback(self, user: str, assistant: str, scope: str) -> None:
+    async def _writeback(
+        self, user: str, assistant: str, scope: str, entry: Journaled | None
+    ) -> None:
+        if entry is not None:
+            self._sending.add(entry.id)
         try:
             # Its failures are logged by the memory client.
-            await self._memory.writeback(user, assistant, scope)
+            taken = await self._memory.writeback(
+                user, assistant, scope, entry.episode_id if entry is not None else ""
+            )
         except Exception:
             logger.exception("writeback failed")
+            taken = False
+        finally:
+            if entry is not None:
+                self._sending.discard(entry.id)
+        if entry is None:
+            return
+        if not taken:
+            self._journal_behind = True
+            return
+        self._journal_drop(entry.id)
+        if self._journal_behind:
+            self.replay_journal()
+
+    def _journal_add(self, user: str, assistant: str, scope: str) -> Journaled | None:
+        if self._journal is None:
+            return None
+        try:
+            return self._journal.add(user, assistant, scope)
+        except sqlite3.Error as exc:
+            logger.error("could not journal an episode: %s", exc)
+            return None
+
+    def _journal_drop(self, entry: int) -> None:
+        assert self._journal is not None
+        try:
+            self._journal.drop(entry)
+        except sqlite3.Error as exc:
+            logger.warning("could not drop a journaled episode (it will be sent again): %s", exc)
+
+    def replay_journal(self) -> None:
+        """Send again what the journal holds (at start, and once the service answers again)."""
+        if self._journal is None or (self._replaying is not None and not self._replaying.done()):
+            return
+        self._journal_behind = False
+        self._replaying = asyncio.create_task(self._replay_journal(), name="journal-replay")
+        self._background.add(self._replaying)
+        self._replaying.add_done_callback(self._background.discard)
+
+    async def _replay_journal(self) -> None:
+        assert self._journal is not None
+        left = self._journal.pending()
+        if left:
+            logger.info("%d journaled episode(s) not yet taken by memory: sending them", len(left))
+        for item in left:
+            if item.id in self._sending:
+                continue
+            if not await self._memory.writeback(
+                item.user, item.assistant, item.scope, item.episode_id
+            ):
+                # The service is still away: the next successful writeback tries again.
+                self._journal_behind = True
+                return
+            self._journal_drop(item.id)
 
 
 def first_choice(completion: dict[str, Any]) -> dict[str, Any]:

@@ -100,8 +100,8 @@
     } catch (err) {
       token = null;
       sessionStorage.removeItem(TOKEN_KEY);
-      error.textContent = describe(err);
-      if (!fromStorage) $("token").focus();
+      error.textContent = (fromStorage ? "Signed out: " : "") + describe(err);
+      $("token").focus();
       return;
     }
     sessionStorage.setItem(TOKEN_KEY, candidate);

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from playwright.async_api import BrowserContext, Page, Route, expect
 
-from tests.e2e.scoped import HEADER, ScopedStack, jwt, scoped_stack
+from gateway_http.auth import mint_token
+from tests.e2e.scoped import HEADER, JWT_SECRET, ScopedStack, jwt, scoped_stack
 from tests.support.browser import artifact_dir, chromium
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -305,4 +306,29 @@ async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> 
         await expect(page.get_by_label("Admin JWT")).to_be_focused()
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
         watched.assert_clean(ADMIN)
+        await context.close()
+
+
+async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        context = await browser.new_context()
+        watched = await open_console(stack, context, artifact_dir("console"))
+        page = watched.page
+        short = mint_token(JWT_SECRET, "ops", 3, admin=True)
+        await sign_in(page, short)
+        await expect(page.locator("#breaker")).to_have_text("closed")
+        # The next refresh after the token's exp is refused: back to the sign-in form.
+        await expect(page.get_by_role("alert")).to_contain_text("Token refused", timeout=15_000)
+        await expect(page.locator("#console")).to_be_hidden()
+        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
+
+        # A tab that still holds a refused token starts signed out and says why.
+        await page.evaluate("t => sessionStorage.setItem('arona.console.jwt', t)", short)
+        await page.reload()
+        await expect(page.get_by_role("alert")).to_have_text(
+            re.compile("^Signed out: Token refused")
+        )
+        await expect(page.locator("#console")).to_be_hidden()
+        watched.assert_clean(short)
         await context.close()

@@ -115,7 +115,7 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         assert "token" not in page.url
         await watched.shot("03-signed-in")
 
-        # A reload keeps the session (this tab's storage), with no token typed again.
+        # A reload stays signed in (the tab keeps the token), with no token typed again.
         await page.reload()
         await expect(page.locator("#breaker")).to_have_text("closed")
 

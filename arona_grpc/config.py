@@ -56,10 +56,22 @@ class Settings:
     grpc_port: int = 50051
     # None = the local gRPC listener.
     grpc_target: str | None = None
+    # Every MemoryService call must carry `authorization: Bearer <token>` (None = open).
+    grpc_token: str | None = field(default=None, repr=False)
+    # PEM files: the service's certificate and key (TLS listener), the CA the HTTP layer trusts.
+    grpc_tls_cert: Path | None = None
+    grpc_tls_key: Path | None = None
+    grpc_tls_ca: Path | None = None
     jwt_secret: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     data_dir: Path = Path(".arona")
     log_level: str = "info"
+    # postgresql://…: conversations, the episode index and the outbox shared by every replica;
+    # None = SQLite files under data_dir.
+    database_url: str | None = field(default=None, repr=False)
+    # How long a replica's claim on an outbox episode (PostgreSQL) holds before another
+    # replica may replay it.
+    memory_outbox_claim_s: float = 30.0
 
     @property
     def memory_enabled(self) -> bool:
@@ -112,16 +124,27 @@ class Settings:
             grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",
             grpc_port=_port(env, "ARONA_GRPC_PORT", 50051),
             grpc_target=_str(env, "ARONA_GRPC_TARGET"),
+            grpc_token=_str(env, "ARONA_GRPC_TOKEN"),
+            grpc_tls_cert=_path(env, "ARONA_GRPC_TLS_CERT"),
+            grpc_tls_key=_path(env, "ARONA_GRPC_TLS_KEY"),
+            grpc_tls_ca=_path(env, "ARONA_GRPC_TLS_CA"),
             jwt_secret=_jwt_secret(env),
             api_keys=_api_keys(env),
             data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
             log_level=_log_level(env),
+            database_url=_database_url(env),
+            memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
         )
 
 
 def _str(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    value = _str(env, name)
+    return Path(value) if value else None
 
 
 def _strict_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -192,6 +215,16 @@ def _jwt_secret(env: Mapping[str, str]) -> str | None:
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(k.strip() for k in env.get("ARONA_API_KEYS", "").split(",") if k.strip())
+
+
+def _database_url(env: Mapping[str, str]) -> str | None:
+    url = _str(env, "ARONA_DATABASE_URL")
+    if url is None:
+        return None
+    if not url.startswith(("postgresql://", "postgres://")):
+        # The value may hold a password: it is not echoed.
+        raise ConfigError("ARONA_DATABASE_URL must be a postgresql:// URL")
+    return url
 
 
 def _memory_scope(env: Mapping[str, str]) -> str:

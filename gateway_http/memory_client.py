@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
+from arona_grpc.service import DATABASE_UNAVAILABLE
+from arona_grpc.servicer import ERROR_CODE_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.views import rfc3339_ms
 
@@ -76,6 +78,16 @@ def _quoted(exc: grpc.aio.AioRpcError) -> str:
     return details[:_MAX_QUOTED] if details else "no details"
 
 
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    """One trailing metadata value of a failed call (None when absent)."""
+    metadata: Any = exc.trailing_metadata() or ()
+    for item in metadata:
+        name, value = item[0], item[1]
+        if name == key:
+            return value if isinstance(value, str) else bytes(value).decode()
+    return None
+
+
 @dataclass(frozen=True)
 class Recall:
     state: str
@@ -106,9 +118,16 @@ class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService`` over one shared channel."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, *, recall_budget_s: float, rpc_timeout_s: float
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        recall_budget_s: float,
+        rpc_timeout_s: float,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
+        # Sent on every MemoryService call (the bearer token); the health check needs none.
+        self._metadata = metadata
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self._recall_budget_s = recall_budget_s
@@ -122,6 +141,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -172,6 +192,7 @@ class MemoryClient:
             reply = await self._stub.Writeback(
                 pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
                 timeout=self._rpc_timeout_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
@@ -240,10 +261,14 @@ class MemoryClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._rpc_timeout_s)
+            return await method(request, timeout=self._rpc_timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)
+            if _trailer(exc, ERROR_CODE_KEY) == DATABASE_UNAVAILABLE:
+                raise GatewayError(
+                    ErrorKind.UNAVAILABLE, "the database is unavailable", DATABASE_UNAVAILABLE
+                ) from None
             # The service's own messages for client mistakes are meant for the client;
             # transport details (addresses, resolver text) are not.
             if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.upstream import (
@@ -91,7 +92,8 @@ class TurnPipeline:
         history: list[dict[str, Any]] = []
         if request.conversation_id is not None:
             await self._check_owner(request.conversation_id, request.owner)
-            history = list(await self._conversations.messages(request.conversation_id))
+            with conversation_errors():
+                history = await self._conversations.messages(request.conversation_id)
         messages = [*history, *new_messages]
         user_text = last_user_text(messages)
 
@@ -108,10 +110,9 @@ class TurnPipeline:
                 messages.insert(0, {"role": "system", "content": recall.section})
 
         if request.conversation_id is not None:
-            for message in new_messages:
-                await self._conversations.append(
-                    request.conversation_id, str(message["role"]), message_text(message)
-                )
+            # Each message whole, as the client sent it (tool calls, tool call ids, parts).
+            with conversation_errors():
+                await self._conversations.append(request.conversation_id, *new_messages)
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
         return PreparedTurn(request, upstream_body, state, user_text)
@@ -120,9 +121,11 @@ class TurnPipeline:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
         completion = await self._backend.complete(turn.upstream_body)
         choice = first_choice(completion)
-        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        returned = choice.get("message")
+        message: dict[str, Any] = returned if isinstance(returned, dict) else {}
         content = message_text(message) if message else ""
-        await self._finish(turn, content, writeback=True)
+        reply = message or {"role": "assistant", "content": content}
+        await self._finish(turn, content, reply, writeback=True)
         usage = completion.get("usage")
         return TurnReply(
             completion,
@@ -139,15 +142,15 @@ class TurnPipeline:
         nothing and writes nothing back. Stopping early closes the upstream
         request at once.
         """
-        parts: list[str] = []
+        reply = StreamedReply()
         upstream = self._backend.stream(turn.upstream_body)
         try:
             async for chunk in upstream:
-                parts.append(delta_text(chunk))
+                reply.add(chunk)
                 yield chunk
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
-        await self._finish(turn, "".join(parts), writeback=writeback)
+        await self._finish(turn, reply.text, reply.message(), writeback=writeback)
 
     async def drain(self, grace_s: float) -> None:
         """Give pending writebacks up to ``grace_s`` seconds to finish."""
@@ -169,10 +172,17 @@ class TurnPipeline:
         with conversation_errors():
             await self._conversations.get(conversation_id, owner)
 
-    async def _finish(self, turn: PreparedTurn, content: str, *, writeback: bool) -> None:
+    async def _finish(
+        self, turn: PreparedTurn, content: str, reply: dict[str, Any], *, writeback: bool
+    ) -> None:
         conversation_id = turn.request.conversation_id
         if conversation_id is not None:
-            await self._conversations.append(conversation_id, "assistant", content)
+            try:
+                # The reply as the upstream returned it (tool calls included).
+                await self._conversations.append(conversation_id, reply)
+            except DatabaseUnavailable as exc:
+                # The answer exists; losing its copy in the history must not lose the answer.
+                logger.warning("the reply was not added to its conversation: %s", exc)
         if writeback and (turn.user_text or content) and self._has_memory(turn.request):
             task = asyncio.create_task(
                 self._writeback(turn.user_text, content, turn.request.scope or "")
@@ -193,6 +203,57 @@ def first_choice(completion: dict[str, Any]) -> dict[str, Any]:
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
     return {}
+
+
+class StreamedReply:
+    """The assistant message a stream of chunks adds up to: text and tool calls assembled."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._role = "assistant"
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        delta = first_choice(chunk).get("delta")
+        if not isinstance(delta, dict):
+            return
+        content = delta.get("content")
+        if isinstance(content, str):
+            self._parts.append(content)
+        if isinstance(delta.get("role"), str):
+            self._role = delta["role"]
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            for position, part in enumerate(calls):
+                if isinstance(part, dict):
+                    self._add_call(part, position)
+
+    def _add_call(self, part: dict[str, Any], position: int) -> None:
+        index = part.get("index")
+        call = self._calls.setdefault(index if isinstance(index, int) else position, {})
+        for key in ("id", "type"):
+            if isinstance(part.get(key), str):
+                call[key] = part[key]
+        function = part.get("function")
+        if isinstance(function, dict):
+            target = call.setdefault("function", {"name": "", "arguments": ""})
+            if isinstance(function.get("name"), str):
+                target["name"] += function["name"]
+            if isinstance(function.get("arguments"), str):
+                target["arguments"] += function["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        """``{"role", "content"[, "tool_calls"]}`` as a non-streamed reply would carry it."""
+        text = self.text
+        message: dict[str, Any] = {"role": self._role, "content": text}
+        if self._calls:
+            message["content"] = text or None
+            message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
+        return message
 
 
 def delta_text(chunk: dict[str, Any]) -> str:

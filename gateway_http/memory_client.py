@@ -166,6 +166,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details():

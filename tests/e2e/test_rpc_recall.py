@@ -127,3 +127,11 @@ async def test_a_stopped_store_is_offline_not_an_error(tmp_path: Path) -> None:
         await stack.store.stop()
         recalled = await stack.result(ADMIN, "memory.recall", {"query": ASK, "scope": "alice"})
         assert recalled == {"state": "offline", "memories": [], "section": ""}
+
+
+async def test_recall_carries_the_grpc_token_of_a_guarded_service(tmp_path: Path) -> None:
+    async with scoped_stack(tmp_path, grpc_token="a-grpc-token-for-the-memory-service") as stack:
+        await stack.say("rpc", ALICE, FACT)
+        await stack.settle()
+        recalled = await stack.result(ADMIN, "memory.recall", {"query": ASK, "scope": "alice"})
+        assert recalled["state"] == "enabled" and "4417" in recalled["section"]

@@ -34,7 +34,7 @@ from gateway_http.grpc_channel import (
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
-from gateway_http.routes import rest
+from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
@@ -163,6 +163,7 @@ def create_app(
     )
     app.include_router(rest.router)
     app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
+    app.include_router(console.router)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -125,7 +125,9 @@ def create_app(
         if db_pool is None and settings.database_url:
             db_pool = await open_pool(settings.database_url)
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
-        journal = Journal(journal_path(settings.data_dir, worker))
+        journal = (
+            Journal(journal_path(settings.data_dir, worker)) if settings.writeback_journal else None
+        )
         pipeline = TurnPipeline(
             memory, chat_backend, conversations, user_scoped=settings.user_scoped, journal=journal
         )
@@ -146,7 +148,8 @@ def create_app(
             yield
         finally:
             await pipeline.drain(WRITEBACK_GRACE_S)
-            journal.close()
+            if journal is not None:
+                journal.close()
             if owns_backend:
                 await chat_backend.aclose()
             await conversations.aclose()

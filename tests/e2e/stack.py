@@ -21,6 +21,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from arona_grpc.server import GrpcServer
 from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app
@@ -175,20 +176,26 @@ async def running_stack(
             "data_dir": data_dir,
         }
         settings = Settings(**{**fields, **overrides})
+        # One pool for both parts, as the command line has (ARONA_DATABASE_URL).
+        pool = await open_pool(settings.database_url) if settings.database_url else None
         grpc: GrpcServer | None = None
-        if grpc_target is None:
-            domain = MemoryDomain(settings, clock=clock) if clock is not None else None
-            grpc = await GrpcServer.start(settings, domain)
-            grpc_target = grpc.target
         try:
+            if grpc_target is None:
+                domain = (
+                    MemoryDomain(settings, clock=clock, pool=pool) if clock is not None else None
+                )
+                grpc = await GrpcServer.start(settings, domain, pool=pool)
+                grpc_target = grpc.target
             settings = dataclasses.replace(
                 settings, grpc_target=grpc_target, **(http_overrides or {})
             )
             async with (
-                serve_app(create_app(settings)) as base_url,
+                serve_app(create_app(settings, pool=pool)) as base_url,
                 httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
             ):
                 yield Stack(philia, upstream, grpc, settings, base_url, http)
         finally:
             if grpc is not None:
                 await grpc.stop(0.5)
+            if pool is not None:
+                await pool.close()

@@ -80,6 +80,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from arona_store.ranking import Ranking, check_ranking
+
+if TYPE_CHECKING:
+    from arona_store.embedding import Embedder
+    from arona_store.vectors import Vector, VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +124,18 @@ REMEASURE_AVGDL = 1.1
 _SECONDS_PER_DAY = 86400.0
 # recency = exp((seq - now_key) * _DECAY_PER_KEY) for a node older than now.
 _DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
+
+# Hybrid ranking (module docstring): how much each signal weighs in relevance, the cosines
+# mapped to no and to full semantic relevance, how many candidates each signal proposes, and
+# the share of a query's tokens the embedding model must know for its vector to count.
+SEMANTIC_WEIGHT = 0.65
+LEXICAL_WEIGHT = 1.0 - SEMANTIC_WEIGHT
+COSINE_FLOOR = 0.25
+COSINE_FULL = 0.75
+HYBRID_CANDIDATES = 40
+MIN_KNOWN_TOKENS = 0.75
+# Nodes embedded per step of the background fill.
+FILL_BATCH = 32
 
 # Same notion of a token as FTS5's unicode61 tokenizer: runs of letters and digits; the
 # underscore separates, as it does there.
@@ -195,6 +214,37 @@ WHEN new.text = old.text BEGIN
         WHERE id = 1;
 END;
 """
+
+# The node vectors of the hybrid ranking (created by a hybrid store; harmless to a lexical
+# one). AUTOINCREMENT: a vid is never reused, so the in-memory index can follow the table by
+# vid alone (arona_store.vectors).
+_VECTOR_TABLES = """
+CREATE TABLE IF NOT EXISTS vectors (
+    vid INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id TEXT NOT NULL UNIQUE,
+    vec BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS vector_model (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    model TEXT NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS vectors_node_deleted AFTER DELETE ON nodes BEGIN
+    DELETE FROM vectors WHERE node_id = old.id;
+END;
+CREATE TRIGGER IF NOT EXISTS vectors_text_changed AFTER UPDATE OF text ON nodes BEGIN
+    DELETE FROM vectors WHERE node_id = old.id;
+END;
+"""
+_PUT_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) VALUES (?, ?)"
+# Nodes without a vector, newest first, below a key (the background fill's cursor).
+_UNEMBEDDED = (
+    "SELECT n.seq, n.id, n.text FROM nodes n WHERE n.seq < ?"
+    " AND NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+    " ORDER BY n.seq DESC LIMIT ?"
+)
+_UNEMBEDDED_COUNT = (
+    "SELECT count(*) FROM nodes n WHERE NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+)
 
 _COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
 _INSERT = f"INSERT INTO nodes (seq, {_COLUMNS}, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -298,6 +348,9 @@ class NewNode:
     source_episode_id: str | None = None
     related_node_ids: Sequence[str] = ()
     properties: Mapping[str, str] = field(default_factory=dict)
+    # Its embedding as stored (arona_store.vectors.to_blob), for a hybrid store; None: the
+    # store embeds it itself.
+    vector: bytes | None = None
 
 
 def query_terms(text: str) -> list[str]:
@@ -353,6 +406,32 @@ def score_of(bm25: float, created_at: float, now: float) -> float:
     return relevance_of(bm25) * ((1.0 - RECENCY_WEIGHT) + RECENCY_WEIGHT * recency)
 
 
+def semantic_relevance(cosine: float) -> float:
+    """Map a cosine similarity into [0, 1]: nothing up to COSINE_FLOOR (unrelated texts),
+    everything from COSINE_FULL (close paraphrases), linear between."""
+    return min(1.0, max(0.0, (cosine - COSINE_FLOOR) / (COSINE_FULL - COSINE_FLOOR)))
+
+
+def hybrid_relevance(lexical: float, cosine: float | None) -> float:
+    """The hybrid relevance in [0, 1]: the lexical relevance (0 without a match) and the
+    semantic one (0 without a vector), weighted."""
+    semantic = 0.0 if cosine is None else semantic_relevance(cosine)
+    return SEMANTIC_WEIGHT * semantic + LEXICAL_WEIGHT * lexical
+
+
+def _recency_factor(seq: int, now_key: int) -> float:
+    """``0.6 + 0.4 * recency`` of the node at key ``seq``."""
+    return (1.0 - RECENCY_WEIGHT) + RECENCY_WEIGHT * math.exp(
+        min(0, seq - now_key) * _DECAY_PER_KEY
+    )
+
+
+def _cosine(query: Vector, blob: bytes) -> float:
+    from arona_store.vectors import from_blob
+
+    return float(from_blob(blob) @ query)
+
+
 def idf_bound(total: int, docs: int) -> float:
     """An upper bound of FTS5's IDF for a word in at least ``docs`` of ``total`` nodes.
 
@@ -395,7 +474,13 @@ def _digest(
 class MemoryStore:
     """Nodes persisted in SQLite with BM25 + recency recall. Thread-safe; use :meth:`open`."""
 
-    def __init__(self, conn: sqlite3.Connection, reader: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        reader: sqlite3.Connection,
+        path: Path,
+        embedder: Embedder | None = None,
+    ) -> None:
         self._conn = conn  # writes, behind _lock
         self._reader = reader  # recalls and counts, behind _read_lock
         self._lock = threading.Lock()
@@ -406,14 +491,44 @@ class MemoryStore:
         # term -> its measured term factor; see _tight_bound. Reader only.
         self._factors: dict[str, _TermFactor] = {}
         self.path = path
+        # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
+        self._embedder = embedder
+        self._index: VectorIndex | None = None
+        if embedder is not None:
+            from arona_store.vectors import VectorIndex
+
+            self._index = VectorIndex(embedder.dimension)
+        # The background fill's cursor: nodes below this key may still lack a vector.
+        self._fill_below = 2**63 - 1
+
+    @property
+    def ranking(self) -> Ranking:
+        """``hybrid`` when the store embeds its nodes, ``lexical`` otherwise."""
+        return "lexical" if self._embedder is None else "hybrid"
 
     @classmethod
-    def open(cls, path: Path | str, *, checkpoint_on_commit: bool = True) -> MemoryStore:
+    def open(
+        cls,
+        path: Path | str,
+        *,
+        checkpoint_on_commit: bool = True,
+        ranking: Ranking = "lexical",
+        embedder: Embedder | None = None,
+    ) -> MemoryStore:
         """Open (creating as needed, parent folders included) the database at ``path``.
 
         ``checkpoint_on_commit=False`` turns off SQLite's automatic WAL checkpoints, for an
         owner that calls :meth:`checkpoint` itself off its latency-sensitive path.
+
+        ``ranking="hybrid"`` loads the embedding model (``embedder`` if given; it needs the
+        ``semantic`` extra, :class:`~arona_store.ranking.RankingError` otherwise) and reads the
+        stored vectors; nodes without one are embedded by :meth:`fill_vectors`.
         """
+        ranking = check_ranking(ranking)
+        if ranking == "hybrid" and embedder is None:
+            from arona_store.embedding import Embedder
+
+            embedder = Embedder.load()
         db_path = Path(path)
         db_path.parent.mkdir(parents=True, exist_ok=True)
         # The server may drive the store from a thread that is not the opener's; a lock per
@@ -426,6 +541,8 @@ class MemoryStore:
             if not checkpoint_on_commit:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             _prepare_schema(conn)
+            if embedder is not None:
+                _prepare_vectors(conn, embedder.model_id)
             conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
             reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error:
@@ -439,8 +556,16 @@ class MemoryStore:
             reader.close()
             conn.close()
             raise
-        logger.info("memory store opened at %s", db_path)
-        return cls(conn, reader, db_path)
+        store = cls(conn, reader, db_path, embedder)
+        if store._index is not None:
+            with store._read_lock:
+                store._reader.execute("BEGIN")
+                try:
+                    store._index.sync(store._reader)
+                finally:
+                    store._reader.execute("COMMIT")
+        logger.info("memory store opened at %s (ranking: %s)", db_path, store.ranking)
+        return store
 
     def _check_open(self) -> None:
         if self._closed:
@@ -483,7 +608,8 @@ class MemoryStore:
         Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
         as for :meth:`add`.
         """
-        ids = self._add_rows(self._rows(nodes), refresh, wait=True)
+        rows, vectors = self._rows(nodes)
+        ids = self._add_rows(rows, self._with_vectors(rows, vectors), refresh, wait=True)
         assert ids is not None  # a waiting call always gets to write
         return ids
 
@@ -494,14 +620,43 @@ class MemoryStore:
         refresh: bool = False,
     ) -> list[str] | None:
         """Like :meth:`add_many`, but None at once, having written nothing, if another caller
-        (a thread here, or another process) is writing; for callers that must not wait."""
-        return self._add_rows(self._rows(nodes), refresh, wait=False)
+        (a thread here, or another process) is writing; for callers that must not wait.
+
+        A hybrid store embeds the nodes given without a vector first (milliseconds each)."""
+        rows, vectors = self._rows(nodes)
+        return self._add_rows(rows, self._with_vectors(rows, vectors), refresh, wait=False)
+
+    def _with_vectors(self, rows: list[_Row], vectors: list[bytes | None]) -> list[bytes | None]:
+        """Every node's vector for a hybrid store (embedding those without), none for a
+        lexical one."""
+        if self._embedder is None:
+            return [None] * len(rows)
+        missing = [i for i, vector in enumerate(vectors) if vector is None]
+        if missing:
+            from arona_store.vectors import to_blob
+
+            embedded = self._embedder.embed([rows[i][3] for i in missing])
+            vectors = list(vectors)
+            for i, vector in zip(missing, embedded, strict=True):
+                vectors[i] = to_blob(vector)
+        return vectors
+
+    def embed(self, texts: Sequence[str]) -> list[bytes]:
+        """The stored form of ``texts``' vectors (hybrid store only), to pass as
+        :attr:`NewNode.vector`; callers that must not spend milliseconds on a thread embed
+        with this elsewhere first."""
+        if self._embedder is None:
+            raise StoreError("a lexical store does not embed")
+        from arona_store.vectors import to_blob
+
+        return [to_blob(vector) for vector in self._embedder.embed(list(texts))]
 
     @staticmethod
     def _rows(
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
-    ) -> list[_Row]:
+    ) -> tuple[list[_Row], list[bytes | None]]:
         rows: list[_Row] = []
+        vectors: list[bytes | None] = []
         for item in nodes:
             node = item if isinstance(item, NewNode) else NewNode(*item)
             if not isinstance(node.text, str) or not node.text.strip():
@@ -524,9 +679,12 @@ class MemoryStore:
                     _digest(node.node_type, node.text, node.source_episode_id, related, properties),
                 )
             )
-        return rows
+            vectors.append(node.vector)
+        return rows, vectors
 
-    def _add_rows(self, rows: list[_Row], refresh: bool, *, wait: bool) -> list[str] | None:
+    def _add_rows(
+        self, rows: list[_Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
+    ) -> list[str] | None:
         if not self._lock.acquire(blocking=wait):
             return None
         try:
@@ -538,9 +696,14 @@ class MemoryStore:
                 # Where to resume probing for each wanted key, so a batch sharing one
                 # timestamp does not walk the same run of taken keys again for every node.
                 resume: dict[int, int] = {}
-                for row in rows:
+                for row, vector in zip(rows, vectors, strict=True):
                     wanted = row[0]
                     twin = self._twin(row) if refresh else None
+                    if vector is not None:
+                        # A twin keeps its vector (same text) or gets this one if it had none.
+                        self._conn.execute(
+                            _PUT_VECTOR, (row[1] if twin is None else twin[1], vector)
+                        )
                     if twin is not None:
                         twin_seq, twin_id = twin
                         ids.append(twin_id)
@@ -654,6 +817,7 @@ class MemoryStore:
         if not terms:
             return []
         now_key = _now_key(_epoch(now))
+        query_vector = self._query_vector(text)
         if not self._read_lock.acquire(blocking=wait):
             return None
         try:
@@ -662,16 +826,32 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                return self._ranked_hits(terms, limit, now_key, node_type)
+                if self._embedder is None:
+                    ranked, _ = self._ranked(terms, limit, now_key, node_type)
+                else:
+                    ranked = self._hybrid_ranked(terms, query_vector, limit, now_key, node_type)
+                return self._hits(ranked)
             finally:
                 self._reader.execute("COMMIT")
         finally:
             self._read_lock.release()
 
-    def _ranked_hits(
+    def _query_vector(self, text: str) -> Vector | None:
+        """The query's vector for a hybrid recall; None for a lexical store, or when the model
+        knows too few of the query's tokens for its vector to mean anything (module
+        docstring)."""
+        if self._embedder is None:
+            return None
+        if self._embedder.known_share(text) < MIN_KNOWN_TOKENS:
+            return None
+        vector: Vector = self._embedder.embed([text])[0]
+        return vector
+
+    def _ranked(
         self, terms: list[str], limit: int, now_key: int, node_type: str | None
-    ) -> list[MemoryHit]:
-        """The recall itself (read lock held, read transaction open).
+    ) -> tuple[list[tuple[float, int]], str | None]:
+        """The lexical recall itself as (score, seq), best first, and the FTS expression it
+        matched (read lock held, read transaction open).
 
         The bounds come from the whole store: a node type holds a subset of its matches, so
         they bound that subset's scores too.
@@ -679,7 +859,7 @@ class MemoryStore:
         total, changes, hi, backdated = self._reader.execute(_COUNTERS).fetchone()
         kept, counts, all_common = self._plan(terms, total, changes)
         if not kept:
-            return []
+            return [], None
         expression = fts_expression(kept)
         if all_common:
             ranked = self._newest(expression, limit, now_key, node_type)
@@ -698,6 +878,67 @@ class MemoryStore:
                     measured = self._factors.get(term)
                     if measured is not None and measured.hi <= tight.horizon:
                         del self._factors[term]
+        return ranked, expression
+
+    def _hybrid_ranked(
+        self,
+        terms: list[str],
+        query_vector: Vector | None,
+        limit: int,
+        now_key: int,
+        node_type: str | None,
+    ) -> list[tuple[float, int]]:
+        """The hybrid recall as (score, seq), best first (read lock held, read transaction
+        open; module docstring): the best lexical and the most similar nodes are the
+        candidates, each scored with both signals."""
+        assert self._index is not None
+        wanted = max(limit, HYBRID_CANDIDATES)
+        lexical, expression = self._ranked(terms, wanted, now_key, node_type)
+        # seq -> lexical relevance (the lexical score without its recency factor).
+        relevance = {seq: min(1.0, score / _recency_factor(seq, now_key)) for score, seq in lexical}
+        cosines: dict[int, float] = {}
+        if query_vector is not None:
+            self._index.sync(self._reader)
+            similar = self._index.top(query_vector, wanted, node_type)
+            close = [vid for cosine, vid in similar if cosine > COSINE_FLOOR]
+            if close:
+                marks = ", ".join("?" * len(close))
+                for seq, vec in self._reader.execute(
+                    "SELECT n.seq, v.vec FROM vectors v JOIN nodes n ON n.id = v.node_id"
+                    f" WHERE v.vid IN ({marks})",
+                    close,
+                ):
+                    cosines[seq] = _cosine(query_vector, vec)
+            # The lexical candidates' similarity, and the similar nodes' lexical relevance.
+            unseen = [seq for seq in relevance if seq not in cosines]
+            if unseen:
+                marks = ", ".join("?" * len(unseen))
+                for seq, vec in self._reader.execute(
+                    "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
+                    f" WHERE n.seq IN ({marks})",
+                    unseen,
+                ):
+                    cosines[seq] = _cosine(query_vector, vec)
+            others = [seq for seq in cosines if seq not in relevance]
+            if others and expression is not None:
+                marks = ", ".join("?" * len(others))
+                for seq, bm25 in self._reader.execute(
+                    "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
+                    f" AND rowid IN ({marks})",
+                    [expression, *others],
+                ):
+                    relevance[seq] = relevance_of(bm25)
+        scored: list[tuple[float, int]] = []
+        for seq in relevance.keys() | cosines.keys():
+            fused = hybrid_relevance(relevance.get(seq, 0.0), cosines.get(seq))
+            if fused > 0.0:
+                scored.append((fused * _recency_factor(seq, now_key), seq))
+        scored.sort(reverse=True)
+        return scored[:limit]
+
+    def _hits(self, ranked: list[tuple[float, int]]) -> list[MemoryHit]:
+        """The nodes of ``ranked`` (score, seq) as hits, in that order (read transaction
+        open)."""
         if not ranked:
             return []
         marks = ", ".join("?" * len(ranked))
@@ -911,6 +1152,40 @@ class MemoryStore:
         self._doc_counts[term] = (docs, changes)
         return docs, docs
 
+    def unembedded(self) -> int:
+        """How many nodes have no vector yet (0 for a lexical store)."""
+        if self._embedder is None:
+            return 0
+        with self._read_lock:
+            self._check_open()
+            return int(self._reader.execute(_UNEMBEDDED_COUNT).fetchone()[0])
+
+    def fill_vectors(self, batch: int = FILL_BATCH) -> int:
+        """Embed up to ``batch`` nodes that have no vector, newest first, and store their
+        vectors; how many (0 once every node older than the first call has one, and always
+        for a lexical store). Blocks for the embedding (milliseconds a node): call it from a
+        worker thread, again until it returns 0."""
+        if self._embedder is None:
+            return 0
+        with self._read_lock:
+            self._check_open()
+            rows = self._reader.execute(_UNEMBEDDED, (self._fill_below, batch)).fetchall()
+        if not rows:
+            return 0
+        vectors = self.embed([text for _, _, text in rows])
+        with self._lock:
+            self._check_open()
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                pairs = zip(rows, vectors, strict=True)
+                self._conn.executemany(_PUT_VECTOR, [(row[1], vec) for row, vec in pairs])
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        self._fill_below = min(seq for seq, _, _ in rows)
+        return len(rows)
+
     def delete(self, node_id: str) -> bool:
         """Remove a node (and its index entry); True if it existed."""
         with self._lock:
@@ -1042,6 +1317,27 @@ def _prepare_schema(conn: sqlite3.Connection) -> None:
         for statement in _split_script(_TABLES):
             conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _prepare_vectors(conn: sqlite3.Connection, model_id: str) -> None:
+    """Create the vector tables of a hybrid store if missing; vectors made by another model
+    are dropped (the background fill makes them again)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _split_script(_VECTOR_TABLES):
+            conn.execute(statement)
+        row = conn.execute("SELECT model FROM vector_model WHERE id = 1").fetchone()
+        if row is None or row[0] != model_id:
+            if row is not None:
+                logger.info("memory store: vectors of model %s dropped for %s", row[0], model_id)
+            conn.execute("DELETE FROM vectors")
+            conn.execute(
+                "INSERT OR REPLACE INTO vector_model (id, model) VALUES (1, ?)", (model_id,)
+            )
     except BaseException:
         conn.execute("ROLLBACK")
         raise

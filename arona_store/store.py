@@ -109,7 +109,7 @@ MAX_ABS_EPOCH_S = 1e11
 # FTS5's bm25() constant k1: one word adds at most (k1 + 1) * idf to BM25, whatever its
 # frequency in the node and the node's length.
 BM25_K1 = 1.2
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 5000
 # Most matches one query reads (see the module docstring).
 MAX_SCAN_ROWS = 4000
@@ -140,6 +140,13 @@ FILL_BATCH = 32
 # Same notion of a token as FTS5's unicode61 tokenizer: runs of letters and digits; the
 # underscore separates, as it does there.
 _WORD = re.compile(r"[^\W_]+")
+
+# Scripts written without spaces between words (Han, kana, Hangul): unicode61 makes a whole run
+# of them one token, so they are also indexed as overlapping character pairs (module docstring).
+_CJK_RUN = re.compile(
+    "[\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002ffff]+"
+)
 
 # Words that carry no topic on their own; a query made only of them matches nothing, so a
 # question like "what do you know?" does not return the whole store.
@@ -205,6 +212,16 @@ CREATE TRIGGER IF NOT EXISTS counters_ad AFTER DELETE ON nodes BEGIN
 END;
 CREATE TRIGGER IF NOT EXISTS counters_au AFTER UPDATE OF text ON nodes BEGIN
     UPDATE counters SET changes = changes + 2, backdated = backdated + 1 WHERE id = 1;
+END;
+CREATE VIRTUAL TABLE IF NOT EXISTS nodes_cjk USING fts5(grams, tokenize='unicode61');
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_ad AFTER DELETE ON nodes BEGIN
+    DELETE FROM nodes_cjk WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_au AFTER UPDATE OF text ON nodes BEGIN
+    DELETE FROM nodes_cjk WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_moved AFTER UPDATE OF seq ON nodes BEGIN
+    UPDATE nodes_cjk SET rowid = new.seq WHERE rowid = old.seq;
 END;
 CREATE TRIGGER IF NOT EXISTS nodes_moved AFTER UPDATE OF seq ON nodes
 WHEN new.text = old.text BEGIN
@@ -278,6 +295,27 @@ _RANKED_MATCHES_OF_TYPE = (
     " WHERE nodes_fts MATCH :expr AND nodes.node_type = :node_type"
     " ORDER BY nodes_fts.rowid DESC LIMIT :cap"
 )
+# The same over the character pairs of Chinese, Japanese and Korean text (no bounds are kept
+# for them: the scan stops by recency alone, which is exact with a relevance bound of 1).
+_RANKED_CJK = (
+    "SELECT rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_cjk))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, rowid - :now) * :decay))"
+    " FROM nodes_cjk WHERE nodes_cjk MATCH :expr ORDER BY rowid DESC LIMIT :cap"
+)
+_RANKED_CJK_OF_TYPE = (
+    "SELECT nodes_cjk.rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_cjk))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, nodes_cjk.rowid - :now) * :decay))"
+    " FROM nodes_cjk JOIN nodes ON nodes.seq = nodes_cjk.rowid"
+    " WHERE nodes_cjk MATCH :expr AND nodes.node_type = :node_type"
+    " ORDER BY nodes_cjk.rowid DESC LIMIT :cap"
+)
+_INSERT_CJK = "INSERT INTO nodes_cjk (rowid, grams) VALUES (?, ?)"
 # Matches of a word found in most nodes: the newest `limit`, read straight off the index.
 _NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
 _NEWEST_MATCHES_OF_TYPE = (
@@ -370,6 +408,27 @@ def query_terms(text: str) -> list[str]:
         if len(terms) >= MAX_QUERY_TERMS:
             break
     return terms
+
+
+def cjk_grams(text: str) -> list[str]:
+    """The character pairs of ``text``'s runs of Chinese, Japanese or Korean characters (a
+    run of one character is kept whole), lower-cased, de-duplicated, in order."""
+    grams: list[str] = []
+    seen: set[str] = set()
+    for match in _CJK_RUN.finditer(text.lower()):
+        run = match.group()
+        pieces = [run] if len(run) == 1 else [run[i : i + 2] for i in range(len(run) - 1)]
+        for gram in pieces:
+            if gram not in seen:
+                seen.add(gram)
+                grams.append(gram)
+    return grams
+
+
+def cjk_index_text(text: str) -> str | None:
+    """What the character-pair index holds for ``text``; None when it has no such run."""
+    grams = cjk_grams(text)
+    return " ".join(grams) if grams else None
 
 
 def fts_expression(terms: Sequence[str]) -> str | None:
@@ -718,6 +777,9 @@ class MemoryStore:
                     key = self._free_key(resume.get(wanted, wanted))
                     resume[wanted] = key + 1
                     self._conn.execute(_INSERT, (key, *row[1:]))
+                    grams = cjk_index_text(row[3])
+                    if grams is not None:
+                        self._conn.execute(_INSERT_CJK, (key, grams))
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
@@ -816,6 +878,7 @@ class MemoryStore:
         terms = query_terms(text)
         if not terms:
             return []
+        grams = cjk_grams(text)[:MAX_QUERY_TERMS]
         now_key = _now_key(_epoch(now))
         query_vector = self._query_vector(text)
         if not self._read_lock.acquire(blocking=wait):
@@ -827,9 +890,11 @@ class MemoryStore:
             self._reader.execute("BEGIN")
             try:
                 if self._embedder is None:
-                    ranked, _ = self._ranked(terms, limit, now_key, node_type)
+                    ranked, _ = self._ranked(terms, grams, limit, now_key, node_type)
                 else:
-                    ranked = self._hybrid_ranked(terms, query_vector, limit, now_key, node_type)
+                    ranked = self._hybrid_ranked(
+                        terms, grams, query_vector, limit, now_key, node_type
+                    )
                 return self._hits(ranked)
             finally:
                 self._reader.execute("COMMIT")
@@ -848,10 +913,34 @@ class MemoryStore:
         return vector
 
     def _ranked(
+        self,
+        terms: list[str],
+        grams: list[str],
+        limit: int,
+        now_key: int,
+        node_type: str | None,
+    ) -> tuple[list[tuple[float, int]], str | None]:
+        """The lexical recall itself as (score, seq), best first, and the FTS expression of
+        its words (read lock held, read transaction open). A query with Chinese, Japanese or
+        Korean text also matches their character pairs; a node then counts with the better
+        of its two scores."""
+        ranked, expression = self._ranked_words(terms, limit, now_key, node_type)
+        if not grams:
+            return ranked, expression
+        found, _ = self._best(
+            fts_expression(grams), limit, now_key, 1.0, node_type=node_type, cjk=True
+        )
+        best = dict((seq, score) for score, seq in ranked)
+        for score, seq in found:
+            if score > best.get(seq, -1.0):
+                best[seq] = score
+        merged = sorted(((score, seq) for seq, score in best.items()), reverse=True)
+        return merged[:limit], expression
+
+    def _ranked_words(
         self, terms: list[str], limit: int, now_key: int, node_type: str | None
     ) -> tuple[list[tuple[float, int]], str | None]:
-        """The lexical recall itself as (score, seq), best first, and the FTS expression it
-        matched (read lock held, read transaction open).
+        """The recall over the word index (read lock held, read transaction open).
 
         The bounds come from the whole store: a node type holds a subset of its matches, so
         they bound that subset's scores too.
@@ -883,6 +972,7 @@ class MemoryStore:
     def _hybrid_ranked(
         self,
         terms: list[str],
+        grams: list[str],
         query_vector: Vector | None,
         limit: int,
         now_key: int,
@@ -892,42 +982,44 @@ class MemoryStore:
         open; module docstring): the best lexical and the most similar nodes are the
         candidates, each scored with both signals."""
         assert self._index is not None
+        if query_vector is None:
+            # Nothing the model can read (module docstring): the lexical ranking alone.
+            return self._ranked(terms, grams, limit, now_key, node_type)[0]
         wanted = max(limit, HYBRID_CANDIDATES)
-        lexical, expression = self._ranked(terms, wanted, now_key, node_type)
+        lexical, expression = self._ranked(terms, grams, wanted, now_key, node_type)
         # seq -> lexical relevance (the lexical score without its recency factor).
         relevance = {seq: min(1.0, score / _recency_factor(seq, now_key)) for score, seq in lexical}
         cosines: dict[int, float] = {}
-        if query_vector is not None:
-            self._index.sync(self._reader)
-            similar = self._index.top(query_vector, wanted, node_type)
-            close = [vid for cosine, vid in similar if cosine > COSINE_FLOOR]
-            if close:
-                marks = ", ".join("?" * len(close))
-                for seq, vec in self._reader.execute(
-                    "SELECT n.seq, v.vec FROM vectors v JOIN nodes n ON n.id = v.node_id"
-                    f" WHERE v.vid IN ({marks})",
-                    close,
-                ):
-                    cosines[seq] = _cosine(query_vector, vec)
-            # The lexical candidates' similarity, and the similar nodes' lexical relevance.
-            unseen = [seq for seq in relevance if seq not in cosines]
-            if unseen:
-                marks = ", ".join("?" * len(unseen))
-                for seq, vec in self._reader.execute(
-                    "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
-                    f" WHERE n.seq IN ({marks})",
-                    unseen,
-                ):
-                    cosines[seq] = _cosine(query_vector, vec)
-            others = [seq for seq in cosines if seq not in relevance]
-            if others and expression is not None:
-                marks = ", ".join("?" * len(others))
-                for seq, bm25 in self._reader.execute(
-                    "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
-                    f" AND rowid IN ({marks})",
-                    [expression, *others],
-                ):
-                    relevance[seq] = relevance_of(bm25)
+        self._index.sync(self._reader)
+        similar = self._index.top(query_vector, wanted, node_type)
+        close = [vid for cosine, vid in similar if cosine > COSINE_FLOOR]
+        if close:
+            marks = ", ".join("?" * len(close))
+            for seq, vec in self._reader.execute(
+                "SELECT n.seq, v.vec FROM vectors v JOIN nodes n ON n.id = v.node_id"
+                f" WHERE v.vid IN ({marks})",
+                close,
+            ):
+                cosines[seq] = _cosine(query_vector, vec)
+        # The lexical candidates' similarity, and the similar nodes' lexical relevance.
+        unseen = [seq for seq in relevance if seq not in cosines]
+        if unseen:
+            marks = ", ".join("?" * len(unseen))
+            for seq, vec in self._reader.execute(
+                "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
+                f" WHERE n.seq IN ({marks})",
+                unseen,
+            ):
+                cosines[seq] = _cosine(query_vector, vec)
+        others = [seq for seq in cosines if seq not in relevance]
+        if others and expression is not None:
+            marks = ", ".join("?" * len(others))
+            for seq, bm25 in self._reader.execute(
+                "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
+                f" AND rowid IN ({marks})",
+                [expression, *others],
+            ):
+                relevance[seq] = relevance_of(bm25)
         scored: list[tuple[float, int]] = []
         for seq in relevance.keys() | cosines.keys():
             fused = hybrid_relevance(relevance.get(seq, 0.0), cosines.get(seq))
@@ -1038,6 +1130,7 @@ class MemoryStore:
         bound: float,
         tight: _Bounds | None = None,
         node_type: str | None = None,
+        cjk: bool = False,
     ) -> tuple[list[tuple[float, int]], int]:
         """The top ``limit`` (score, seq) of a match, best first, and how many rows were read
         above the horizon (read lock held).
@@ -1054,12 +1147,15 @@ class MemoryStore:
         best: list[tuple[float, int]] = []
         stop_at: int | None = None  # scanning ends at keys <= this
         params = {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS}
+        sql, sql_of_type = (
+            (_RANKED_CJK, _RANKED_CJK_OF_TYPE)
+            if cjk
+            else (_RANKED_MATCHES, _RANKED_MATCHES_OF_TYPE)
+        )
         if node_type is None:
-            cursor = self._reader.execute(_RANKED_MATCHES, params)
+            cursor = self._reader.execute(sql, params)
         else:
-            cursor = self._reader.execute(
-                _RANKED_MATCHES_OF_TYPE, {**params, "node_type": node_type}
-            )
+            cursor = self._reader.execute(sql_of_type, {**params, "node_type": node_type})
         try:
             for seq, score in cursor:
                 if stop_at is not None and seq <= stop_at:
@@ -1301,7 +1397,8 @@ def _stop_key(weakest: float, bound: float, now_key: int) -> int | None:
 
 def _prepare_schema(conn: sqlite3.Connection) -> None:
     """Create the tables, or bring an older database up to date (once, in one transaction):
-    version 1 had insertion-ordered keys, version 2 no digests."""
+    version 1 had insertion-ordered keys, version 2 no digests, version 3 no character-pair
+    index."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version >= SCHEMA_VERSION:
         return
@@ -1312,10 +1409,12 @@ def _prepare_schema(conn: sqlite3.Connection) -> None:
         ).fetchone()
         if exists is not None and version < 2:
             _rekey(conn)
-        elif exists is not None:
+        elif exists is not None and version < 3:
             _add_digests(conn)
         for statement in _split_script(_TABLES):
             conn.execute(statement)
+        if exists is not None:
+            _index_cjk(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -1364,6 +1463,19 @@ def _rekey(conn: sqlite3.Connection) -> None:
         previous = key
         conn.execute(_INSERT, (key, *row, _digest(row[1], row[2], row[4], row[5], row[6])))
     conn.execute("DROP TABLE nodes_old")
+
+
+def _index_cjk(conn: sqlite3.Connection) -> None:
+    """Index the character pairs of every stored node that has Chinese, Japanese or Korean
+    text (transaction open; a version-3 database has none indexed)."""
+    conn.execute("DELETE FROM nodes_cjk")
+    rows = conn.execute("SELECT seq, text FROM nodes").fetchall()
+    pairs = [(seq, grams) for seq, text in rows if (grams := cjk_index_text(text)) is not None]
+    conn.executemany(_INSERT_CJK, pairs)
+    if pairs:
+        logger.info(
+            "memory store: indexed %d nodes by character pairs (one-time upgrade)", len(pairs)
+        )
 
 
 def _add_digests(conn: sqlite3.Connection) -> None:

@@ -128,10 +128,10 @@ _DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
 # Hybrid ranking (module docstring): how much each signal weighs in relevance, the cosines
 # mapped to no and to full semantic relevance, how many candidates each signal proposes, and
 # the share of a query's tokens the embedding model must know for its vector to count.
-SEMANTIC_WEIGHT = 0.65
+SEMANTIC_WEIGHT = 0.8
 LEXICAL_WEIGHT = 1.0 - SEMANTIC_WEIGHT
 COSINE_FLOOR = 0.25
-COSINE_FULL = 0.75
+COSINE_FULL = 0.6
 HYBRID_CANDIDATES = 40
 MIN_KNOWN_TOKENS = 0.75
 # Nodes embedded per step of the background fill.

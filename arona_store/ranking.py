@@ -28,7 +28,14 @@ class RankingError(Exception):
 
 def missing_semantic_modules() -> list[str]:
     """The modules of the ``semantic`` extra that cannot be imported here (none: installed)."""
-    return [name for name in SEMANTIC_MODULES if importlib.util.find_spec(name) is None]
+    return [name for name in SEMANTIC_MODULES if not _importable(name)]
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def semantic_available() -> bool:

@@ -134,6 +134,9 @@ COSINE_FLOOR = 0.25
 COSINE_FULL = 0.6
 HYBRID_CANDIDATES = 40
 MIN_KNOWN_TOKENS = 0.75
+# The model reads English: a query mostly in Chinese, Japanese or Korean characters (even ones
+# its vocabulary holds, as kana) gets vectors that all look alike, so it is ranked by words.
+MAX_CJK_SHARE = 0.3
 # Nodes embedded per step of the background fill.
 FILL_BATCH = 32
 
@@ -423,6 +426,14 @@ def cjk_grams(text: str) -> list[str]:
                 seen.add(gram)
                 grams.append(gram)
     return grams
+
+
+def cjk_share(text: str) -> float:
+    """The share of ``text``'s letters and digits that are Chinese, Japanese or Korean."""
+    letters = sum(len(m.group()) for m in _WORD.finditer(text))
+    if not letters:
+        return 0.0
+    return sum(len(m.group()) for m in _CJK_RUN.finditer(text)) / letters
 
 
 def cjk_index_text(text: str) -> str | None:
@@ -907,7 +918,7 @@ class MemoryStore:
         docstring)."""
         if self._embedder is None:
             return None
-        if self._embedder.known_share(text) < MIN_KNOWN_TOKENS:
+        if cjk_share(text) > MAX_CJK_SHARE or self._embedder.known_share(text) < MIN_KNOWN_TOKENS:
             return None
         vector: Vector = self._embedder.embed([text])[0]
         return vector

@@ -496,12 +496,6 @@ def _recency_factor(seq: int, now_key: int) -> float:
     )
 
 
-def _cosine(query: Vector, blob: bytes) -> float:
-    from arona_store.vectors import from_blob
-
-    return float(from_blob(blob) @ query)
-
-
 def idf_bound(total: int, docs: int) -> float:
     """An upper bound of FTS5's IDF for a word in at least ``docs`` of ``total`` nodes.
 
@@ -1002,26 +996,34 @@ class MemoryStore:
         relevance = {seq: min(1.0, score / _recency_factor(seq, now_key)) for score, seq in lexical}
         cosines: dict[int, float] = {}
         self._index.sync(self._reader)
-        similar = self._index.top(query_vector, wanted, node_type)
-        close = [vid for cosine, vid in similar if cosine > COSINE_FLOOR]
-        if close:
-            marks = ", ".join("?" * len(close))
-            for seq, vec in self._reader.execute(
-                "SELECT n.seq, v.vec FROM vectors v JOIN nodes n ON n.id = v.node_id"
+        similar = {
+            vid: cosine
+            for cosine, vid in self._index.top(query_vector, wanted, node_type)
+            if cosine > COSINE_FLOOR
+        }
+        if similar:
+            # Only nodes still in this snapshot (the index may hold deleted ones).
+            marks = ", ".join("?" * len(similar))
+            for vid, seq in self._reader.execute(
+                "SELECT v.vid, n.seq FROM vectors v JOIN nodes n ON n.id = v.node_id"
                 f" WHERE v.vid IN ({marks})",
-                close,
+                list(similar),
             ):
-                cosines[seq] = _cosine(query_vector, vec)
+                cosines[seq] = similar[vid]
         # The lexical candidates' similarity, and the similar nodes' lexical relevance.
         unseen = [seq for seq in relevance if seq not in cosines]
         if unseen:
             marks = ", ".join("?" * len(unseen))
-            for seq, vec in self._reader.execute(
+            rows = self._reader.execute(
                 "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
                 f" WHERE n.seq IN ({marks})",
                 unseen,
-            ):
-                cosines[seq] = _cosine(query_vector, vec)
+            ).fetchall()
+            if rows:
+                from arona_store.vectors import cosines_of
+
+                found = cosines_of(query_vector, [vec for _, vec in rows])
+                cosines.update(zip((seq for seq, _ in rows), found, strict=True))
         others = [seq for seq in cosines if seq not in relevance]
         if others and expression is not None:
             marks = ", ".join("?" * len(others))

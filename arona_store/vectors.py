@@ -37,6 +37,12 @@ def from_blob(blob: bytes) -> Vector:
     return np.frombuffer(blob, dtype="<f2").astype(np.float32)
 
 
+def cosines_of(query: Vector, blobs: list[bytes]) -> list[float]:
+    """The cosine of ``query`` with each stored vector (both unit length)."""
+    matrix = np.frombuffer(b"".join(blobs), dtype="<f2").reshape(len(blobs), -1)
+    return [float(x) for x in matrix.astype(np.float32) @ query]
+
+
 class VectorIndex:
     """Every stored vector as rows of one float32 matrix, with its ``vid`` and node type."""
 

@@ -572,10 +572,12 @@ class StoreServer:
             del self._queued[:WRITE_BATCH_MAX]
             nodes = await self._embedded([node for node, _ in batch])
             try:
-                ids = self.store.try_add_many(nodes, refresh=True)
+                # Never embedding here, on the loop: a node the embedding thread could not
+                # embed is stored without a vector (the next start's background fill adds it).
+                ids = self.store.try_add_many(nodes, refresh=True, embed=False)
                 if ids is None:
                     ids = await self._in_db(
-                        functools.partial(self.store.add_many, refresh=True), nodes
+                        functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
             except Exception as err:
                 for _, done in batch:

@@ -666,14 +666,18 @@ class MemoryStore:
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
         *,
         refresh: bool = False,
+        embed: bool = True,
     ) -> list[str]:
         """Persist many nodes in one transaction (the bulk-load path); returns their ids.
 
         Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
-        as for :meth:`add`.
+        as for :meth:`add`. A hybrid store embeds the nodes given without a vector first
+        (milliseconds each), unless ``embed`` is off: they then wait for :meth:`fill_vectors`.
         """
         rows, vectors = self._rows(nodes)
-        ids = self._add_rows(rows, self._with_vectors(rows, vectors), refresh, wait=True)
+        if embed:
+            vectors = self._with_vectors(rows, vectors)
+        ids = self._add_rows(rows, vectors, refresh, wait=True)
         assert ids is not None  # a waiting call always gets to write
         return ids
 
@@ -682,19 +686,20 @@ class MemoryStore:
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
         *,
         refresh: bool = False,
+        embed: bool = True,
     ) -> list[str] | None:
         """Like :meth:`add_many`, but None at once, having written nothing, if another caller
-        (a thread here, or another process) is writing; for callers that must not wait.
-
-        A hybrid store embeds the nodes given without a vector first (milliseconds each)."""
+        (a thread here, or another process) is writing; for callers that must not wait."""
         rows, vectors = self._rows(nodes)
-        return self._add_rows(rows, self._with_vectors(rows, vectors), refresh, wait=False)
+        if embed:
+            vectors = self._with_vectors(rows, vectors)
+        return self._add_rows(rows, vectors, refresh, wait=False)
 
     def _with_vectors(self, rows: list[_Row], vectors: list[bytes | None]) -> list[bytes | None]:
         """Every node's vector for a hybrid store (embedding those without), none for a
         lexical one."""
         if self._embedder is None:
-            return [None] * len(rows)
+            return vectors
         missing = [i for i, vector in enumerate(vectors) if vector is None]
         if missing:
             from arona_store.vectors import to_blob
@@ -749,6 +754,9 @@ class MemoryStore:
     def _add_rows(
         self, rows: list[_Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
     ) -> list[str] | None:
+        if self._embedder is None:
+            # A lexical store keeps no vectors (it may not have their table).
+            vectors = [None] * len(rows)
         if not self._lock.acquire(blocking=wait):
             return None
         try:

@@ -60,6 +60,30 @@ id. Saying the same thing twice is then one memory, recent again, instead of cop
 rank alike and crowd every other memory out of a recall (and that each recall would have to
 read). Identical nodes are found through a 16-byte digest of those fields, indexed.
 
+Chinese, Japanese and Korean. FTS5's unicode61 tokenizer makes a run of such characters one
+token, so a second FTS5 index (``nodes_cjk``) holds their overlapping character pairs (a run of
+one character as itself), written with the node and kept by triggers on delete and move. A query
+holding such characters also matches its pairs there, scored by the same formula over that
+index (its scan stops by recency alone, with a relevance bound of 1), and a node counts with the
+better of its two scores. Queries without them run exactly as before.
+
+Hybrid ranking (a store opened with ``ranking="hybrid"``; ``arona_store/RANKING.md``). Each node
+also has a unit vector from a sentence-embedding model (``vectors``, keyed by node id, so a move
+keeps it; a delete or a text change drops it), and a recall blends both signals::
+
+    lexical   = the relevance above for a word match, 0 otherwise
+    semantic  = clamp((cosine - COSINE_FLOOR) / (COSINE_FULL - COSINE_FLOOR), 0, 1)
+    relevance = SEMANTIC_WEIGHT * semantic + LEXICAL_WEIGHT * lexical
+    score     = relevance * (0.6 + 0.4 * recency)            # in [0, 1]
+
+The candidates are what the lexical ranking returns for the query (same scan, same bounds) and
+the HYBRID_CANDIDATES nodes of closest meaning (:class:`~arona_store.vectors.VectorIndex`);
+each is scored with both signals (the BM25 of a candidate found by meaning is looked up), so a
+node's score does not depend on a ``node_type`` filter. A query the model cannot read (mostly
+Chinese, Japanese or Korean, or mostly unknown tokens) is ranked lexically. Nodes without a
+vector yet (written by the lexical ranking or an older version; :meth:`MemoryStore.fill_vectors`
+adds them) count by their words only.
+
 Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
 already merged): a bulk-loaded index otherwise costs every query a probe per segment.
 """
@@ -126,7 +150,7 @@ _SECONDS_PER_DAY = 86400.0
 _DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
 
 # Hybrid ranking (module docstring): how much each signal weighs in relevance, the cosines
-# mapped to no and to full semantic relevance, how many candidates each signal proposes, and
+# mapped to no and to full semantic relevance, how many candidates the embeddings propose, and
 # the share of a query's tokens the embedding model must know for its vector to count.
 SEMANTIC_WEIGHT = 0.8
 LEXICAL_WEIGHT = 1.0 - SEMANTIC_WEIGHT
@@ -998,8 +1022,10 @@ class MemoryStore:
         if query_vector is None:
             # Nothing the model can read (module docstring): the lexical ranking alone.
             return self._ranked(terms, grams, limit, now_key, node_type)[0]
+        # The lexical candidates are what the lexical ranking would return (its scan stops
+        # as early); the semantic ones reach further.
+        lexical, expression = self._ranked(terms, grams, limit, now_key, node_type)
         wanted = max(limit, HYBRID_CANDIDATES)
-        lexical, expression = self._ranked(terms, grams, wanted, now_key, node_type)
         # seq -> lexical relevance (the lexical score without its recency factor).
         relevance = {seq: min(1.0, score / _recency_factor(seq, now_key)) for score, seq in lexical}
         cosines: dict[int, float] = {}

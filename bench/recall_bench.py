@@ -21,7 +21,6 @@ row.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import statistics
@@ -77,26 +76,30 @@ def corpus_nodes(count: int, now: float | None = None) -> list[NewNode]:
     ]
 
 
-def corpus_vectors(texts: Sequence[str]) -> list[bytes]:
-    """The stored form of ``texts``' vectors, embedded on every core once and then cached."""
+def corpus_vectors(count: int) -> list[bytes]:
+    """The stored form of the vectors of the first ``count`` corpus episodes.
+
+    Every store size draws its episodes from the same sequence (:func:`bench.corpus.episodes`),
+    so one cache file holds the vectors of its longest prefix embedded so far (keyed by the
+    corpus seed and the model's sha256) and grows when more are asked for; embedding uses
+    every core."""
     import numpy as np
 
     from arona_store.embedding import MODEL_SHA256, Embedder
     from arona_store.vectors import to_blob
 
-    key = hashlib.sha256(MODEL_SHA256.encode() + "\n".join(texts).encode()).hexdigest()[:24]
-    cached = _cache_dir() / f"vectors-{key}.npy"
-    if cached.is_file():
-        matrix = np.load(cached)
-    else:
+    cached = _cache_dir() / f"vectors-{corpus.SEED}-{MODEL_SHA256[:16]}.npy"
+    matrix = np.load(cached) if cached.is_file() else np.zeros((0, 384), np.float32)
+    if len(matrix) < count:
+        texts = list(corpus.episodes(count))[len(matrix) :]
         embedder = Embedder.load()
-        chunks = [list(texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)]
+        chunks = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             parts = list(pool.map(embedder.embed, chunks))
-        matrix = np.vstack(parts) if parts else np.zeros((0, embedder.dimension), np.float32)
+        matrix = np.vstack([matrix, *parts])
         cached.parent.mkdir(parents=True, exist_ok=True)
         np.save(cached, matrix)
-    return [to_blob(row) for row in matrix]
+    return [to_blob(row) for row in matrix[:count]]
 
 
 def preload(db_path: Path, count: int, ranking: Ranking = "hybrid") -> int:
@@ -105,7 +108,7 @@ def preload(db_path: Path, count: int, ranking: Ranking = "hybrid") -> int:
     store opened on it has nothing left to embed. Returns the node count."""
     nodes = corpus_nodes(count)
     if ranking == "hybrid":
-        vectors = corpus_vectors([node.text for node in nodes[:EMBEDDED]])
+        vectors = corpus_vectors(min(count, EMBEDDED))
         nodes = [
             NewNode(
                 text=node.text,

@@ -60,5 +60,9 @@ def test_the_store_recall_benchmark_measures_both_rankings(
     assert all(r.calls == 20 and r.empty == 0 and r.p50_ms > 0 for r in rows)
     text = "\n".join(recall_bench.table_lines(rows))
     assert "| 300 | hybrid | 20 |" in text
-    # The vectors were embedded once and kept for the next run.
-    assert len(list((tmp_path / "cache" / "arona-bench").glob("vectors-*.npy"))) == 1
+    # The vectors were embedded once and kept for the next run, which embeds nothing more.
+    cached = list((tmp_path / "cache" / "arona-bench").glob("vectors-*.npy"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert len(recall_bench.corpus_vectors(200)) == 200
+    assert cached[0].stat().st_mtime_ns == stamp

@@ -132,6 +132,28 @@ def test_a_question_repeating_a_rare_word_still_finds_its_fact_first(hybrid: Mem
     assert _texts(hybrid, "Who is Priya?")[0] == "My best friend is called Priya."
 
 
+@needs_semantic
+def test_a_store_past_a_thousand_memories_still_finds_the_paraphrased_fact(
+    hybrid: MemoryStore,
+) -> None:
+    # Beyond 1,024 vectors a search ranks their principal projections first (vectors.py).
+    topics = ("budget", "meeting", "garden", "train", "invoice", "concert", "recipe", "laptop")
+    hybrid.add_many(
+        [
+            NewNode(
+                f"Note {i}: the {topics[i % 8]} for week {i // 8} moved to room {i % 13}.",
+                f"episode:{i % 3}",
+                NOW - timedelta(hours=i),
+            )
+            for i in range(1100)
+        ]
+        + [NewNode(FACT, "episode:1", NOW - timedelta(days=2))]
+    )
+    assert _texts(hybrid, PARAPHRASE)[0] == FACT
+    assert _texts(hybrid, PARAPHRASE, node_type="episode:1")[0] == FACT
+    assert FACT not in _texts(hybrid, PARAPHRASE, node_type="episode:2")
+
+
 @pytest.mark.parametrize(
     ("question", "expected"),
     [

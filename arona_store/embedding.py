@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from arona_store.ranking import RankingError
+
 logger = logging.getLogger(__name__)
 
 MODEL_ID = "all-MiniLM-L6-v2-onnx-int8"
@@ -40,8 +42,9 @@ MAX_TOKENS = 256
 DEFAULT_THREADS = 1
 
 
-class ModelCheckError(Exception):
-    """The embedding model or its tokenizer is missing or not the pinned file (one line)."""
+class ModelCheckError(RankingError):
+    """The embedding model or its tokenizer is missing or not the pinned file (one line): the
+    hybrid ranking cannot run."""
 
 
 def sha256_of(path: Path) -> str:

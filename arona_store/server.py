@@ -24,10 +24,10 @@ Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia doe
 With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop:
 each batch of stores is embedded on an embedding thread before its transaction (the store is
 answered once node and vector are committed; the gateway writes back after answering, so no
-chat turn waits for it), a recall (embedding the query, a few milliseconds, and a matrix
-product over the vectors) runs on a recall thread, and nodes stored without a vector (by the
-lexical ranking, or an older version) are embedded in the background on the embedding thread
-from start-up on, newest first, while recalls use the vectors already there.
+chat turn waits for it), a recall (embedding the query, a few milliseconds, and a search of
+the vectors) runs on one of :data:`RECALL_THREADS` recall threads, and nodes stored without a
+vector (by the lexical ranking, or an older version) are embedded in the background on the
+embedding thread from start-up on, newest first, while recalls use the vectors already there.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ WRITE_BATCH_MAX = 64
 # Philia answers a stalled handler with -32603 after about 8 s; so do we.
 HANDLER_TIMEOUT_S = 8.0
 DEFAULT_PORT = 8424
+# Hybrid ranking: recalls embed their query outside the store's read lock, so two can use two
+# cores at once (a recall is mostly the model's few milliseconds).
+RECALL_THREADS = 2
 
 HANDSHAKE = "Sync.ConnectHandshake"
 QUERY = "Sync.MemoryQueryRequest"
@@ -255,7 +258,7 @@ class StoreServer:
                 max_workers=1, thread_name_prefix="arona-store-embed"
             )
             recall_executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="arona-store-recall"
+                max_workers=RECALL_THREADS, thread_name_prefix="arona-store-recall"
             )
         loop = asyncio.get_running_loop()
         try:

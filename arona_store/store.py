@@ -280,6 +280,8 @@ CREATE TRIGGER IF NOT EXISTS vectors_text_changed AFTER UPDATE OF text ON nodes 
 END;
 """
 _PUT_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) VALUES (?, ?)"
+# The same for a node read earlier, which may have been deleted since.
+_FILL_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) SELECT id, ? FROM nodes WHERE id = ?"
 # Nodes without a vector, newest first, below a key (the background fill's cursor).
 _UNEMBEDDED = (
     "SELECT n.seq, n.id, n.text FROM nodes n WHERE n.seq < ?"
@@ -1323,7 +1325,7 @@ class MemoryStore:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 pairs = zip(rows, vectors, strict=True)
-                self._conn.executemany(_PUT_VECTOR, [(row[1], vec) for row, vec in pairs])
+                self._conn.executemany(_FILL_VECTOR, [(vec, row[1]) for row, vec in pairs])
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise

@@ -302,6 +302,31 @@ async def test_an_older_database_gets_its_vectors_filled_in_and_answers_meanwhil
 
 @needs_semantic
 @pytest.mark.asyncio
+async def test_stopping_while_older_memories_are_embedded_neither_hangs_nor_loses_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    old = MemoryStore.open(path)
+    old.add_many([NewNode(f"Note {i}: the invoice {i} was paid late.") for i in range(400)])
+    old.add(FACT)
+    old.close()
+    server = await StoreServer.start(db_path=path, token=TOKEN, ranking="hybrid")
+    await asyncio.wait_for(server.stop(), 10)
+    reopened = MemoryStore.open(path, ranking="hybrid")
+    try:
+        assert reopened.count() == 401
+        left = reopened.unembedded()
+        # What was not embedded before the stop is embedded by the next start.
+        while reopened.fill_vectors():
+            pass
+        assert reopened.unembedded() == 0 <= left
+        assert _texts(reopened, PARAPHRASE)[0] == FACT
+    finally:
+        reopened.close()
+
+
+@needs_semantic
+@pytest.mark.asyncio
 async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path: Path) -> None:
     async with await StoreServer.start(
         db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"

@@ -155,12 +155,3 @@ class Embedder:
         if not tokens:
             return 1.0
         return 1.0 - sum(1 for token in tokens if token == "[UNK]") / len(tokens)
-
-    def embed_sorted(self, texts: Sequence[str], batch: int = 32) -> npt.NDArray[np.float32]:
-        """Like :meth:`embed`, for many texts: batched by length so little is padding."""
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out = np.zeros((len(texts), DIMENSION), dtype=np.float32)
-        for start in range(0, len(order), batch):
-            chunk = order[start : start + batch]
-            out[chunk] = self.embed([texts[i] for i in chunk])
-        return out

@@ -48,10 +48,6 @@ def to_blob(vector: Vector) -> bytes:
     return vector.astype("<f2").tobytes()
 
 
-def from_blob(blob: bytes) -> Vector:
-    return np.frombuffer(blob, dtype="<f2").astype(np.float32)
-
-
 def _single_threaded_blas() -> None:
     """Keep numpy's BLAS on the calling thread (for the whole process, which uses numpy for
     nothing else). A search's products take a millisecond or two; a second BLAS thread halves

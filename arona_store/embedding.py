@@ -111,7 +111,7 @@ class Embedder:
 
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
         tokenizer.enable_truncation(max_length=MAX_TOKENS)
-        tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        tokenizer.no_padding()
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -135,9 +135,15 @@ class Embedder:
         """Unit vectors of ``texts`` (shape ``(len(texts), 384)``, float32)."""
         if not texts:
             return np.zeros((0, DIMENSION), dtype=np.float32)
-        encodings = self._tokenizer.encode_batch(list(texts))
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        # One text at a time: encode_batch would start the tokenizer's own thread pool (and
+        # warn in any process forked after it).
+        encodings = [self._tokenizer.encode(text) for text in texts]
+        width = max(len(e.ids) for e in encodings)
+        ids = np.zeros((len(encodings), width), dtype=np.int64)  # [PAD] is 0
+        mask = np.zeros((len(encodings), width), dtype=np.int64)
+        for row, encoding in enumerate(encodings):
+            ids[row, : len(encoding.ids)] = encoding.ids
+            mask[row, : len(encoding.ids)] = 1
         feeds = {"input_ids": ids, "attention_mask": mask}
         if self._token_types:
             feeds["token_type_ids"] = np.zeros_like(ids)

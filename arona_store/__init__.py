@@ -3,6 +3,9 @@
 - :mod:`arona_store.store`: ``MemoryStore``, nodes in SQLite with BM25 + recency recall.
 - :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint.
 - :mod:`arona_store.jsonrpc`: JSON-RPC 2.0 envelope validation and reply frames.
+- :mod:`arona_store.ranking`: which ranking runs (``ARONA_STORE_RANKING``: lexical or hybrid).
+- :mod:`arona_store.embedding`, :mod:`arona_store.vectors`: the sentence-embedding model and the
+  in-memory vector index of the hybrid ranking (the ``semantic`` extra; ``RANKING.md``).
 
 Nothing is imported here, so importing the package costs nothing.
 """

@@ -20,15 +20,26 @@ since the last one (the log then holds a few MB, as with SQLite's own automatic 
 and a write that finds the database held (by that checkpoint, or another process) waits on
 that thread instead, as do deletes.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
+
+With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop:
+each batch of stores is embedded on an embedding thread before its transaction (the store is
+answered once node and vector are committed; the gateway writes back after answering, so no
+chat turn waits for it), a recall (embedding the query, a few milliseconds, and a search of
+the vectors) runs on one of :data:`RECALL_THREADS` recall threads, and nodes stored without a
+vector (by the lexical ranking, or an older version) are embedded in the background on the
+embedding thread from start-up on, newest first, while recalls use the vectors already there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import logging
+import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +54,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from arona_store import jsonrpc
 from arona_store.jsonrpc import Call, JsonId, RpcError
+from arona_store.ranking import Ranking, check_ranking, ranking_from_env
 from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryHit, MemoryStore, NewNode
 
 logger = logging.getLogger(__name__)
@@ -62,6 +74,9 @@ WRITE_BATCH_MAX = 64
 # Philia answers a stalled handler with -32603 after about 8 s; so do we.
 HANDLER_TIMEOUT_S = 8.0
 DEFAULT_PORT = 8424
+# Hybrid ranking: recalls embed their query outside the store's read lock, so two can use two
+# cores at once (a recall is mostly the model's few milliseconds).
+RECALL_THREADS = 2
 
 HANDSHAKE = "Sync.ConnectHandshake"
 QUERY = "Sync.MemoryQueryRequest"
@@ -179,9 +194,15 @@ class StoreServer:
         token: str,
         host: str,
         idle_timeout_s: float,
+        embed_executor: ThreadPoolExecutor | None = None,
+        recall_executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.store = store
         self._executor = executor
+        # Hybrid ranking only: the model's threads (module docstring).
+        self._embed_executor = embed_executor
+        self._recall_executor = recall_executor
+        self._filling: asyncio.Task[None] | None = None
         self._token = token.encode("utf-8")
         self._host = host
         self._idle_timeout_s = idle_timeout_s
@@ -217,23 +238,50 @@ class StoreServer:
         host: str = "127.0.0.1",
         port: int = 0,
         idle_timeout_s: float = 45.0,
+        ranking: Ranking | None = None,
     ) -> StoreServer:
-        """Open the database at ``db_path`` and listen on ``host:port`` (0 = any free port)."""
+        """Open the database at ``db_path`` and listen on ``host:port`` (0 = any free port).
+
+        ``ranking`` None: as ``ARONA_STORE_RANKING`` says (:func:`ranking_from_env`: ``hybrid``
+        when the semantic extra is installed). A ranking that cannot run raises
+        :class:`~arona_store.ranking.RankingError` (one line) before anything is opened.
+        """
         if not token:
             raise ValueError("the memory store needs a non-empty token")
         if idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+        ranking = ranking_from_env(os.environ) if ranking is None else check_ranking(ranking)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-store-db")
+        embed_executor = recall_executor = None
+        if ranking == "hybrid":
+            embed_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="arona-store-embed"
+            )
+            recall_executor = ThreadPoolExecutor(
+                max_workers=RECALL_THREADS, thread_name_prefix="arona-store-recall"
+            )
         loop = asyncio.get_running_loop()
         try:
             store = await loop.run_in_executor(
-                executor, functools.partial(MemoryStore.open, db_path, checkpoint_on_commit=False)
+                executor,
+                functools.partial(
+                    MemoryStore.open, db_path, checkpoint_on_commit=False, ranking=ranking
+                ),
             )
         except BaseException:
-            executor.shutdown(wait=False)
+            for pool in (executor, embed_executor, recall_executor):
+                if pool is not None:
+                    pool.shutdown(wait=False)
             raise
+        logger.info("memory store ranking: %s", ranking)
         server = cls(
-            store=store, executor=executor, token=token, host=host, idle_timeout_s=idle_timeout_s
+            store=store,
+            executor=executor,
+            token=token,
+            host=host,
+            idle_timeout_s=idle_timeout_s,
+            embed_executor=embed_executor,
+            recall_executor=recall_executor,
         )
         app = web.Application()
         app.router.add_get(WS_PATH, server._handle)
@@ -245,9 +293,13 @@ class StoreServer:
         except BaseException:
             await runner.cleanup()
             await loop.run_in_executor(executor, store.close)
-            executor.shutdown(wait=False)
+            for pool in (executor, embed_executor, recall_executor):
+                if pool is not None:
+                    pool.shutdown(wait=False)
             raise
         server._runner = runner
+        if embed_executor is not None:
+            server._filling = asyncio.create_task(server._fill_vectors(embed_executor))
         server.port = int(runner.addresses[0][1])
         logger.info("memory store listening on %s", server.url)
         return server
@@ -289,10 +341,16 @@ class StoreServer:
                 await asyncio.gather(*self._background, return_exceptions=True)
             if self._checkpointing is not None:
                 await asyncio.gather(self._checkpointing, return_exceptions=True)
+            if self._filling is not None:
+                # It stops after the batch in hand (it checks _stopping between batches).
+                await asyncio.gather(self._filling, return_exceptions=True)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, self.store.close)
         finally:
             self._executor.shutdown(wait=False)
+            for pool in (self._embed_executor, self._recall_executor):
+                if pool is not None:
+                    pool.shutdown(wait=False)
             self._stopped.set()
             logger.info("memory store stopped")
 
@@ -338,6 +396,8 @@ class StoreServer:
                 answer = self._dispatch(frame, session)
                 if isinstance(answer, list):
                     replies = answer
+                elif answer[0].method == QUERY and self._recall_executor is not None:
+                    replies = await self._run(*answer)
                 elif answer[0].method == QUERY:
                     # Answered at once unless another thread holds the reader.
                     now = self._query_now(answer[0])
@@ -453,11 +513,15 @@ class StoreServer:
         return await loop.run_in_executor(self._executor, fn, *args)
 
     async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
-        """A recall that another thread's recall holds up: it waits on the worker thread."""
+        """A recall that another thread's recall holds up: it waits on the worker thread (a
+        hybrid recall always runs on the recall thread)."""
         query, limit, node_type = _query_params(params)
-        hits = await self._in_db(
-            functools.partial(self.store.query, node_type=node_type), query, limit
-        )
+        recall = functools.partial(self.store.query, query, limit, node_type=node_type)
+        if self._recall_executor is not None:
+            loop = asyncio.get_running_loop()
+            hits = await loop.run_in_executor(self._recall_executor, recall)
+        else:
+            hits = await self._in_db(recall)
         return _query_result(query, hits)
 
     async def _store(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -509,12 +573,14 @@ class StoreServer:
                     await asyncio.wait_for(self._batch_full.wait(), WRITE_LINGER_S)
             batch = self._queued[:WRITE_BATCH_MAX]
             del self._queued[:WRITE_BATCH_MAX]
-            nodes = [node for node, _ in batch]
+            nodes = await self._embedded([node for node, _ in batch])
             try:
-                ids = self.store.try_add_many(nodes, refresh=True)
+                # Never embedding here, on the loop: a node the embedding thread could not
+                # embed is stored without a vector (the next start's background fill adds it).
+                ids = self.store.try_add_many(nodes, refresh=True, embed=False)
                 if ids is None:
                     ids = await self._in_db(
-                        functools.partial(self.store.add_many, refresh=True), nodes
+                        functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
             except Exception as err:
                 for _, done in batch:
@@ -533,6 +599,48 @@ class StoreServer:
                 self._checkpointing = asyncio.get_running_loop().run_in_executor(
                     self._executor, self._checkpoint
                 )
+
+    async def _embedded(self, nodes: list[NewNode]) -> list[NewNode]:
+        """``nodes`` with their vectors (hybrid ranking), embedded on the embedding thread; as
+        they are if that fails (the background fill of a later start embeds them)."""
+        if self._embed_executor is None:
+            return nodes
+        loop = asyncio.get_running_loop()
+        try:
+            vectors = await loop.run_in_executor(
+                self._embed_executor, self.store.embed, [node.text for node in nodes]
+            )
+        except Exception:
+            logger.warning("memory store: embedding stored nodes failed", exc_info=True)
+            return nodes
+        return [
+            dataclasses.replace(node, vector=vector)
+            for node, vector in zip(nodes, vectors, strict=True)
+        ]
+
+    async def _fill_vectors(self, pool: ThreadPoolExecutor) -> None:
+        """Embed the stored nodes that have no vector, a batch at a time on the embedding
+        thread, until none is left or the server stops."""
+        loop = asyncio.get_running_loop()
+        try:
+            missing = await loop.run_in_executor(pool, self.store.unembedded)
+            if not missing:
+                return
+            logger.info("memory store: embedding %d stored nodes in the background", missing)
+            started = time.perf_counter()
+            done = 0
+            while self._stopping is None:
+                filled = await loop.run_in_executor(pool, self.store.fill_vectors)
+                if not filled:
+                    break
+                done += filled
+            logger.info(
+                "memory store: embedded %d stored nodes in %.1f s",
+                done,
+                time.perf_counter() - started,
+            )
+        except Exception:
+            logger.warning("memory store: embedding stored nodes failed", exc_info=True)
 
     def _checkpoint(self) -> None:
         """One WAL checkpoint (worker thread); a failure is logged, the next one retries."""
@@ -557,13 +665,19 @@ async def serve_forever(
     port: int = DEFAULT_PORT,
     idle_timeout_s: float = 45.0,
     on_ready: Callable[[StoreServer], None] | None = None,
+    ranking: Ranking | None = None,
 ) -> None:
     """Run the store until cancelled, then stop it cleanly (the ``store`` command's body).
 
     ``on_ready`` is called once listening, e.g. to print :attr:`StoreServer.url`.
     """
     server = await StoreServer.start(
-        db_path=db_path, token=token, host=host, port=port, idle_timeout_s=idle_timeout_s
+        db_path=db_path,
+        token=token,
+        host=host,
+        port=port,
+        idle_timeout_s=idle_timeout_s,
+        ranking=ranking,
     )
     try:
         if on_ready is not None:

@@ -60,6 +60,30 @@ id. Saying the same thing twice is then one memory, recent again, instead of cop
 rank alike and crowd every other memory out of a recall (and that each recall would have to
 read). Identical nodes are found through a 16-byte digest of those fields, indexed.
 
+Chinese, Japanese and Korean. FTS5's unicode61 tokenizer makes a run of such characters one
+token, so a second FTS5 index (``nodes_cjk``) holds their overlapping character pairs (a run of
+one character as itself), written with the node and kept by triggers on delete and move. A query
+holding such characters also matches its pairs there, scored by the same formula over that
+index (its scan stops by recency alone, with a relevance bound of 1), and a node counts with the
+better of its two scores. Queries without them run exactly as before.
+
+Hybrid ranking (a store opened with ``ranking="hybrid"``; ``arona_store/RANKING.md``). Each node
+also has a unit vector from a sentence-embedding model (``vectors``, keyed by node id, so a move
+keeps it; a delete or a text change drops it), and a recall blends both signals::
+
+    lexical   = the relevance above for a word match, 0 otherwise
+    semantic  = clamp((cosine - COSINE_FLOOR) / (COSINE_FULL - COSINE_FLOOR), 0, 1)
+    relevance = SEMANTIC_WEIGHT * semantic + LEXICAL_WEIGHT * lexical
+    score     = relevance * (0.6 + 0.4 * recency)            # in [0, 1]
+
+The candidates are what the lexical ranking returns for the query (same scan, same bounds) and
+the HYBRID_CANDIDATES nodes of closest meaning (:class:`~arona_store.vectors.VectorIndex`);
+each is scored with both signals (the BM25 of a candidate found by meaning is looked up), so a
+node's score does not depend on a ``node_type`` filter. A query the model cannot read (mostly
+Chinese, Japanese or Korean, or mostly unknown tokens) is ranked lexically. Nodes without a
+vector yet (written by the lexical ranking or an older version; :meth:`MemoryStore.fill_vectors`
+adds them) count by their words only.
+
 Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
 already merged): a bulk-loaded index otherwise costs every query a probe per segment.
 """
@@ -80,6 +104,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from arona_store.ranking import Ranking, check_ranking
+
+if TYPE_CHECKING:
+    from arona_store.embedding import Embedder
+    from arona_store.vectors import Vector, VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +133,7 @@ MAX_ABS_EPOCH_S = 1e11
 # FTS5's bm25() constant k1: one word adds at most (k1 + 1) * idf to BM25, whatever its
 # frequency in the node and the node's length.
 BM25_K1 = 1.2
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 5000
 # Most matches one query reads (see the module docstring).
 MAX_SCAN_ROWS = 4000
@@ -118,9 +149,31 @@ _SECONDS_PER_DAY = 86400.0
 # recency = exp((seq - now_key) * _DECAY_PER_KEY) for a node older than now.
 _DECAY_PER_KEY = math.log(2.0) / (HALF_LIFE_DAYS * _SECONDS_PER_DAY * KEY_SCALE)
 
+# Hybrid ranking (module docstring): how much each signal weighs in relevance, the cosines
+# mapped to no and to full semantic relevance, how many candidates the embeddings propose, and
+# the share of a query's tokens the embedding model must know for its vector to count.
+SEMANTIC_WEIGHT = 0.8
+LEXICAL_WEIGHT = 1.0 - SEMANTIC_WEIGHT
+COSINE_FLOOR = 0.25
+COSINE_FULL = 0.6
+HYBRID_CANDIDATES = 40
+MIN_KNOWN_TOKENS = 0.75
+# The model reads English: a query mostly in Chinese, Japanese or Korean characters (even ones
+# its vocabulary holds, as kana) gets vectors that all look alike, so it is ranked by words.
+MAX_CJK_SHARE = 0.3
+# Nodes embedded per step of the background fill.
+FILL_BATCH = 32
+
 # Same notion of a token as FTS5's unicode61 tokenizer: runs of letters and digits; the
 # underscore separates, as it does there.
 _WORD = re.compile(r"[^\W_]+")
+
+# Scripts written without spaces between words (Han, kana, Hangul): unicode61 makes a whole run
+# of them one token, so they are also indexed as overlapping character pairs (module docstring).
+_CJK_RUN = re.compile(
+    "[\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002ffff]+"
+)
 
 # Words that carry no topic on their own; a query made only of them matches nothing, so a
 # question like "what do you know?" does not return the whole store.
@@ -187,6 +240,16 @@ END;
 CREATE TRIGGER IF NOT EXISTS counters_au AFTER UPDATE OF text ON nodes BEGIN
     UPDATE counters SET changes = changes + 2, backdated = backdated + 1 WHERE id = 1;
 END;
+CREATE VIRTUAL TABLE IF NOT EXISTS nodes_cjk USING fts5(grams, tokenize='unicode61');
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_ad AFTER DELETE ON nodes BEGIN
+    DELETE FROM nodes_cjk WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_au AFTER UPDATE OF text ON nodes BEGIN
+    DELETE FROM nodes_cjk WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_cjk_moved AFTER UPDATE OF seq ON nodes BEGIN
+    UPDATE nodes_cjk SET rowid = new.seq WHERE rowid = old.seq;
+END;
 CREATE TRIGGER IF NOT EXISTS nodes_moved AFTER UPDATE OF seq ON nodes
 WHEN new.text = old.text BEGIN
     INSERT INTO nodes_fts(nodes_fts, rowid, text) VALUES ('delete', old.seq, old.text);
@@ -195,6 +258,39 @@ WHEN new.text = old.text BEGIN
         WHERE id = 1;
 END;
 """
+
+# The node vectors of the hybrid ranking (created by a hybrid store; harmless to a lexical
+# one). AUTOINCREMENT: a vid is never reused, so the in-memory index can follow the table by
+# vid alone (arona_store.vectors).
+_VECTOR_TABLES = """
+CREATE TABLE IF NOT EXISTS vectors (
+    vid INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id TEXT NOT NULL UNIQUE,
+    vec BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS vector_model (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    model TEXT NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS vectors_node_deleted AFTER DELETE ON nodes BEGIN
+    DELETE FROM vectors WHERE node_id = old.id;
+END;
+CREATE TRIGGER IF NOT EXISTS vectors_text_changed AFTER UPDATE OF text ON nodes BEGIN
+    DELETE FROM vectors WHERE node_id = old.id;
+END;
+"""
+_PUT_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) VALUES (?, ?)"
+# The same for a node read earlier, which may have been deleted since.
+_FILL_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) SELECT id, ? FROM nodes WHERE id = ?"
+# Nodes without a vector, newest first, below a key (the background fill's cursor).
+_UNEMBEDDED = (
+    "SELECT n.seq, n.id, n.text FROM nodes n WHERE n.seq < ?"
+    " AND NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+    " ORDER BY n.seq DESC LIMIT ?"
+)
+_UNEMBEDDED_COUNT = (
+    "SELECT count(*) FROM nodes n WHERE NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+)
 
 _COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids, properties"
 _INSERT = f"INSERT INTO nodes (seq, {_COLUMNS}, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -228,6 +324,27 @@ _RANKED_MATCHES_OF_TYPE = (
     " WHERE nodes_fts MATCH :expr AND nodes.node_type = :node_type"
     " ORDER BY nodes_fts.rowid DESC LIMIT :cap"
 )
+# The same over the character pairs of Chinese, Japanese and Korean text (no bounds are kept
+# for them: the scan stops by recency alone, which is exact with a relevance bound of 1).
+_RANKED_CJK = (
+    "SELECT rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_cjk))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, rowid - :now) * :decay))"
+    " FROM nodes_cjk WHERE nodes_cjk MATCH :expr ORDER BY rowid DESC LIMIT :cap"
+)
+_RANKED_CJK_OF_TYPE = (
+    "SELECT nodes_cjk.rowid,"
+    f" (1.0 - {(1.0 - RELEVANCE_FLOOR) * BM25_SATURATION!r}"
+    f" / ({BM25_SATURATION!r} + max(0.0, -bm25(nodes_cjk))))"
+    f" * ({1.0 - RECENCY_WEIGHT!r} + {RECENCY_WEIGHT!r}"
+    " * exp(min(0, nodes_cjk.rowid - :now) * :decay))"
+    " FROM nodes_cjk JOIN nodes ON nodes.seq = nodes_cjk.rowid"
+    " WHERE nodes_cjk MATCH :expr AND nodes.node_type = :node_type"
+    " ORDER BY nodes_cjk.rowid DESC LIMIT :cap"
+)
+_INSERT_CJK = "INSERT INTO nodes_cjk (rowid, grams) VALUES (?, ?)"
 # Matches of a word found in most nodes: the newest `limit`, read straight off the index.
 _NEWEST_MATCHES = "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? ORDER BY rowid DESC LIMIT ?"
 _NEWEST_MATCHES_OF_TYPE = (
@@ -298,6 +415,9 @@ class NewNode:
     source_episode_id: str | None = None
     related_node_ids: Sequence[str] = ()
     properties: Mapping[str, str] = field(default_factory=dict)
+    # Its embedding as stored (arona_store.vectors.to_blob), for a hybrid store; None: the
+    # store embeds it itself.
+    vector: bytes | None = None
 
 
 def query_terms(text: str) -> list[str]:
@@ -317,6 +437,35 @@ def query_terms(text: str) -> list[str]:
         if len(terms) >= MAX_QUERY_TERMS:
             break
     return terms
+
+
+def cjk_grams(text: str) -> list[str]:
+    """The character pairs of ``text``'s runs of Chinese, Japanese or Korean characters (a
+    run of one character is kept whole), lower-cased, de-duplicated, in order."""
+    grams: list[str] = []
+    seen: set[str] = set()
+    for match in _CJK_RUN.finditer(text.lower()):
+        run = match.group()
+        pieces = [run] if len(run) == 1 else [run[i : i + 2] for i in range(len(run) - 1)]
+        for gram in pieces:
+            if gram not in seen:
+                seen.add(gram)
+                grams.append(gram)
+    return grams
+
+
+def cjk_share(text: str) -> float:
+    """The share of ``text``'s letters and digits that are Chinese, Japanese or Korean."""
+    letters = sum(len(m.group()) for m in _WORD.finditer(text))
+    if not letters:
+        return 0.0
+    return sum(len(m.group()) for m in _CJK_RUN.finditer(text)) / letters
+
+
+def cjk_index_text(text: str) -> str | None:
+    """What the character-pair index holds for ``text``; None when it has no such run."""
+    grams = cjk_grams(text)
+    return " ".join(grams) if grams else None
 
 
 def fts_expression(terms: Sequence[str]) -> str | None:
@@ -351,6 +500,26 @@ def score_of(bm25: float, created_at: float, now: float) -> float:
     """The blended score in (0, 1): relevance scaled by a recency factor in (0.6, 1]."""
     recency = recency_of(created_at, now)
     return relevance_of(bm25) * ((1.0 - RECENCY_WEIGHT) + RECENCY_WEIGHT * recency)
+
+
+def semantic_relevance(cosine: float) -> float:
+    """Map a cosine similarity into [0, 1]: nothing up to COSINE_FLOOR (unrelated texts),
+    everything from COSINE_FULL (close paraphrases), linear between."""
+    return min(1.0, max(0.0, (cosine - COSINE_FLOOR) / (COSINE_FULL - COSINE_FLOOR)))
+
+
+def hybrid_relevance(lexical: float, cosine: float | None) -> float:
+    """The hybrid relevance in [0, 1]: the lexical relevance (0 without a match) and the
+    semantic one (0 without a vector), weighted."""
+    semantic = 0.0 if cosine is None else semantic_relevance(cosine)
+    return SEMANTIC_WEIGHT * semantic + LEXICAL_WEIGHT * lexical
+
+
+def _recency_factor(seq: int, now_key: int) -> float:
+    """``0.6 + 0.4 * recency`` of the node at key ``seq``."""
+    return (1.0 - RECENCY_WEIGHT) + RECENCY_WEIGHT * math.exp(
+        min(0, seq - now_key) * _DECAY_PER_KEY
+    )
 
 
 def idf_bound(total: int, docs: int) -> float:
@@ -395,7 +564,13 @@ def _digest(
 class MemoryStore:
     """Nodes persisted in SQLite with BM25 + recency recall. Thread-safe; use :meth:`open`."""
 
-    def __init__(self, conn: sqlite3.Connection, reader: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        reader: sqlite3.Connection,
+        path: Path,
+        embedder: Embedder | None = None,
+    ) -> None:
         self._conn = conn  # writes, behind _lock
         self._reader = reader  # recalls and counts, behind _read_lock
         self._lock = threading.Lock()
@@ -406,14 +581,44 @@ class MemoryStore:
         # term -> its measured term factor; see _tight_bound. Reader only.
         self._factors: dict[str, _TermFactor] = {}
         self.path = path
+        # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
+        self._embedder = embedder
+        self._index: VectorIndex | None = None
+        if embedder is not None:
+            from arona_store.vectors import VectorIndex
+
+            self._index = VectorIndex(embedder.dimension)
+        # The background fill's cursor: nodes below this key may still lack a vector.
+        self._fill_below = 2**63 - 1
+
+    @property
+    def ranking(self) -> Ranking:
+        """``hybrid`` when the store embeds its nodes, ``lexical`` otherwise."""
+        return "lexical" if self._embedder is None else "hybrid"
 
     @classmethod
-    def open(cls, path: Path | str, *, checkpoint_on_commit: bool = True) -> MemoryStore:
+    def open(
+        cls,
+        path: Path | str,
+        *,
+        checkpoint_on_commit: bool = True,
+        ranking: Ranking = "lexical",
+        embedder: Embedder | None = None,
+    ) -> MemoryStore:
         """Open (creating as needed, parent folders included) the database at ``path``.
 
         ``checkpoint_on_commit=False`` turns off SQLite's automatic WAL checkpoints, for an
         owner that calls :meth:`checkpoint` itself off its latency-sensitive path.
+
+        ``ranking="hybrid"`` loads the embedding model (``embedder`` if given; it needs the
+        ``semantic`` extra, :class:`~arona_store.ranking.RankingError` otherwise) and reads the
+        stored vectors; nodes without one are embedded by :meth:`fill_vectors`.
         """
+        ranking = check_ranking(ranking)
+        if ranking == "hybrid" and embedder is None:
+            from arona_store.embedding import Embedder
+
+            embedder = Embedder.load()
         db_path = Path(path)
         db_path.parent.mkdir(parents=True, exist_ok=True)
         # The server may drive the store from a thread that is not the opener's; a lock per
@@ -426,6 +631,8 @@ class MemoryStore:
             if not checkpoint_on_commit:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             _prepare_schema(conn)
+            if embedder is not None:
+                _prepare_vectors(conn, embedder.model_id)
             conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
             reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error:
@@ -439,8 +646,16 @@ class MemoryStore:
             reader.close()
             conn.close()
             raise
-        logger.info("memory store opened at %s", db_path)
-        return cls(conn, reader, db_path)
+        store = cls(conn, reader, db_path, embedder)
+        if store._index is not None:
+            with store._read_lock:
+                store._reader.execute("BEGIN")
+                try:
+                    store._index.sync(store._reader)
+                finally:
+                    store._reader.execute("COMMIT")
+        logger.info("memory store opened at %s (ranking: %s)", db_path, store.ranking)
+        return store
 
     def _check_open(self) -> None:
         if self._closed:
@@ -477,13 +692,18 @@ class MemoryStore:
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
         *,
         refresh: bool = False,
+        embed: bool = True,
     ) -> list[str]:
         """Persist many nodes in one transaction (the bulk-load path); returns their ids.
 
         Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
-        as for :meth:`add`.
+        as for :meth:`add`. A hybrid store embeds the nodes given without a vector first
+        (milliseconds each), unless ``embed`` is off: they then wait for :meth:`fill_vectors`.
         """
-        ids = self._add_rows(self._rows(nodes), refresh, wait=True)
+        rows, vectors = self._rows(nodes)
+        if embed:
+            vectors = self._with_vectors(rows, vectors)
+        ids = self._add_rows(rows, vectors, refresh, wait=True)
         assert ids is not None  # a waiting call always gets to write
         return ids
 
@@ -492,16 +712,46 @@ class MemoryStore:
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
         *,
         refresh: bool = False,
+        embed: bool = True,
     ) -> list[str] | None:
         """Like :meth:`add_many`, but None at once, having written nothing, if another caller
         (a thread here, or another process) is writing; for callers that must not wait."""
-        return self._add_rows(self._rows(nodes), refresh, wait=False)
+        rows, vectors = self._rows(nodes)
+        if embed:
+            vectors = self._with_vectors(rows, vectors)
+        return self._add_rows(rows, vectors, refresh, wait=False)
+
+    def _with_vectors(self, rows: list[_Row], vectors: list[bytes | None]) -> list[bytes | None]:
+        """Every node's vector for a hybrid store (embedding those without), none for a
+        lexical one."""
+        if self._embedder is None:
+            return vectors
+        missing = [i for i, vector in enumerate(vectors) if vector is None]
+        if missing:
+            from arona_store.vectors import to_blob
+
+            embedded = self._embedder.embed([rows[i][3] for i in missing])
+            vectors = list(vectors)
+            for i, vector in zip(missing, embedded, strict=True):
+                vectors[i] = to_blob(vector)
+        return vectors
+
+    def embed(self, texts: Sequence[str]) -> list[bytes]:
+        """The stored form of ``texts``' vectors (hybrid store only), to pass as
+        :attr:`NewNode.vector`; callers that must not spend milliseconds on a thread embed
+        with this elsewhere first."""
+        if self._embedder is None:
+            raise StoreError("a lexical store does not embed")
+        from arona_store.vectors import to_blob
+
+        return [to_blob(vector) for vector in self._embedder.embed(list(texts))]
 
     @staticmethod
     def _rows(
         nodes: Iterable[NewNode | tuple[str, str] | tuple[str, str, Timestamp | None]],
-    ) -> list[_Row]:
+    ) -> tuple[list[_Row], list[bytes | None]]:
         rows: list[_Row] = []
+        vectors: list[bytes | None] = []
         for item in nodes:
             node = item if isinstance(item, NewNode) else NewNode(*item)
             if not isinstance(node.text, str) or not node.text.strip():
@@ -524,9 +774,15 @@ class MemoryStore:
                     _digest(node.node_type, node.text, node.source_episode_id, related, properties),
                 )
             )
-        return rows
+            vectors.append(node.vector)
+        return rows, vectors
 
-    def _add_rows(self, rows: list[_Row], refresh: bool, *, wait: bool) -> list[str] | None:
+    def _add_rows(
+        self, rows: list[_Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
+    ) -> list[str] | None:
+        if self._embedder is None:
+            # A lexical store keeps no vectors (it may not have their table).
+            vectors = [None] * len(rows)
         if not self._lock.acquire(blocking=wait):
             return None
         try:
@@ -538,9 +794,14 @@ class MemoryStore:
                 # Where to resume probing for each wanted key, so a batch sharing one
                 # timestamp does not walk the same run of taken keys again for every node.
                 resume: dict[int, int] = {}
-                for row in rows:
+                for row, vector in zip(rows, vectors, strict=True):
                     wanted = row[0]
                     twin = self._twin(row) if refresh else None
+                    if vector is not None:
+                        # A twin keeps its vector (same text) or gets this one if it had none.
+                        self._conn.execute(
+                            _PUT_VECTOR, (row[1] if twin is None else twin[1], vector)
+                        )
                     if twin is not None:
                         twin_seq, twin_id = twin
                         ids.append(twin_id)
@@ -555,6 +816,9 @@ class MemoryStore:
                     key = self._free_key(resume.get(wanted, wanted))
                     resume[wanted] = key + 1
                     self._conn.execute(_INSERT, (key, *row[1:]))
+                    grams = cjk_index_text(row[3])
+                    if grams is not None:
+                        self._conn.execute(_INSERT_CJK, (key, grams))
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
@@ -653,7 +917,9 @@ class MemoryStore:
         terms = query_terms(text)
         if not terms:
             return []
+        grams = cjk_grams(text)[:MAX_QUERY_TERMS]
         now_key = _now_key(_epoch(now))
+        query_vector = self._query_vector(text)
         if not self._read_lock.acquire(blocking=wait):
             return None
         try:
@@ -662,16 +928,58 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                return self._ranked_hits(terms, limit, now_key, node_type)
+                if self._embedder is None:
+                    ranked, _ = self._ranked(terms, grams, limit, now_key, node_type)
+                else:
+                    ranked = self._hybrid_ranked(
+                        terms, grams, query_vector, limit, now_key, node_type
+                    )
+                return self._hits(ranked)
             finally:
                 self._reader.execute("COMMIT")
         finally:
             self._read_lock.release()
 
-    def _ranked_hits(
+    def _query_vector(self, text: str) -> Vector | None:
+        """The query's vector for a hybrid recall; None for a lexical store, or when the model
+        knows too few of the query's tokens for its vector to mean anything (module
+        docstring)."""
+        if self._embedder is None:
+            return None
+        if cjk_share(text) > MAX_CJK_SHARE or self._embedder.known_share(text) < MIN_KNOWN_TOKENS:
+            return None
+        vector: Vector = self._embedder.embed([text])[0]
+        return vector
+
+    def _ranked(
+        self,
+        terms: list[str],
+        grams: list[str],
+        limit: int,
+        now_key: int,
+        node_type: str | None,
+    ) -> tuple[list[tuple[float, int]], str | None]:
+        """The lexical recall itself as (score, seq), best first, and the FTS expression of
+        its words (read lock held, read transaction open). A query with Chinese, Japanese or
+        Korean text also matches their character pairs; a node then counts with the better
+        of its two scores."""
+        ranked, expression = self._ranked_words(terms, limit, now_key, node_type)
+        if not grams:
+            return ranked, expression
+        found, _ = self._best(
+            fts_expression(grams), limit, now_key, 1.0, node_type=node_type, cjk=True
+        )
+        best = dict((seq, score) for score, seq in ranked)
+        for score, seq in found:
+            if score > best.get(seq, -1.0):
+                best[seq] = score
+        merged = sorted(((score, seq) for seq, score in best.items()), reverse=True)
+        return merged[:limit], expression
+
+    def _ranked_words(
         self, terms: list[str], limit: int, now_key: int, node_type: str | None
-    ) -> list[MemoryHit]:
-        """The recall itself (read lock held, read transaction open).
+    ) -> tuple[list[tuple[float, int]], str | None]:
+        """The recall over the word index (read lock held, read transaction open).
 
         The bounds come from the whole store: a node type holds a subset of its matches, so
         they bound that subset's scores too.
@@ -679,7 +987,7 @@ class MemoryStore:
         total, changes, hi, backdated = self._reader.execute(_COUNTERS).fetchone()
         kept, counts, all_common = self._plan(terms, total, changes)
         if not kept:
-            return []
+            return [], None
         expression = fts_expression(kept)
         if all_common:
             ranked = self._newest(expression, limit, now_key, node_type)
@@ -698,6 +1006,82 @@ class MemoryStore:
                     measured = self._factors.get(term)
                     if measured is not None and measured.hi <= tight.horizon:
                         del self._factors[term]
+        return ranked, expression
+
+    def _hybrid_ranked(
+        self,
+        terms: list[str],
+        grams: list[str],
+        query_vector: Vector | None,
+        limit: int,
+        now_key: int,
+        node_type: str | None,
+    ) -> list[tuple[float, int]]:
+        """The hybrid recall as (score, seq), best first (read lock held, read transaction
+        open; module docstring): the best lexical and the most similar nodes are the
+        candidates, each scored with both signals."""
+        assert self._index is not None
+        if query_vector is None:
+            # Nothing the model can read (module docstring): the lexical ranking alone.
+            return self._ranked(terms, grams, limit, now_key, node_type)[0]
+        # The lexical candidates are what the lexical ranking would return (its scan stops
+        # as early); the semantic ones reach further.
+        lexical, expression = self._ranked(terms, grams, limit, now_key, node_type)
+        wanted = max(limit, HYBRID_CANDIDATES)
+        # seq -> lexical relevance (the lexical score without its recency factor).
+        relevance = {seq: min(1.0, score / _recency_factor(seq, now_key)) for score, seq in lexical}
+        cosines: dict[int, float] = {}
+        self._index.sync(self._reader)
+        similar = {
+            vid: cosine
+            for cosine, vid in self._index.top(query_vector, wanted, node_type)
+            if cosine > COSINE_FLOOR
+        }
+        if similar:
+            # Only nodes still in this snapshot (the index may hold deleted ones).
+            marks = ", ".join("?" * len(similar))
+            for vid, seq in self._reader.execute(
+                "SELECT v.vid, n.seq FROM vectors v JOIN nodes n ON n.id = v.node_id"
+                f" WHERE v.vid IN ({marks})",
+                list(similar),
+            ):
+                cosines[seq] = similar[vid]
+        # The lexical candidates' similarity, and the similar nodes' lexical relevance.
+        unseen = [seq for seq in relevance if seq not in cosines]
+        if unseen:
+            marks = ", ".join("?" * len(unseen))
+            rows = self._reader.execute(
+                "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
+                f" WHERE n.seq IN ({marks})",
+                unseen,
+            ).fetchall()
+            if rows:
+                from arona_store.vectors import cosines_of
+
+                found = cosines_of(query_vector, [vec for _, vec in rows])
+                cosines.update(zip((seq for seq, _ in rows), found, strict=True))
+        others = [seq for seq in cosines if seq not in relevance]
+        # With fewer than `limit` lexical results every match was returned: the others match
+        # no word, and their BM25 need not be looked up.
+        if others and expression is not None and len(lexical) >= limit:
+            marks = ", ".join("?" * len(others))
+            for seq, bm25 in self._reader.execute(
+                "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
+                f" AND rowid IN ({marks})",
+                [expression, *others],
+            ):
+                relevance[seq] = relevance_of(bm25)
+        scored: list[tuple[float, int]] = []
+        for seq in relevance.keys() | cosines.keys():
+            fused = hybrid_relevance(relevance.get(seq, 0.0), cosines.get(seq))
+            if fused > 0.0:
+                scored.append((fused * _recency_factor(seq, now_key), seq))
+        scored.sort(reverse=True)
+        return scored[:limit]
+
+    def _hits(self, ranked: list[tuple[float, int]]) -> list[MemoryHit]:
+        """The nodes of ``ranked`` (score, seq) as hits, in that order (read transaction
+        open)."""
         if not ranked:
             return []
         marks = ", ".join("?" * len(ranked))
@@ -797,6 +1181,7 @@ class MemoryStore:
         bound: float,
         tight: _Bounds | None = None,
         node_type: str | None = None,
+        cjk: bool = False,
     ) -> tuple[list[tuple[float, int]], int]:
         """The top ``limit`` (score, seq) of a match, best first, and how many rows were read
         above the horizon (read lock held).
@@ -813,12 +1198,15 @@ class MemoryStore:
         best: list[tuple[float, int]] = []
         stop_at: int | None = None  # scanning ends at keys <= this
         params = {"expr": expression, "now": now_key, "decay": _DECAY_PER_KEY, "cap": MAX_SCAN_ROWS}
+        sql, sql_of_type = (
+            (_RANKED_CJK, _RANKED_CJK_OF_TYPE)
+            if cjk
+            else (_RANKED_MATCHES, _RANKED_MATCHES_OF_TYPE)
+        )
         if node_type is None:
-            cursor = self._reader.execute(_RANKED_MATCHES, params)
+            cursor = self._reader.execute(sql, params)
         else:
-            cursor = self._reader.execute(
-                _RANKED_MATCHES_OF_TYPE, {**params, "node_type": node_type}
-            )
+            cursor = self._reader.execute(sql_of_type, {**params, "node_type": node_type})
         try:
             for seq, score in cursor:
                 if stop_at is not None and seq <= stop_at:
@@ -910,6 +1298,40 @@ class MemoryStore:
             self._doc_counts.clear()
         self._doc_counts[term] = (docs, changes)
         return docs, docs
+
+    def unembedded(self) -> int:
+        """How many nodes have no vector yet (0 for a lexical store)."""
+        if self._embedder is None:
+            return 0
+        with self._read_lock:
+            self._check_open()
+            return int(self._reader.execute(_UNEMBEDDED_COUNT).fetchone()[0])
+
+    def fill_vectors(self, batch: int = FILL_BATCH) -> int:
+        """Embed up to ``batch`` nodes that have no vector, newest first, and store their
+        vectors; how many (0 once every node older than the first call has one, and always
+        for a lexical store). Blocks for the embedding (milliseconds a node): call it from a
+        worker thread, again until it returns 0."""
+        if self._embedder is None:
+            return 0
+        with self._read_lock:
+            self._check_open()
+            rows = self._reader.execute(_UNEMBEDDED, (self._fill_below, batch)).fetchall()
+        if not rows:
+            return 0
+        vectors = self.embed([text for _, _, text in rows])
+        with self._lock:
+            self._check_open()
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                pairs = zip(rows, vectors, strict=True)
+                self._conn.executemany(_FILL_VECTOR, [(vec, row[1]) for row, vec in pairs])
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        self._fill_below = min(seq for seq, _, _ in rows)
+        return len(rows)
 
     def delete(self, node_id: str) -> bool:
         """Remove a node (and its index entry); True if it existed."""
@@ -1026,7 +1448,8 @@ def _stop_key(weakest: float, bound: float, now_key: int) -> int | None:
 
 def _prepare_schema(conn: sqlite3.Connection) -> None:
     """Create the tables, or bring an older database up to date (once, in one transaction):
-    version 1 had insertion-ordered keys, version 2 no digests."""
+    version 1 had insertion-ordered keys, version 2 no digests, version 3 no character-pair
+    index."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version >= SCHEMA_VERSION:
         return
@@ -1037,11 +1460,34 @@ def _prepare_schema(conn: sqlite3.Connection) -> None:
         ).fetchone()
         if exists is not None and version < 2:
             _rekey(conn)
-        elif exists is not None:
+        elif exists is not None and version < 3:
             _add_digests(conn)
         for statement in _split_script(_TABLES):
             conn.execute(statement)
+        if exists is not None:
+            _index_cjk(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _prepare_vectors(conn: sqlite3.Connection, model_id: str) -> None:
+    """Create the vector tables of a hybrid store if missing; vectors made by another model
+    are dropped (the background fill makes them again)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _split_script(_VECTOR_TABLES):
+            conn.execute(statement)
+        row = conn.execute("SELECT model FROM vector_model WHERE id = 1").fetchone()
+        if row is None or row[0] != model_id:
+            if row is not None:
+                logger.info("memory store: vectors of model %s dropped for %s", row[0], model_id)
+            conn.execute("DELETE FROM vectors")
+            conn.execute(
+                "INSERT OR REPLACE INTO vector_model (id, model) VALUES (1, ?)", (model_id,)
+            )
     except BaseException:
         conn.execute("ROLLBACK")
         raise
@@ -1068,6 +1514,19 @@ def _rekey(conn: sqlite3.Connection) -> None:
         previous = key
         conn.execute(_INSERT, (key, *row, _digest(row[1], row[2], row[4], row[5], row[6])))
     conn.execute("DROP TABLE nodes_old")
+
+
+def _index_cjk(conn: sqlite3.Connection) -> None:
+    """Index the character pairs of every stored node that has Chinese, Japanese or Korean
+    text (transaction open; a version-3 database has none indexed)."""
+    conn.execute("DELETE FROM nodes_cjk")
+    rows = conn.execute("SELECT seq, text FROM nodes").fetchall()
+    pairs = [(seq, grams) for seq, text in rows if (grams := cjk_index_text(text)) is not None]
+    conn.executemany(_INSERT_CJK, pairs)
+    if pairs:
+        logger.info(
+            "memory store: indexed %d nodes by character pairs (one-time upgrade)", len(pairs)
+        )
 
 
 def _add_digests(conn: sqlite3.Connection) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import corpus
+from arona_store.ranking import semantic_available
+from bench import corpus, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, free_port, wait_http
 
@@ -98,6 +99,12 @@ CONFIGS = (
         "gw_user",
         expect="enabled",
         api_key=USER_KEY,
+    ),
+    Config(
+        "mem_hybrid",
+        "3h. gateway, memory enabled, hybrid-ranking store",
+        "gw_hybrid",
+        expect="enabled",
     ),
     Config(
         "mem_nojournal",
@@ -171,6 +178,7 @@ class Run:
     rounds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     recall: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    store_recall: list[recall_bench.RecallRow] = field(default_factory=list)
     # Run at the end whatever happened (a PostgreSQL cluster's removal).
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     litellm_version: str | None = None
@@ -251,8 +259,14 @@ def preload(db_path: Path, count: int, node_types: Sequence[str] = ("episode",))
         store.close()
 
 
-def start_store(run: Run, name: str, data_dir: Path) -> str:
-    env = clean_env({"ARONA_DATA_DIR": str(data_dir), "ARONA_MEMORY_TOKEN": STORE_TOKEN})
+def start_store(run: Run, name: str, data_dir: Path, ranking: str = "lexical") -> str:
+    env = clean_env(
+        {
+            "ARONA_DATA_DIR": str(data_dir),
+            "ARONA_MEMORY_TOKEN": STORE_TOKEN,
+            "ARONA_STORE_RANKING": ranking,
+        }
+    )
     proc = run.start(
         name, [PY, "-m", "gateway_http.cli", "store", "--host", "127.0.0.1", "--port", "0"], env
     )
@@ -516,6 +530,12 @@ def execute(run: Run) -> None:
     nodes = preload(work / "store" / "memory.db", o.nodes)
     log(f"store preloaded with {nodes} episodes in {time.monotonic() - started:.1f} s")
     store_url = start_store(run, "store", work / "store")
+    hybrid = semantic_available()
+    if hybrid:
+        recall_bench.preload(work / "store_hybrid" / "memory.db", o.nodes, "hybrid")
+        hybrid_url = start_store(run, "store_hybrid", work / "store_hybrid", ranking="hybrid")
+    else:
+        run.notes.append("Row 3h not measured: the semantic extra is not installed.")
     # The user-scope gateway's store: the same episodes, spread over USER_SCOPES users, the
     # benchmark's caller being one of them.
     preload(work / "store_user" / "memory.db", o.nodes, user_node_types())
@@ -526,6 +546,10 @@ def execute(run: Run) -> None:
     start_gateway(run, "gw_off", {})
     memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
     start_gateway(run, "gw_on", memory)
+    if hybrid:
+        start_gateway(
+            run, "gw_hybrid", {"ARONA_MEMORY_URL": hybrid_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
+        )
     start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
     start_workers(run, "gw_workers", memory, 2)
     database_url = start_postgres(run)
@@ -568,6 +592,7 @@ def execute(run: Run) -> None:
         for c in CONFIGS
         if (c.target != "litellm" or litellm_proc is not None)
         and (c.target != "gw_pg" or "gw_pg" in run.ports)
+        and (c.target != "gw_hybrid" or hybrid)
     ]
     for concurrency in CONCURRENCIES:
         measure_interleaved(run, concurrency, configs)
@@ -590,6 +615,10 @@ def execute(run: Run) -> None:
     )
     measure_recall(run, run.grpc_targets["grpc_big"], big)
     run.stop_all()
+    if semantic_available():
+        run.store_recall = recall_bench.measure_sizes(
+            work / "store_recall", (o.nodes, o.big_nodes), calls=40 if o.quick else 400
+        )
 
 
 # Reporting
@@ -737,6 +766,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         ),
         f"- whole run: {elapsed_s:.0f} s",
         "",
+        "Every row but 3h uses the embedded store with the lexical ranking "
+        "(`ARONA_STORE_RANKING=lexical`), as in earlier runs, so the figures stay comparable; "
+        "row 3h uses the hybrid one. "
         "Latency in ms. For streaming rows (5a, 5b) p50/p99 are the time to the first event "
         "and 5b is compared with 5a; every other row is compared with row 1 (direct). "
         "`× direct` is the p50 ratio, `÷ direct` the throughput ratio, `added` the p50 "
@@ -779,6 +811,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         ["store nodes", "conc.", "calls", "p50", "p99", "calls/s", "failures / empty"],
         recall_rows,
     )
+    if run.store_recall:
+        lines += ["", "## Recall alone in the store process, lexical and hybrid ranking", ""]
+        lines += recall_bench.table_lines(run.store_recall)
     lines += ["", "## Targets (ratios from this run)", ""]
     lines += _table(["target", "this run", "verdict"], targets(run))
     if run.notes:

@@ -39,6 +39,7 @@ import uvicorn
 
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.redact import redact_url
+from arona_store.ranking import Ranking, RankingError, ranking_from_env
 
 logger = logging.getLogger("arona_gateway")
 
@@ -259,12 +260,16 @@ async def run_parts(
 
 
 @contextlib.asynccontextmanager
-async def embedded_store(db_path: Path, token: str, host: str, port: int) -> AsyncIterator[str]:
+async def embedded_store(
+    db_path: Path, token: str, host: str, port: int, ranking: Ranking
+) -> AsyncIterator[str]:
     """Run the embedded Philia-compatible store; yields its URL (without the token)."""
     from arona_store.server import StoreServer
 
     try:
-        store = await StoreServer.start(db_path=db_path, token=token, host=host, port=port)
+        store = await StoreServer.start(
+            db_path=db_path, token=token, host=host, port=port, ranking=ranking
+        )
     except OSError as exc:
         raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     try:
@@ -340,7 +345,9 @@ async def _up(env: Mapping[str, str]) -> None:
         if not env.get("ARONA_MEMORY_URL", "").strip():
             token = env.get("ARONA_MEMORY_TOKEN", "").strip() or dev["memory_token"]
             store_url = await stack.enter_async_context(
-                embedded_store(data_dir / STORE_DB_FILE, token, "127.0.0.1", 0)
+                embedded_store(
+                    data_dir / STORE_DB_FILE, token, "127.0.0.1", 0, ranking_from_env(env)
+                )
             )
             env["ARONA_MEMORY_URL"] = store_url
             env["ARONA_MEMORY_TOKEN"] = token
@@ -395,7 +402,8 @@ async def _store(env: Mapping[str, str], host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with embedded_store(data_dir / STORE_DB_FILE, token, host, port) as url:
+    ranking = ranking_from_env(env)
+    async with embedded_store(data_dir / STORE_DB_FILE, token, host, port, ranking) as url:
         settle_gc()
         print(f"embedded memory store on {url} (database {data_dir / STORE_DB_FILE})", flush=True)
         await stop.wait()
@@ -603,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(_serve(env, args.only, args.listen_fd, args.worker))
         else:
             _run(_store(env, args.host, args.port))
-    except (ConfigError, StartupError) as exc:
+    except (ConfigError, StartupError, RankingError) as exc:
         print(f"arona-gateway: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

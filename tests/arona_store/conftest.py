@@ -73,6 +73,13 @@ class StoreClient:
         return await self.call("Sync.ConnectHandshake", {"token": token, "client_type": "cli"})
 
 
+@pytest.fixture(autouse=True)
+def lexical_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store tests pin lexical scores and orders: servers they start rank lexically unless
+    a test asks for ``hybrid`` (``ranking=``) itself."""
+    monkeypatch.setenv("ARONA_STORE_RANKING", "lexical")
+
+
 @pytest_asyncio.fixture
 async def server(tmp_path: Path) -> AsyncIterator[StoreServer]:
     async with await StoreServer.start(db_path=tmp_path / "store.db", token=TOKEN) as srv:

@@ -40,7 +40,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=170,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
@@ -50,6 +50,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "1. direct to the upstream",
         "2. gateway, memory disabled",
         "3. gateway, memory enabled",
+        "3h. gateway, memory enabled, hybrid-ranking store",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "3j. gateway, memory enabled, no writeback journal",
         "3c. gateway, memory enabled, with a conversation_id (SQLite)",
@@ -63,8 +64,13 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         # One row per concurrency, every turn answered 200 with the expected memory header.
         assert len(measured) == 2, (label, table)
         assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
-    recall = [row for row in rows if row.startswith(("| 500 |", "| 1,000 |"))]
+    recall = [
+        row for row in rows if row.startswith(("| 500 |", "| 1,000 |")) and row.count("|") == 8
+    ]
     assert len(recall) == 4 and all(row.endswith("| 0 / 0 |") for row in recall), table
+    # Recall alone in the store process, both rankings at both sizes.
+    store_rows = [row for row in rows if re.match(r"\| [\d,]+ \| (lexical|hybrid) \|", row)]
+    assert [("hybrid" in row) for row in store_rows] == [False, True, False, True], table
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "memory-enabled p50 over direct" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table

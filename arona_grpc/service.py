@@ -749,6 +749,11 @@ class MemoryDomain:
                 raise
             failures = 0
             self._breaker.success(permit)
+            if entry.episode_id:
+                # Known before the row goes: the same episode sent again meanwhile is this one.
+                self._replayed_ids[entry.episode_id] = node_id
+                if len(self._replayed_ids) > _REPLAYED_MEMORY:
+                    self._replayed_ids.popitem(last=False)
             try:
                 await self._outbox.remove(entry.seq)
             except Exception as exc:
@@ -760,10 +765,6 @@ class MemoryDomain:
             self._replayed[entry.seq] = node_id
             if len(self._replayed) > _REPLAYED_MEMORY:
                 self._replayed.popitem(last=False)
-            if entry.episode_id:
-                self._replayed_ids[entry.episode_id] = node_id
-                if len(self._replayed_ids) > _REPLAYED_MEMORY:
-                    self._replayed_ids.popitem(last=False)
             waiter = self._waiters.pop(entry.seq, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(node_id)

@@ -22,6 +22,7 @@ from tests.e2e.stack import running_stack
 from tests.faults.harness import FaultStack, fault_stack
 from tests.support.fake_philia import STORE, Step
 from tests.support.log_watch import watching
+from tests.support.raw_philia import closed_port
 
 pytestmark = pytest.mark.asyncio
 
@@ -198,4 +199,23 @@ async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
         await asyncio.wait_for(stack.philia.wait_frames(STORE), 10)
     assert [s["text"] for s in stack.philia.stored] == [
         "User: keep me\nAssistant: reply to: keep me"
+    ]
+
+
+async def test_a_turn_answered_while_the_grpc_service_is_down_is_sent_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The writeback journal: the service never got the episode, the HTTP layer keeps it."""
+    async with running_stack(
+        tmp_path, memory_writeback=True, grpc_target=f"127.0.0.1:{closed_port()}"
+    ) as stack:
+        turn = await stack.turn("rest", [{"role": "user", "content": "keep me too"}])
+        assert (turn.status, turn.memory) == (200, "offline")
+        # Leaving the block drains the writeback, which fails: nobody took the episode.
+    assert stack.philia.frames_of(STORE) == []
+
+    async with running_stack(tmp_path, memory_writeback=True) as stack:
+        await asyncio.wait_for(stack.philia.wait_stored(1), 10)
+    assert [s["text"] for s in stack.philia.stored] == [
+        "User: keep me too\nAssistant: reply to: keep me too"
     ]

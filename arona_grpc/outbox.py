@@ -185,20 +185,42 @@ class _OutboxFile:
         return _Counts(self._depth, self._dropped)
 
 
-class Outbox:
+class _Kept:
+    """What both outboxes keep in memory: the depth last seen, the drops, and the puts
+    handed over but not yet committed (the queue is non-empty from the moment an episode is
+    handed over, so later writebacks line up behind it at once)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._dropped = 0
+        self._unsettled = 0
+
+    @property
+    def depth(self) -> int:
+        """Episodes waiting (including ones handed over but not yet committed)."""
+        return self._depth + self._unsettled
+
+    @property
+    def dropped(self) -> int:
+        """Episodes dropped on overflow, over the outbox's whole life."""
+        return self._dropped
+
+    @property
+    def pending(self) -> bool:
+        # Asked on every writeback and every successful call: kept to two reads.
+        return self._depth > 0 or self._unsettled > 0
+
+
+class Outbox(_Kept):
     """Bounded FIFO of episodes in ``<data_dir>/outbox.db``; see the module docstring."""
 
     def __init__(self, data_dir: Path, max_entries: int) -> None:
         if max_entries < 1:
             raise ValueError("the outbox needs room for at least one episode")
         self.path = data_dir / OUTBOX_FILE
+        super().__init__()
         self._file = _OutboxFile(self.path, max_entries)
         self._worker: ThreadPoolExecutor | None = None
-        self._depth = 0
-        self._dropped = 0
-        # Puts submitted but not yet committed: the queue is non-empty from the moment
-        # an episode is handed over, so later writebacks line up behind it at once.
-        self._unsettled = 0
         self._closed = False
         self._drops = FailureLog(logger, "the outbox")
 
@@ -209,26 +231,11 @@ class Outbox:
     def where(self) -> str:
         return str(self.path)
 
-    @property
-    def depth(self) -> int:
-        """Episodes waiting (including ones handed over but not yet committed)."""
-        return self._depth + self._unsettled
-
     async def refresh(self) -> None:
         """Re-read what other processes queued (nothing: the file is this process's)."""
 
     async def release(self, seq: int) -> None:
         """Give an episode back after a failed store (nothing to do with one process)."""
-
-    @property
-    def dropped(self) -> int:
-        """Episodes dropped on overflow, over the file's whole life."""
-        return self._dropped
-
-    @property
-    def pending(self) -> bool:
-        # Asked on every writeback and every successful call: kept to two reads.
-        return self._depth > 0 or self._unsettled > 0
 
     async def load(self) -> None:
         """Read the depth of an outbox left by an earlier run (creates no file)."""
@@ -306,7 +313,7 @@ class Outbox:
         return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
 
-class PostgresOutbox:
+class PostgresOutbox(_Kept):
     """The outbox as a table shared by every gRPC replica (``ARONA_DATABASE_URL``).
 
     Replicas replay it together, oldest first, without storing an episode twice in normal
@@ -327,9 +334,7 @@ class PostgresOutbox:
         self._max = max_entries
         self._claim_s = claim_s
         self._owner = f"replica-{uuid.uuid4().hex[:12]}"
-        self._depth = 0
-        self._dropped = 0
-        self._unsettled = 0
+        super().__init__()
         self._closed = False
         self._writes: set[asyncio.Task[int]] = set()
         self._drops = FailureLog(logger, "the outbox")
@@ -337,18 +342,6 @@ class PostgresOutbox:
     @property
     def where(self) -> str:
         return f"table outbox at {redact_url(self._url)}"
-
-    @property
-    def depth(self) -> int:
-        return self._depth + self._unsettled
-
-    @property
-    def dropped(self) -> int:
-        return self._dropped
-
-    @property
-    def pending(self) -> bool:
-        return self._depth > 0 or self._unsettled > 0
 
     async def load(self) -> None:
         await self.refresh()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from tests.support.postgres import ENV_URL, PgCluster, pg_cluster
 
@@ -52,3 +54,16 @@ def backend(request: pytest.FixtureRequest) -> str | None:
         return None
     url: str = request.getfixturevalue("database_url")
     return url
+
+
+@pytest_asyncio.fixture
+async def pool(backend: str | None) -> AsyncIterator[Any]:
+    """The database pool of ``backend`` (None on SQLite), closed after the test."""
+    if backend is None:
+        yield None
+        return
+    from arona_grpc.database import open_pool
+
+    opened = await open_pool(backend)
+    yield opened
+    await opened.close()

@@ -14,7 +14,6 @@ import pytest
 import pytest_asyncio
 
 from arona_grpc.config import Settings
-from arona_grpc.database import open_pool
 from arona_grpc.outbox import AnyOutbox, Outbox, OutboxClosed, open_outbox
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
@@ -23,16 +22,6 @@ from tests.support.log_watch import watching
 pytestmark = pytest.mark.asyncio
 
 TOKEN = "t0k3n"
-
-
-@pytest_asyncio.fixture
-async def pool(backend: str | None) -> AsyncIterator[Any]:
-    if backend is None:
-        yield None
-        return
-    opened = await open_pool(backend)
-    yield opened
-    await opened.close()
 
 
 @dataclasses.dataclass

@@ -31,16 +31,6 @@ TOKEN = "backend-test-token"
 
 
 @pytest_asyncio.fixture
-async def pool(backend: str | None) -> AsyncIterator[Any]:
-    if backend is None:
-        yield None
-        return
-    opened = await open_pool(backend)
-    yield opened
-    await opened.close()
-
-
-@pytest_asyncio.fixture
 async def fake() -> AsyncIterator[FakePhilia]:
     async with FakePhilia(token=TOKEN) as server:
         yield server

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sqlite3
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 import httpx
 import orjson
 from fastapi import FastAPI
-from websockets.asyncio.client import connect
 
 from arona_grpc.config import Settings
 from arona_grpc.server import GrpcServer
@@ -28,6 +26,7 @@ from arona_store.server import StoreServer
 from gateway_http.app import create_app
 from gateway_http.auth import mint_token
 from gateway_http.state import Gateway
+from tests.e2e.stack import chat_over_websocket
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.uvicorn_server import serve_app
 
@@ -185,18 +184,7 @@ class ScopedStack:
         )
 
     async def _ws(self, token: str, params: dict[str, Any], before: int) -> Said:
-        url = self.base_url.replace("http://", "ws://") + f"/api/rpc?token={token}"
-        request_id = str(uuid.uuid4())
-        async with connect(url, proxy=None) as ws:
-            await ws.send(
-                orjson.dumps(
-                    {"jsonrpc": "2.0", "id": request_id, "method": "chat.send", "params": params}
-                ).decode()
-            )
-            while True:
-                message = orjson.loads(await ws.recv())
-                if message.get("id") == request_id:
-                    break
+        message, _ = await chat_over_websocket(self.base_url, token, params)
         result = message.get("result") or {}
         return Said(
             200, result.get("memory"), self._section(before), result.get("content", ""), message

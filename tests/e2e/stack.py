@@ -131,22 +131,29 @@ class Stack:
         )
 
     async def _ws(self, params: dict[str, Any]) -> Turn:
-        url = self.base_url.replace("http://", "ws://") + f"/api/rpc?token={self.jwt}"
-        request_id = str(uuid.uuid4())
-        events: list[Any] = []
-        async with connect(url, proxy=None) as ws:
-            await ws.send(
-                orjson.dumps(
-                    {"jsonrpc": "2.0", "id": request_id, "method": "chat.send", "params": params}
-                ).decode()
-            )
-            while True:
-                message = orjson.loads(await ws.recv())
-                if message.get("id") == request_id:
-                    break
-                events.append(message)
+        message, events = await chat_over_websocket(self.base_url, self.jwt, params)
         result = message.get("result") or {}
         return Turn(200, result.get("memory"), result.get("content", ""), message, events)
+
+
+async def chat_over_websocket(
+    base_url: str, token: str, params: dict[str, Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    """One ``chat.send`` over a JSON-RPC WebSocket: its response and the frames before it."""
+    url = base_url.replace("http://", "ws://") + f"/api/rpc?token={token}"
+    request_id = str(uuid.uuid4())
+    events: list[Any] = []
+    async with connect(url, proxy=None) as ws:
+        await ws.send(
+            orjson.dumps(
+                {"jsonrpc": "2.0", "id": request_id, "method": "chat.send", "params": params}
+            ).decode()
+        )
+        while True:
+            message: dict[str, Any] = orjson.loads(await ws.recv())
+            if message.get("id") == request_id:
+                return message, events
+            events.append(message)
 
 
 @contextlib.asynccontextmanager

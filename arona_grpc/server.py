@@ -9,8 +9,10 @@ finish within the grace period and closes the Philia link.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
+from arona_grpc.metrics import start_metrics_server
 from arona_grpc.service import MemoryDomain
 from arona_grpc.servicer import MemoryServicer
 
@@ -75,12 +78,18 @@ class GrpcServer:
         health_servicer: health_aio.HealthServicer,
         domain: MemoryDomain,
         target: str,
+        metrics_server: WSGIServer | None = None,
     ) -> None:
         self._server = server
         self._health = health_servicer
         self.domain = domain
         self.target = target
         self.port = int(target.rsplit(":", 1)[1])
+        self._metrics_server = metrics_server
+        self.metrics_port: int | None = (
+            metrics_server.server_port if metrics_server is not None else None
+        )
+        """The port of the service's own ``/metrics`` listener (None when it is off)."""
         self._stopped = False
 
     @classmethod
@@ -100,6 +109,19 @@ class GrpcServer:
         if port == 0:
             await domain.aclose()
             raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
+        metrics_server: WSGIServer | None = None
+        if settings.grpc_metrics_port is not None and domain.metrics is not None:
+            try:
+                metrics_server = start_metrics_server(
+                    domain.metrics.registry(), settings.grpc_host, settings.grpc_metrics_port
+                )
+            except OSError as exc:
+                await server.stop(None)
+                await domain.aclose()
+                raise GrpcBindError(
+                    f"cannot listen for metrics on {settings.grpc_host}:"
+                    f"{settings.grpc_metrics_port}: {exc.strerror or exc}"
+                ) from None
         await server.start()
         # An outbox left by an earlier run starts replaying now.
         await domain.start()
@@ -114,7 +136,13 @@ class GrpcServer:
             target,
             "enabled" if domain.enabled else "disabled",
         )
-        return cls(server, health_servicer, domain, target)
+        if metrics_server is not None:
+            logger.info(
+                "MemoryService metrics on http://%s:%d/metrics",
+                target.rsplit(":", 1)[0],
+                metrics_server.server_port,
+            )
+        return cls(server, health_servicer, domain, target, metrics_server)
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
@@ -128,6 +156,10 @@ class GrpcServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await self.domain.aclose(grace)
+        if self._metrics_server is not None:
+            # serve_forever ends within its poll interval (0.5 s): not on the event loop.
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
         logger.info("MemoryService stopped")
 
     async def wait_for_termination(self) -> None:

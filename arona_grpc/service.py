@@ -59,6 +59,7 @@ from arona_grpc.episodes import (
     IndexUnavailable,
     SqliteEpisodeIndex,
 )
+from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import Outbox, OutboxClosed
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
@@ -274,8 +275,13 @@ class MemoryDomain:
         *,
         clock: Callable[[], float] = time.monotonic,
         index: EpisodeIndex | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self._settings = settings
+        # ARONA_METRICS=false: none at all.
+        self.metrics = metrics or (ServiceMetrics() if settings.metrics else None)
+        if self.metrics is not None:
+            self.metrics.watch(self)
         self._user_scoped = settings.user_scoped
         self._client: PhiliaClient | None = None
         self._index: EpisodeIndex | None = None
@@ -283,7 +289,10 @@ class MemoryDomain:
             assert settings.memory_url is not None and settings.memory_token is not None
             # Lazy: constructing the client opens nothing.
             self._client = client or PhiliaClient(
-                settings.memory_url, settings.memory_token, settings.memory_timeout_s
+                settings.memory_url,
+                settings.memory_token,
+                settings.memory_timeout_s,
+                metrics=self.metrics,
             )
             # Lazy too: the file appears with the first episode (or the first List).
             self._index = index or SqliteEpisodeIndex(settings.data_dir)

@@ -8,8 +8,9 @@ giving pending writebacks a short grace period.
 
 from __future__ import annotations
 
+import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import grpc
@@ -17,15 +18,19 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from arona_grpc.config import Settings
+from arona_grpc.logs import REQUEST_ID, request_id_or_new
 from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.routes import rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
@@ -77,6 +82,17 @@ def _internal_error(request: Request) -> Response:
     return _error_response(GatewayError(ErrorKind.INTERNAL, "Internal error", "internal_error"))
 
 
+_REQUEST_ID_KEY = b"x-request-id"
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == _REQUEST_ID_KEY:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
 class GatewayApp(FastAPI):
     """The FastAPI app, with the chat-completions route served without the framework layers.
 
@@ -85,39 +101,87 @@ class GatewayApp(FastAPI):
     everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
     dependencies, so it is dispatched here straight to the same handler, with the same error
     mapping as the exception handlers below; every other request goes through FastAPI.
+
+    Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
+    sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
+    request's log lines and gRPC calls, and returned as ``X-Request-Id`` on the response.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] == rest.CHAT_COMPLETIONS_PATH
-            and scope["method"] == "POST"
-        ):
-            scope["app"] = self
-            request = Request(scope, receive, send)
-            try:
-                response = await rest.chat_completions(request)
-            except GatewayError as exc:
-                response = _error_response(exc)
-            except rest.ClientGone:
-                # Nobody is left to answer.
-                return
-            except Exception:
-                response = _internal_error(request)
-            await response(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        request_id = request_id_or_new(_incoming_request_id(scope))
+        token = REQUEST_ID.set(request_id)
+        try:
+            if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
+                await self._chat_completions(scope, receive, send, request_id)
+            else:
+                await super().__call__(scope, receive, _with_request_id(send, request_id))
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _chat_completions(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> None:
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            response = await rest.chat_completions(request)
+        except GatewayError as exc:
+            response = _error_response(exc)
+        except rest.ClientGone:
+            # Nobody is left to answer.
+            return
+        except Exception:
+            response = _internal_error(request)
+        response.raw_headers.append((_REQUEST_ID_KEY, request_id.encode("latin-1")))
+        await response(scope, receive, send)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    header = (_REQUEST_ID_KEY, request_id.encode("latin-1"))
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), header]
+        await send(message)
+
+    return sending
+
+
+METRICS_PATH = "/metrics"
+
+
+def _add_metrics_route(app: FastAPI, metrics: GatewayMetrics, token: str | None) -> None:
+    """``GET /metrics``: the Prometheus text exposition, open unless ARONA_METRICS_TOKEN."""
+    registry = metrics.registry()
+    expected = f"Bearer {token}".encode() if token else None
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def metrics_endpoint(request: Request) -> Response:
+        if expected is not None:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise GatewayError(
+                    ErrorKind.AUTH, "Invalid or missing metrics token", "invalid_metrics_token"
+                )
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(
     settings: Settings,
     memory_client: MemoryClient | None = None,
     backend: ChatBackend | None = None,
+    metrics_collectors: Iterable[Collector] = (),
 ) -> FastAPI:
+    """The gateway app; ``metrics_collectors`` are shown on its ``/metrics`` beside its own
+    (the gRPC service's, when it runs in the same process)."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
     owns_backend = backend is None
     chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
+    metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -131,10 +195,15 @@ def create_app(
                 channel,
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
+                metrics=metrics,
             )
         conversations = ConversationStore.open(settings.data_dir / "conversations.db")
         pipeline = TurnPipeline(
-            memory, chat_backend, conversations, user_scoped=settings.user_scoped
+            memory,
+            chat_backend,
+            conversations,
+            user_scoped=settings.user_scoped,
+            metrics=metrics,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
@@ -165,6 +234,8 @@ def create_app(
     )
     app.include_router(rest.router)
     app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
+    if settings.metrics:
+        _add_metrics_route(app, metrics, settings.metrics_token)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
+from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, Principal, bearer
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
@@ -327,6 +328,8 @@ class _RpcSocket:
             task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, data: bytes) -> None:
+        # Each message is a request of its own (this task has its own context).
+        REQUEST_ID.set(new_request_id())
         try:
             # The token is re-verified for every message: one that expires while the socket is
             # open stops working.

@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
+from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,14 @@ def _quoted(exc: grpc.aio.AioRpcError) -> str:
 class Recall:
     state: str
     section: str
+    # Memories in the section.
+    count: int = 0
+
+
+def _metadata() -> tuple[tuple[str, str], ...] | None:
+    """The current request id as ``x-request-id`` metadata (None outside a request)."""
+    request_id = REQUEST_ID.get()
+    return ((REQUEST_ID_HEADER, request_id),) if request_id is not None else None
 
 
 def _rfc3339_ms(ts: Timestamp) -> str:
@@ -90,9 +100,15 @@ class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService`` over one shared channel."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, *, recall_budget_s: float, rpc_timeout_s: float
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        recall_budget_s: float,
+        rpc_timeout_s: float,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._channel = channel
+        self._metrics = metrics or NoMetrics()
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self._recall_budget_s = recall_budget_s
@@ -106,6 +122,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
+                metadata=_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -117,7 +134,9 @@ class MemoryClient:
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
             state = DISABLED
-        return Recall(state, reply.section if state == ENABLED else "")
+        if state != ENABLED:
+            return Recall(state, "")
+        return Recall(state, reply.section, len(reply.memories))
 
     async def writeback(self, user: str, assistant: str, scope: str = "") -> str | None:
         """Store one turn; the node id, or None when nothing was stored.
@@ -130,12 +149,18 @@ class MemoryClient:
             reply = await self._stub.Writeback(
                 pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
                 timeout=self._rpc_timeout_s,
+                metadata=_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
+            self._metrics.writeback("failed")
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
             return None
         self._writeback_log.succeeded()
-        return reply.node_id if reply.stored else None
+        if not reply.stored:
+            self._metrics.writeback("not_stored")
+            return None
+        self._metrics.writeback("stored")
+        return reply.node_id
 
     async def delete(self, node_id: str, scope: str = "") -> bool:
         reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id, scope=scope))
@@ -198,7 +223,7 @@ class MemoryClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._rpc_timeout_s)
+            return await method(request, timeout=self._rpc_timeout_s, metadata=_metadata())
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway_http.conversations import ConversationStore
 from gateway_http.memory_client import DISABLED, MemoryClient
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream import (
     MEMORY_SECTION_HEADER,
     ChatBackend,
@@ -45,6 +47,8 @@ class TurnRequest:
     conversation_id: str | None = None
     # Whose memory the turn uses (gateway_http.auth.memory_scope); None without a principal.
     scope: str | None = None
+    # time.perf_counter() when the request arrived.
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -54,6 +58,19 @@ class PreparedTurn:
     memory_state: str
     # The last user message of the assembled context ("" when there is none).
     user_text: str
+    # Memories injected, and the time the recall took (0 when there was none).
+    memory_count: int = 0
+    recall_s: float = 0.0
+    # time.perf_counter() when the upstream call started, answered (whole reply or first
+    # chunk) and ended; 0 until then.
+    upstream_start: float = 0.0
+    upstream_first: float = 0.0
+    upstream_end: float = 0.0
+
+    def overhead_s(self, now: float) -> float:
+        """The gateway's own time until ``now``, outside the wait for the upstream's answer."""
+        waited = self.upstream_first - self.upstream_start if self.upstream_first else 0.0
+        return now - self.request.started - waited
 
 
 @dataclass
@@ -76,8 +93,10 @@ class TurnPipeline:
         conversations: ConversationStore,
         *,
         user_scoped: bool = False,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._memory = memory
+        self.metrics = metrics or NoMetrics()
         # ARONA_MEMORY_SCOPE=user: a turn without a principal gets no memory at all.
         self._user_scoped = user_scoped
         self._backend = backend
@@ -96,16 +115,22 @@ class TurnPipeline:
         user_text = last_user_text(messages)
 
         state = DISABLED
+        count = 0
+        recall_s = 0.0
         if (
             request.memory is not False
             and self._has_memory(request)
             and user_text.strip()
             and not has_memory_section(messages)
         ):
+            started = time.perf_counter()
             recall = await self._memory.recall(user_text, RECALL_LIMIT, request.scope or "")
+            recall_s = time.perf_counter() - started
+            self.metrics.recall(recall.state, recall_s)
             state = recall.state
             if recall.section:
                 messages.insert(0, {"role": "system", "content": recall.section})
+                count = recall.count
 
         if request.conversation_id is not None:
             for message in new_messages:
@@ -114,11 +139,25 @@ class TurnPipeline:
                 )
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
-        return PreparedTurn(request, upstream_body, state, user_text)
+        return PreparedTurn(request, upstream_body, state, user_text, count, recall_s)
+
+    def finished(self, turn: PreparedTurn, surface: str, outcome: str) -> None:
+        """Record a turn that ended: its outcome, and for an answered one its timings."""
+        metrics = self.metrics
+        metrics.turn(surface, turn.memory_state, outcome)
+        if outcome == "ok" and turn.upstream_first:
+            end = turn.upstream_end or turn.upstream_first
+            metrics.first_byte(surface, turn.upstream_first - turn.upstream_start)
+            metrics.overhead(
+                surface,
+                time.perf_counter() - turn.request.started - (end - turn.upstream_start),
+            )
 
     async def complete(self, turn: PreparedTurn) -> TurnReply:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
+        turn.upstream_start = time.perf_counter()
         completion = await self._backend.complete(turn.upstream_body)
+        turn.upstream_first = turn.upstream_end = time.perf_counter()
         choice = first_choice(completion)
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         content = message_text(message) if message else ""
@@ -140,13 +179,17 @@ class TurnPipeline:
         request at once.
         """
         parts: list[str] = []
+        turn.upstream_start = time.perf_counter()
         upstream = self._backend.stream(turn.upstream_body)
         try:
             async for chunk in upstream:
+                if not turn.upstream_first:
+                    turn.upstream_first = time.perf_counter()
                 parts.append(delta_text(chunk))
                 yield chunk
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
+        turn.upstream_end = time.perf_counter()
         await self._finish(turn, "".join(parts), writeback=writeback)
 
     async def drain(self, grace_s: float) -> None:

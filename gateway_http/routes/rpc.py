@@ -7,6 +7,8 @@ the one error table (:mod:`gateway_http.errors`).
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -26,8 +28,10 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
+from gateway_http.memory_client import DISABLED
+from gateway_http.routes.rest import turn_outcome
 from gateway_http.state import Gateway
-from gateway_http.turns import TurnRequest, delta_text, first_choice
+from gateway_http.turns import PreparedTurn, TurnRequest, delta_text, first_choice
 from gateway_http.upstream import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
@@ -131,9 +135,13 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return requested
 
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
+        started = time.perf_counter()
+        surface = "rpc" if ctx.notify is None else "rpc_ws"
+        pipeline = gw.pipeline
         try:
             messages = validate_messages(params.messages)
         except GatewayError as exc:
+            pipeline.metrics.turn(surface, DISABLED, "client_error")
             raise RpcError(INVALID_PARAMS, exc.message) from None
         body: dict[str, Any] = {"model": params.model, "messages": messages}
         if params.temperature is not None:
@@ -143,9 +151,25 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         if params.user is not None:
             body["user"] = params.user
         scope = memory_scope(Principal(ctx.user), params.user)
-        turn = await gw.pipeline.prepare(
-            TurnRequest(ctx.user, body, params.memory, params.conversation_id, scope)
-        )
+        try:
+            turn = await pipeline.prepare(
+                TurnRequest(ctx.user, body, params.memory, params.conversation_id, scope, started)
+            )
+        except GatewayError as exc:
+            pipeline.metrics.turn(surface, DISABLED, turn_outcome(exc))
+            raise
+        try:
+            result = await _answer(turn, ctx)
+        except UpstreamError:
+            pipeline.finished(turn, surface, "upstream_error")
+            raise
+        except asyncio.CancelledError:
+            pipeline.finished(turn, surface, "cancelled")
+            raise
+        pipeline.finished(turn, surface, "ok")
+        return result
+
+    async def _answer(turn: PreparedTurn, ctx: RpcContext) -> dict[str, Any]:
         stream_id = f"stream-{uuid.uuid4().hex}"
         if ctx.notify is None:
             reply = await gw.pipeline.complete(turn)
@@ -174,6 +198,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return {
             "stream_id": stream_id,
             "memory": turn.memory_state,
+            "memory_count": turn.memory_count,
             "content": content,
             "finish_reason": finish_reason,
             "usage": usage,

@@ -95,6 +95,12 @@ CONFIGS = (
         api_key=USER_KEY,
     ),
     Config(
+        "mem_on_nometrics",
+        "3m. gateway, memory enabled, ARONA_METRICS=false",
+        "gw_nometrics",
+        expect="enabled",
+    ),
+    Config(
         "blackhole",
         "4. gateway, memory enabled, Philia blackholed",
         "gw_blackhole",
@@ -456,6 +462,8 @@ def execute(run: Run) -> None:
     start_gateway(run, "gw_off", {})
     memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
     start_gateway(run, "gw_on", memory)
+    # The same gateway without metrics: what recording them costs a turn.
+    start_gateway(run, "gw_nometrics", {**memory, "ARONA_METRICS": "false"})
     start_gateway(
         run,
         "gw_user",
@@ -608,6 +616,16 @@ def targets(run: Run) -> list[list[str]]:
         add(
             "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1",
             f"{ratio:.2f}× ({scoped:.3f} ms vs {shared:.3f} ms)",
+            ratio <= 1.10,
+        )
+    bare1 = r.get(("mem_on_nometrics", 1))
+    if on1 and bare1 and direct1:
+        with_metrics = on1["p50_ms"] - direct1["p50_ms"]
+        without = bare1["p50_ms"] - direct1["p50_ms"]
+        ratio = with_metrics / without if without > 0 else float("inf")
+        add(
+            "metrics + request ids: memory turn's added p50 ≤ 1.10 × without metrics, c=1",
+            f"{ratio:.2f}× ({with_metrics:.3f} ms vs {without:.3f} ms)",
             ratio <= 1.10,
         )
     if not lite32:

@@ -48,6 +48,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "2. gateway, memory disabled",
         "3. gateway, memory enabled",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
+        "3m. gateway, memory enabled, ARONA_METRICS=false",
         "4. gateway, memory enabled, Philia blackholed",
         "5a. streaming direct",
         "5b. streaming via gateway, memory enabled",

@@ -79,8 +79,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     # call on the hot path (Recall and Writeback run on every chat turn).
 
     async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             # The caller's deadline bounds the recall too: the service never outlasts it.
             outcome = await self._domain.recall(
                 request.query,
@@ -102,8 +102,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Writeback(
         self, request: pb.WritebackRequest, context: Context
     ) -> pb.WritebackResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             outcome = await self._domain.writeback(request.user, request.assistant, request.scope)
             logger.debug("Writeback: %s", outcome.node_id if outcome.stored else "not stored")
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
@@ -111,31 +111,31 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             await _abort(context, "Writeback", exc)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             deleted = await self._domain.delete(request.node_id, request.scope)
             return pb.DeleteResponse(deleted=deleted)
         except Exception as exc:
             await _abort(context, "Delete", exc)
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             return _status_reply(self._domain.status(request.limit))
         except Exception as exc:
             await _abort(context, "Status", exc)
 
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             page = await self._domain.list_episodes(request.scope, request.limit, request.before)
             return _list_reply(page)
         except Exception as exc:
             await _abort(context, "List", exc)
 
     async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
-        _adopt_request_id(context)
         try:
+            _adopt_request_id(context)
             return pb.ForgetResponse(deleted=await self._domain.forget(request.scope))
         except Exception as exc:
             await _abort(context, "Forget", exc)

@@ -241,6 +241,29 @@ async def run_parts(
         forget_live_metrics()
 
 
+PROMETHEUS_FILES = ("counter_*.db", "gauge_*.db", "histogram_*.db", "summary_*.db")
+
+
+def use_multiprocess_metrics(env: MutableMapping[str, str], data_dir: Path) -> Path:
+    """Put ``prometheus_client`` in multiprocess mode for several HTTP worker processes.
+
+    Called before any worker starts and before ``prometheus_client`` is first imported
+    (each process picks its mode at import). Unless the operator set
+    ``PROMETHEUS_MULTIPROC_DIR`` already, it is ``<data_dir>/prometheus``; either way the
+    directory is emptied of an earlier run's files, whose counts would otherwise be added
+    to this run's.
+    """
+    from arona_grpc.metrics import MULTIPROC_ENV
+
+    directory = Path(env.get(MULTIPROC_ENV) or data_dir / "prometheus")
+    directory.mkdir(parents=True, exist_ok=True)
+    for pattern in PROMETHEUS_FILES:
+        for stale in directory.glob(pattern):
+            stale.unlink(missing_ok=True)
+    env[MULTIPROC_ENV] = str(directory)
+    return directory
+
+
 def forget_live_metrics() -> None:
     """In multiprocess mode, drop this process's live gauges from the shared directory.
 

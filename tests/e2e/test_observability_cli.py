@@ -24,7 +24,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio]
+from gateway_http.cli import use_multiprocess_metrics
+
+pytestmark = pytest.mark.timeout(120)
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 JWT_SECRET = "a-jwt-secret-for-the-observability-tests-0123456789"
@@ -177,6 +179,7 @@ async def _turn(client: httpx.AsyncClient, text: str, *, stream: bool = False) -
     return response
 
 
+@pytest.mark.asyncio
 async def test_two_http_processes_share_their_metrics(tmp_path: Path) -> None:
     shared = tmp_path / "prometheus"
     shared.mkdir()
@@ -219,6 +222,7 @@ def _check_worker_totals(totals: dict[str, Any]) -> None:
     assert not [n for n in totals if n.startswith(("arona_philia", "arona_outbox"))]
 
 
+@pytest.mark.asyncio
 async def test_a_request_id_is_in_both_processes_json_logs_and_no_secret_is(
     tmp_path: Path,
 ) -> None:
@@ -273,3 +277,21 @@ def _json_records(lines: list[str]) -> list[dict[str, Any]]:
         records.append(record)
     assert records
     return records
+
+
+def test_multiprocess_metrics_get_a_fresh_directory_under_the_data_dir(tmp_path: Path) -> None:
+    env: dict[str, str] = {}
+    directory = use_multiprocess_metrics(env, tmp_path / "data")
+    assert directory == tmp_path / "data" / "prometheus" and directory.is_dir()
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(directory)
+    # An earlier run's files are gone; anything else is left alone.
+    (directory / "counter_123.db").write_bytes(b"old")
+    (directory / "notes.txt").write_text("mine")
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    (chosen / "histogram_9.db").write_bytes(b"old")
+    assert use_multiprocess_metrics(env, tmp_path / "data") == directory
+    assert [p.name for p in directory.iterdir()] == ["notes.txt"]
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(chosen)
+    assert use_multiprocess_metrics(env, tmp_path / "data") == chosen
+    assert list(chosen.iterdir()) == []

@@ -315,6 +315,10 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
         "Arona Memory Gateway is up.",
         f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
         f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
+    ]
+    if running.settings.metrics:
+        lines.append(f"  metrics  {http}/metrics  (Prometheus; ARONA_METRICS)")
+    lines += [
         f"  scope    {scope}  ({_SCOPE_WORDS[scope]}; ARONA_MEMORY_SCOPE)",
     ]
     if store_url is not None:

@@ -84,6 +84,8 @@ _Id = str | int | None
 class _Method:
     handler: Handler
     params: type[pydantic.BaseModel]
+    # Told when a call's params are refused (True over WebSocket).
+    on_invalid: Callable[[bool], None] | None = None
 
 
 class _NoResponse:
@@ -161,11 +163,21 @@ class Dispatcher:
         """The registered method names."""
         return tuple(self._methods)
 
-    def register(self, name: str, handler: Handler, params: type[pydantic.BaseModel]) -> None:
-        """Register ``handler`` under ``name``; its params are validated into ``params`` first."""
+    def register(
+        self,
+        name: str,
+        handler: Handler,
+        params: type[pydantic.BaseModel],
+        on_invalid: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Register ``handler`` under ``name``; its params are validated into ``params`` first.
+
+        ``on_invalid`` is called when a call's params are refused (with whether it came over
+        WebSocket), for the metrics of a method that counts its calls.
+        """
         if name in self._methods:
             raise ValueError(f"JSON-RPC method already registered: {name}")
-        self._methods[name] = _Method(handler, params)
+        self._methods[name] = _Method(handler, params, on_invalid)
 
     async def handle(
         self, body: bytes | str, token: str | None, notify: Notify | None = None
@@ -261,6 +273,8 @@ class Dispatcher:
         try:
             model = entry.params.model_validate(params)
         except pydantic.ValidationError as exc:
+            if entry.on_invalid is not None:
+                entry.on_invalid(notify is not None)
             message, fields = _params_message(exc)
             return _error(id_, INVALID_PARAMS, message, {"fields": fields})
         except Exception:

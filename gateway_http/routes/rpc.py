@@ -242,7 +242,10 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         await gw.conversations.delete(params.conversation_id, ctx.user)
         return {"deleted": True}
 
-    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams)
+    def chat_send_refused(websocket: bool) -> None:
+        gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
+
+    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams, chat_send_refused)
     dispatcher.register("memory.status", _translated(memory_status), StatusParams)
     dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)
     dispatcher.register("memory.list", _translated(memory_list), ListParams)

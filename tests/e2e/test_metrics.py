@@ -196,6 +196,18 @@ async def test_client_errors_are_counted_as_such(tmp_path: Path, surface: str) -
         assert moved(before, after) == turn_moves(LABEL[surface], "disabled", "client_error")
 
 
+@pytest.mark.parametrize("surface", ["rpc", "rpc_ws"])
+async def test_chat_send_with_invalid_params_is_a_client_error(
+    tmp_path: Path, surface: str
+) -> None:
+    async with running_stack(tmp_path, grpc_metrics_port=0) as stack:
+        before = await scrape_all(stack)
+        turn = await stack.turn(surface, ASK, extra={"temperature": "hot"})
+        assert turn.body["error"]["code"] == -32602
+        after = await scrape_all(stack)
+        assert moved(before, after) == turn_moves(surface, "disabled", "client_error")
+
+
 async def test_breaker_open_skips_philia_and_the_outbox_keeps_the_episode(
     tmp_path: Path,
 ) -> None:

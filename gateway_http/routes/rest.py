@@ -181,7 +181,7 @@ async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
     except UpstreamError as exc:
         pipeline.finished(turn, REST_STREAM, "upstream_error")
         raise upstream_failure(exc) from None
-    except BaseException:
+    except asyncio.CancelledError:
         pipeline.finished(turn, REST_STREAM, "cancelled")
         raise
     headers = memory_headers(turn)

@@ -8,6 +8,7 @@ what happened, and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.stack import ASK_TEXT, SURFACES, Stack, running_stack
 from tests.support.fake_philia import QUERY, STORE, Step
-from tests.support.fake_upstream import Fail
+from tests.support.fake_upstream import Fail, Stream
 
 pytestmark = pytest.mark.asyncio
 
@@ -206,6 +207,31 @@ async def test_chat_send_with_invalid_params_is_a_client_error(
         assert turn.body["error"]["code"] == -32602
         after = await scrape_all(stack)
         assert moved(before, after) == turn_moves(surface, "disabled", "client_error")
+
+
+async def test_a_stream_the_client_leaves_is_cancelled(tmp_path: Path) -> None:
+    async with running_stack(tmp_path, grpc_metrics_port=0, memory_writeback=False) as stack:
+        reply = Stream(pieces=["a ", "b ", "c"], pause_after=1)
+        stack.upstream.script(reply)
+        before = await scrape_all(stack)
+        body = {"model": "m", "messages": ASK, "stream": True, "memory": False}
+        async with stack.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            await asyncio.wait_for(reply.paused.wait(), 5)
+        await asyncio.wait_for(reply.closed.wait(), 5)
+        cancelled = key(
+            "arona_turns_total", surface="rest_stream", memory="disabled", outcome="cancelled"
+        )
+        # The stream's end is recorded by the server as it unwinds; nothing to await here.
+        for _ in range(200):
+            after = await scrape_all(stack)
+            if after[cancelled]:
+                break
+            await asyncio.sleep(0.01)
+        assert moved(before, after) == {cancelled: 1}
 
 
 async def test_breaker_open_skips_philia_and_the_outbox_keeps_the_episode(

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,12 @@ class Settings:
     grpc_port: int = 50051
     # None = the local gRPC listener.
     grpc_target: str | None = None
+    # Every MemoryService call must carry `authorization: Bearer <token>` (None = open).
+    grpc_token: str | None = field(default=None, repr=False)
+    # PEM files: the service's certificate and key (TLS listener), the CA the HTTP layer trusts.
+    grpc_tls_cert: Path | None = None
+    grpc_tls_key: Path | None = None
+    grpc_tls_ca: Path | None = None
     jwt_secret: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     data_dir: Path = Path(".arona")
@@ -68,6 +75,12 @@ class Settings:
     metrics_token: str | None = field(default=None, repr=False)
     # The gRPC service's own metrics listener (None: off).
     grpc_metrics_port: int | None = None
+    # postgresql://…: conversations, the episode index and the outbox shared by every replica;
+    # None = SQLite files under data_dir.
+    database_url: str | None = field(default=None, repr=False)
+    # How long a replica's claim on an outbox episode (PostgreSQL) holds before another
+    # replica may replay it.
+    memory_outbox_claim_s: float = 30.0
 
     @property
     def memory_enabled(self) -> bool:
@@ -120,6 +133,10 @@ class Settings:
             grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",
             grpc_port=_port(env, "ARONA_GRPC_PORT", 50051),
             grpc_target=_str(env, "ARONA_GRPC_TARGET"),
+            grpc_token=_str(env, "ARONA_GRPC_TOKEN"),
+            grpc_tls_cert=_path(env, "ARONA_GRPC_TLS_CERT"),
+            grpc_tls_key=_path(env, "ARONA_GRPC_TLS_KEY"),
+            grpc_tls_ca=_path(env, "ARONA_GRPC_TLS_CA"),
             jwt_secret=_jwt_secret(env),
             api_keys=_api_keys(env),
             data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
@@ -132,6 +149,8 @@ class Settings:
                 if _str(env, "ARONA_GRPC_METRICS_PORT") is not None
                 else None
             ),
+            database_url=_database_url(env),
+            memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
         )
 
     @property
@@ -142,6 +161,9 @@ class Settings:
             self.jwt_secret,
             self.upstream_api_key,
             self.metrics_token,
+            self.grpc_token,
+            self.database_url,
+            _url_password(self.database_url),
             # A named entry's key (`name=key`) and the entry as written.
             *(entry.partition("=")[2] for entry in self.api_keys),
             *self.api_keys,
@@ -149,9 +171,23 @@ class Settings:
         return tuple(v for v in values if v)
 
 
+def _url_password(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
 def _str(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    value = _str(env, name)
+    return Path(value) if value else None
 
 
 def _strict_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -222,6 +258,16 @@ def _jwt_secret(env: Mapping[str, str]) -> str | None:
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(k.strip() for k in env.get("ARONA_API_KEYS", "").split(",") if k.strip())
+
+
+def _database_url(env: Mapping[str, str]) -> str | None:
+    url = _str(env, "ARONA_DATABASE_URL")
+    if url is None:
+        return None
+    if not url.startswith(("postgresql://", "postgres://")):
+        # The value may hold a password: it is not echoed.
+        raise ConfigError("ARONA_DATABASE_URL must be a postgresql:// URL")
+    return url
 
 
 def _memory_scope(env: Mapping[str, str]) -> str:

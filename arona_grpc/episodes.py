@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from arona_grpc.database import is_unavailable, sqlite_migrate
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +33,21 @@ T = TypeVar("T")
 
 INDEX_FILE = "episodes.db"
 PREVIEW_CHARS = 120
-SCHEMA_VERSION = 1
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS episodes (
-    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
-    node_id   TEXT NOT NULL UNIQUE,
-    scope_id  TEXT NOT NULL,
-    at_us     INTEGER NOT NULL,
-    preview   TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS episodes_by_scope ON episodes (scope_id, seq);
-"""
+_SQLITE_STEPS = (
+    """
+    CREATE TABLE IF NOT EXISTS episodes (
+        seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+        node_id   TEXT NOT NULL UNIQUE,
+        scope_id  TEXT NOT NULL,
+        at_us     INTEGER NOT NULL,
+        preview   TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS episodes_by_scope ON episodes (scope_id, seq);
+    """,
+)
+_NEWEST = 2**63 - 1
+# One queued entry: node id, scope id, time (microseconds), preview.
+_Entry = tuple[str, str, int, str]
 
 
 class IndexUnavailable(RuntimeError):
@@ -61,6 +67,29 @@ class IndexPage:
     episodes: tuple[IndexedEpisode, ...]
     # The cursor of the next (older) page; None at the end.
     next: int | None
+
+
+def _entry(node_id: str, scope_id: str, text: str) -> _Entry:
+    return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text))
+
+
+def _latest(entries: list[_Entry]) -> list[_Entry]:
+    """The entries with each node id once: the same node twice in one batch, the later stands."""
+    latest: dict[str, _Entry] = {}
+    for entry in entries:
+        latest.pop(entry[0], None)
+        latest[entry[0]] = entry
+    return list(latest.values())
+
+
+def _page(rows: list[Any], limit: int) -> IndexPage:
+    """An :class:`IndexPage` of rows (seq, node_id, preview, at_us), up to ``limit + 1``."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return IndexPage(
+        tuple(IndexedEpisode(str(r[1]), str(r[2]), r[3] / 1_000_000) for r in rows),
+        int(rows[-1][0]) if more and rows else None,
+    )
 
 
 def preview_of(text: str, limit: int = PREVIEW_CHARS) -> str:
@@ -99,14 +128,14 @@ class SqliteEpisodeIndex:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episode-index")
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-        self._queued: list[tuple[str, str, int, str]] = []
+        self._queued: list[_Entry] = []
         self._flush_submitted = False
         self._closed = False
 
     def record(self, node_id: str, scope_id: str, text: str) -> None:
         if self._closed:
             return
-        entry = (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text))
+        entry = _entry(node_id, scope_id, text)
         with self._lock:
             self._queued.append(entry)
             if self._flush_submitted:
@@ -127,16 +156,10 @@ class SqliteEpisodeIndex:
             return db.execute(
                 "SELECT seq, node_id, preview, at_us FROM episodes"
                 " WHERE scope_id = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
-                (scope_id, before if before is not None else 2**63 - 1, limit + 1),
+                (scope_id, before if before is not None else _NEWEST, limit + 1),
             ).fetchall()
 
-        rows = await self._read(read)
-        more = len(rows) > limit
-        rows = rows[:limit]
-        return IndexPage(
-            tuple(IndexedEpisode(str(r[1]), str(r[2]), r[3] / 1_000_000) for r in rows),
-            int(rows[-1][0]) if more and rows else None,
-        )
+        return _page(await self._read(read), limit)
 
     async def node_ids(self, scope_id: str) -> list[str]:
         rows = await self._read(
@@ -182,14 +205,11 @@ class SqliteEpisodeIndex:
     def _open(self) -> sqlite3.Connection:
         if self._db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db = sqlite3.connect(self.path, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
-            db.isolation_level = "DEFERRED"
-            with db:
-                db.executescript(_SCHEMA)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            sqlite_migrate(db, _SQLITE_STEPS, f"the episode index {self.path}")
             self._db = db
         return self._db
 
@@ -199,12 +219,7 @@ class SqliteEpisodeIndex:
             self._flush_submitted = False
         if not queued:
             return
-        # The same node twice in one batch: its later entry stands.
-        latest: dict[str, tuple[str, str, int, str]] = {}
-        for entry in queued:
-            latest.pop(entry[0], None)
-            latest[entry[0]] = entry
-        queued = list(latest.values())
+        queued = _latest(queued)
         try:
             db = self._open()
             with db:
@@ -225,3 +240,98 @@ class SqliteEpisodeIndex:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+class PostgresEpisodeIndex:
+    """:class:`EpisodeIndex` in PostgreSQL, shared by every gRPC replica.
+
+    Entries queue in memory and one task writes what has queued in one transaction; reads
+    first wait for what was queued before them.
+    """
+
+    def __init__(self, pool: Any, url: str) -> None:
+        self._pool = pool
+        self._url = url
+        self._queued: list[_Entry] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def record(self, node_id: str, scope_id: str, text: str) -> None:
+        if self._closed:
+            return
+        self._queued.append(_entry(node_id, scope_id, text))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush_all())
+
+    async def owner(self, node_id: str) -> str | None:
+        row = await self._read("SELECT scope_id FROM episodes WHERE node_id = $1", node_id)
+        return None if not row else str(row[0][0])
+
+    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
+        rows = await self._read(
+            "SELECT seq, node_id, preview, at_us FROM episodes"
+            " WHERE scope_id = $1 AND seq < $2 ORDER BY seq DESC LIMIT $3",
+            scope_id,
+            before if before is not None else _NEWEST,
+            limit + 1,
+        )
+        return _page(rows, limit)
+
+    async def node_ids(self, scope_id: str) -> list[str]:
+        rows = await self._read(
+            "SELECT node_id FROM episodes WHERE scope_id = $1 ORDER BY seq DESC", scope_id
+        )
+        return [str(r[0]) for r in rows]
+
+    async def remove(self, node_ids: Sequence[str]) -> None:
+        if node_ids:
+            await self._read("DELETE FROM episodes WHERE node_id = ANY($1::text[])", list(node_ids))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._flushing is not None:
+            await asyncio.wait({self._flushing}, timeout=5.0)
+
+    async def _flush_all(self) -> None:
+        while self._queued:
+            queued, self._queued = _latest(self._queued), []
+            try:
+                async with self._pool.acquire() as conn, conn.transaction():
+                    await conn.execute(
+                        "DELETE FROM episodes WHERE node_id = ANY($1::text[])",
+                        [e[0] for e in queued],
+                    )
+                    await conn.executemany(
+                        "INSERT INTO episodes (node_id, scope_id, at_us, preview)"
+                        " VALUES ($1, $2, $3, $4)",
+                        queued,
+                    )
+            except Exception as exc:
+                logger.error(
+                    "episode index: %d entr(ies) not recorded: %s", len(queued), type(exc).__name__
+                )
+                return
+
+    async def _read(self, sql: str, *args: Any) -> list[Any]:
+        if self._closed:
+            raise IndexUnavailable("the episode index is closed")
+        if self._flushing is not None and not self._flushing.done():
+            await asyncio.shield(self._flushing)
+        try:
+            async with self._pool.acquire() as conn:
+                rows: list[Any] = await conn.fetch(sql, *args)
+                return rows
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise IndexUnavailable("the episode index's database is unavailable") from None
+            raise
+
+
+def open_index(data_dir: Path, pool: Any | None, url: str | None) -> EpisodeIndex:
+    """PostgreSQL when a pool is given, else ``episodes.db`` under ``data_dir``."""
+    if pool is not None:
+        assert url is not None
+        return PostgresEpisodeIndex(pool, url)
+    return SqliteEpisodeIndex(data_dir)

@@ -20,32 +20,52 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from arona_grpc.config import Settings
+from arona_grpc.database import SqliteStep, is_unavailable, sqlite_migrate, unavailable
 from arona_grpc.failure_log import FailureLog
+from arona_grpc.redact import redact_url
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 OUTBOX_FILE = "outbox.db"
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS episodes (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-    text       TEXT NOT NULL,
-    node_type  TEXT NOT NULL,
-    queued_us  INTEGER NOT NULL,
-    scope_id   TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS counters (
-    name   TEXT PRIMARY KEY,
-    value  INTEGER NOT NULL
-);
-"""
+
+
+def _add_scope_ids(db: sqlite3.Connection) -> None:
+    columns = {row[1] for row in db.execute("PRAGMA table_info(episodes)")}
+    if "scope_id" not in columns:
+        db.execute("ALTER TABLE episodes ADD COLUMN scope_id TEXT NOT NULL DEFAULT ''")
+
+
+_SQLITE_STEPS: tuple[SqliteStep, ...] = (
+    """
+    CREATE TABLE IF NOT EXISTS episodes (
+        seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+        text       TEXT NOT NULL,
+        node_type  TEXT NOT NULL,
+        queued_us  INTEGER NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS counters (
+        name   TEXT PRIMARY KEY,
+        value  INTEGER NOT NULL
+    );
+    """,
+    # 2: whose episode it is, for the episode index.
+    _add_scope_ids,
+    # 3: the caller's id of the episode, so that one sent again is not queued twice.
+    """
+    ALTER TABLE episodes ADD COLUMN episode_id TEXT NOT NULL DEFAULT '';
+    CREATE INDEX IF NOT EXISTS episodes_by_id ON episodes (episode_id) WHERE episode_id != '';
+    """,
+)
 
 
 class OutboxClosed(RuntimeError):
@@ -59,6 +79,8 @@ class OutboxEntry:
     node_type: str
     # Whose episode it is (for the episode index); "" when nobody's.
     scope_id: str = ""
+    # The caller's id of the episode ("" for none).
+    episode_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,14 +105,15 @@ class _OutboxFile:
             self._open()
         return self._counts()
 
-    def put(self, text: str, node_type: str, scope_id: str) -> tuple[int, _Counts]:
+    def put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> tuple[int, _Counts]:
         if self._db is None:
             self._open()
         assert self._db is not None
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO episodes (text, node_type, queued_us, scope_id) VALUES (?, ?, ?, ?)",
-                (text, node_type, int(time.time() * 1_000_000), scope_id),
+                "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (text, node_type, int(time.time() * 1_000_000), scope_id, episode_id),
             )
             seq = int(cursor.lastrowid or 0)
             self._depth += 1
@@ -110,15 +133,23 @@ class _OutboxFile:
                 )
         return seq, self._counts()
 
+    def has(self, episode_id: str) -> bool:
+        if self._db is None:
+            return False
+        row = self._db.execute(
+            "SELECT 1 FROM episodes WHERE episode_id = ? LIMIT 1", (episode_id,)
+        ).fetchone()
+        return row is not None
+
     def oldest(self) -> OutboxEntry | None:
         if self._db is None:
             return None
         row = self._db.execute(
-            "SELECT seq, text, node_type, scope_id FROM episodes ORDER BY seq LIMIT 1"
+            "SELECT seq, text, node_type, scope_id, episode_id FROM episodes ORDER BY seq LIMIT 1"
         ).fetchone()
         if row is None:
             return None
-        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
 
     def remove(self, seq: int) -> _Counts:
         if self._db is not None:
@@ -140,12 +171,8 @@ class _OutboxFile:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=2000")
-            db.executescript(_SCHEMA)
-            columns = {row[1] for row in db.execute("PRAGMA table_info(episodes)")}
-            if "scope_id" not in columns:
-                # An outbox written before episodes had scopes.
-                db.execute("ALTER TABLE episodes ADD COLUMN scope_id TEXT NOT NULL DEFAULT ''")
             db.isolation_level = "DEFERRED"
+            sqlite_migrate(db, _SQLITE_STEPS, f"the outbox {self._path}")
             self._depth = int(db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0])
             row = db.execute("SELECT value FROM counters WHERE name = 'dropped'").fetchone()
             self._dropped = int(row[0]) if row else 0
@@ -175,10 +202,23 @@ class Outbox:
         self._closed = False
         self._drops = FailureLog(logger, "the outbox")
 
+    # One process owns this file: nothing to look for beyond its own episodes.
+    shared = False
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     @property
     def depth(self) -> int:
         """Episodes waiting (including ones handed over but not yet committed)."""
         return self._depth + self._unsettled
+
+    async def refresh(self) -> None:
+        """Re-read what other processes queued (nothing: the file is this process's)."""
+
+    async def release(self, seq: int) -> None:
+        """Give an episode back after a failed store (nothing to do with one process)."""
 
     @property
     def dropped(self) -> int:
@@ -194,7 +234,13 @@ class Outbox:
         """Read the depth of an outbox left by an earlier run (creates no file)."""
         self._settle(await self._run(self._file.load))
 
-    def put(self, text: str, node_type: str, scope_id: str = "") -> asyncio.Future[int]:
+    async def has(self, episode_id: str) -> bool:
+        """Whether an episode with this caller's id is waiting."""
+        return await self._run(self._file.has, episode_id)
+
+    def put(
+        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
+    ) -> asyncio.Future[int]:
         """Queue one episode; a future of its sequence number.
 
         The write is submitted now and commits even if the future is never awaited
@@ -225,10 +271,13 @@ class Outbox:
                     )
                 done.set_result(seq)
 
-        self._submit(self._file.put, text, node_type, scope_id).add_done_callback(committed)
+        self._submit(self._file.put, text, node_type, scope_id, episode_id).add_done_callback(
+            committed
+        )
         return done
 
     async def oldest(self) -> OutboxEntry | None:
+        """The oldest episode, to replay next."""
         return await self._run(self._file.oldest)
 
     async def remove(self, seq: int) -> None:
@@ -255,3 +304,187 @@ class Outbox:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-outbox")
         return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+
+class PostgresOutbox:
+    """The outbox as a table shared by every gRPC replica (``ARONA_DATABASE_URL``).
+
+    Replicas replay it together, oldest first, without storing an episode twice in normal
+    recovery: :meth:`oldest` claims a row (``FOR UPDATE SKIP LOCKED``) for
+    ``ARONA_MEMORY_OUTBOX_CLAIM_S``; the claim is dropped with the row once Philia stored
+    it, or given back on failure. The claim of a replica that died runs out, and another
+    replica replays the episode. :meth:`refresh` reads what other replicas queued, so a
+    replica that never failed still helps drain it.
+    """
+
+    shared = True
+
+    def __init__(self, pool: Any, url: str, max_entries: int, claim_s: float) -> None:
+        if max_entries < 1:
+            raise ValueError("the outbox needs room for at least one episode")
+        self._pool = pool
+        self._url = url
+        self._max = max_entries
+        self._claim_s = claim_s
+        self._owner = f"replica-{uuid.uuid4().hex[:12]}"
+        self._depth = 0
+        self._dropped = 0
+        self._unsettled = 0
+        self._closed = False
+        self._writes: set[asyncio.Task[int]] = set()
+        self._drops = FailureLog(logger, "the outbox")
+
+    @property
+    def where(self) -> str:
+        return f"table outbox at {redact_url(self._url)}"
+
+    @property
+    def depth(self) -> int:
+        return self._depth + self._unsettled
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def pending(self) -> bool:
+        return self._depth > 0 or self._unsettled > 0
+
+    async def load(self) -> None:
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        row = await self._fetchrow(
+            "SELECT (SELECT count(*) FROM outbox),"
+            " coalesce((SELECT value FROM outbox_counters WHERE name = 'dropped'), 0)"
+        )
+        self._depth, self._dropped = int(row[0]), int(row[1])
+
+    async def has(self, episode_id: str) -> bool:
+        row = await self._fetchrow("SELECT 1 FROM outbox WHERE episode_id = $1 LIMIT 1", episode_id)
+        return row is not None
+
+    def put(
+        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
+    ) -> asyncio.Future[int]:
+        if self._closed:
+            raise OutboxClosed("the outbox is closed")
+        self._unsettled += 1
+        task = asyncio.get_running_loop().create_task(
+            self._put(text, node_type, scope_id, episode_id)
+        )
+        self._writes.add(task)
+        task.add_done_callback(self._settled)
+        return task
+
+    def _settled(self, task: asyncio.Task[int]) -> None:
+        self._writes.discard(task)
+        self._unsettled -= 1
+
+    async def _put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> int:
+        async def work(conn: Any) -> tuple[int, int, int]:
+            async with conn.transaction():
+                seq = await conn.fetchval(
+                    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
+                    " VALUES ($1, $2, $3, $4, $5) RETURNING seq",
+                    text,
+                    node_type,
+                    scope_id,
+                    int(time.time() * 1_000_000),
+                    episode_id,
+                )
+                depth = await conn.fetchval("SELECT count(*) FROM outbox")
+                overflow = depth - self._max
+                if overflow > 0:
+                    await conn.execute(
+                        "DELETE FROM outbox WHERE seq IN"
+                        " (SELECT seq FROM outbox ORDER BY seq LIMIT $1)",
+                        overflow,
+                    )
+                    await conn.execute(
+                        "INSERT INTO outbox_counters (name, value) VALUES ('dropped', $1)"
+                        " ON CONFLICT (name) DO UPDATE"
+                        " SET value = outbox_counters.value + excluded.value",
+                        overflow,
+                    )
+                dropped = await conn.fetchval(
+                    "SELECT coalesce((SELECT value FROM outbox_counters WHERE name = 'dropped'), 0)"
+                )
+                return int(seq), int(depth) - max(0, overflow), int(dropped)
+
+        seq, depth, dropped = await self._run(work)
+        before = self._dropped
+        self._depth, self._dropped = depth, dropped
+        if dropped > before:
+            self._drops.failed(
+                f"outbox full: dropped {dropped - before} oldest episode(s) ({dropped} in all)"
+            )
+        return seq
+
+    async def oldest(self) -> OutboxEntry | None:
+        """Claim the oldest unclaimed episode (or one whose claim ran out)."""
+        row = await self._fetchrow(
+            "UPDATE outbox SET claimed_by = $1,"
+            " claimed_until = now() + make_interval(secs => $2)"
+            " WHERE seq = (SELECT seq FROM outbox"
+            "  WHERE claimed_until IS NULL OR claimed_until < now()"
+            "  ORDER BY seq FOR UPDATE SKIP LOCKED LIMIT 1)"
+            " RETURNING seq, text, node_type, scope_id, episode_id",
+            self._owner,
+            self._claim_s,
+        )
+        if row is None:
+            await self.refresh()
+            return None
+        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
+
+    async def remove(self, seq: int) -> None:
+        row = await self._fetchrow(
+            "WITH gone AS (DELETE FROM outbox WHERE seq = $1 RETURNING 1)"
+            " SELECT (SELECT count(*) FROM outbox) - (SELECT count(*) FROM gone)",
+            seq,
+        )
+        self._depth = int(row[0])
+
+    async def release(self, seq: int) -> None:
+        await self._fetchrow(
+            "UPDATE outbox SET claimed_by = NULL, claimed_until = NULL"
+            " WHERE seq = $1 AND claimed_by = $2 RETURNING seq",
+            seq,
+            self._owner,
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._writes:
+            await asyncio.wait(set(self._writes), timeout=5.0)
+
+    async def _fetchrow(self, sql: str, *args: Any) -> Any:
+        async def work(conn: Any) -> Any:
+            return await conn.fetchrow(sql, *args)
+
+        return await self._run(work)
+
+    async def _run(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        try:
+            async with self._pool.acquire() as conn:
+                return await work(conn)
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise unavailable(self._url, exc) from None
+            raise
+
+
+AnyOutbox = Outbox | PostgresOutbox
+
+
+def open_outbox(settings: Settings, pool: Any | None) -> AnyOutbox:
+    """The outbox of this deployment: the shared table with a pool, else ``outbox.db``."""
+    if pool is not None:
+        assert settings.database_url is not None
+        return PostgresOutbox(
+            pool, settings.database_url, settings.memory_outbox_max, settings.memory_outbox_claim_s
+        )
+    return Outbox(settings.data_dir, settings.memory_outbox_max)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -24,7 +25,9 @@ from grpc_reflection.v1alpha import reflection
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from arona_grpc.metrics import start_metrics_server
+from arona_grpc.security import BearerTokenInterceptor, check_exposure, server_credentials
 from arona_grpc.service import MemoryDomain
 from arona_grpc.servicer import MemoryServicer
 
@@ -33,8 +36,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
 
 # The HTTP layer pings its connection every 30 s, with or without calls, to find one a
-# network dropped silently (gateway_http.app.channel_options). By default gRPC refuses pings
-# without calls, or closer than 5 minutes apart, and then closes the connection.
+# network dropped silently (gateway_http.grpc_channel.channel_options). By default gRPC
+# refuses pings without calls, or closer than 5 minutes apart, and then closes the connection.
 MIN_PING_INTERVAL_MS = 1_000
 
 # gRPC sets SO_REUSEPORT by default on Linux, which lets a second server "bind" a
@@ -51,14 +54,19 @@ class GrpcBindError(RuntimeError):
 
 
 def build_server(
-    domain: MemoryDomain, health_servicer: health_aio.HealthServicer | None = None
+    domain: MemoryDomain,
+    health_servicer: health_aio.HealthServicer | None = None,
+    *,
+    token: str | None = None,
 ) -> grpc.aio.Server:
     """A ``grpc.aio`` server with MemoryService, health and reflection; not yet bound.
 
     ``health_servicer`` is created when not given; pass one to change the serving
-    status later.
+    status later. With a ``token``, every MemoryService call must carry it as
+    ``authorization: Bearer <token>``; without one no interceptor is installed at all.
     """
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    interceptors = [BearerTokenInterceptor(token, SERVICE_NAME)] if token else None
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
     pb_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(domain), server)
     health_pb2_grpc.add_HealthServicer_to_server(
         health_servicer or health_aio.HealthServicer(), server
@@ -78,9 +86,12 @@ class GrpcServer:
         health_servicer: health_aio.HealthServicer,
         domain: MemoryDomain,
         target: str,
+        owned_pool: Any | None = None,
         metrics_server: WSGIServer | None = None,
     ) -> None:
         self._server = server
+        # A database pool the server opened itself (closed with it).
+        self._owned_pool = owned_pool
         self._health = health_servicer
         self.domain = domain
         self.target = target
@@ -93,21 +104,43 @@ class GrpcServer:
         self._stopped = False
 
     @classmethod
-    async def start(cls, settings: Settings, domain: MemoryDomain | None = None) -> GrpcServer:
+    async def start(
+        cls, settings: Settings, domain: MemoryDomain | None = None, *, pool: Any | None = None
+    ) -> GrpcServer:
         """Bind ``settings.grpc_host:settings.grpc_port`` and start serving.
 
-        Raises :class:`GrpcBindError` when the address cannot be bound.
+        With ``ARONA_DATABASE_URL`` the episode index and the outbox use ``pool``, or a pool
+        opened here (:class:`~arona_grpc.database.DatabaseUnavailable` when the database
+        cannot be reached). Raises :class:`~arona_grpc.security.GrpcSecurityError` before
+        binding anything when the address is not loopback and no token is set, or the TLS
+        files are unusable; :class:`GrpcBindError` when the address cannot be bound.
         """
-        domain = domain or MemoryDomain(settings)
+        try:
+            check_exposure(settings)
+            credentials = server_credentials(settings)
+        except Exception:
+            if domain is not None:
+                await domain.aclose()
+            raise
+        owned_pool = None
+        if domain is None:
+            if pool is None and settings.database_url and settings.memory_enabled:
+                pool = owned_pool = await open_pool(settings.database_url)
+            domain = MemoryDomain(settings, pool=pool)
         health_servicer = health_aio.HealthServicer()
-        server = build_server(domain, health_servicer)
+        server = build_server(domain, health_servicer, token=settings.grpc_token)
         address = _bind_address(settings.grpc_host, settings.grpc_port)
         try:
-            port = server.add_insecure_port(address)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError:
             port = 0
         if port == 0:
             await domain.aclose()
+            if owned_pool is not None:
+                await owned_pool.close()
             raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
         metrics_server: WSGIServer | None = None
         if settings.grpc_metrics_port is not None and domain.metrics is not None:
@@ -118,6 +151,8 @@ class GrpcServer:
             except OSError as exc:
                 await server.stop(None)
                 await domain.aclose()
+                if owned_pool is not None:
+                    await owned_pool.close()
                 raise GrpcBindError(
                     f"cannot listen for metrics on {settings.grpc_host}:"
                     f"{settings.grpc_metrics_port}: {exc.strerror or exc}"
@@ -132,9 +167,11 @@ class GrpcServer:
             settings, grpc_port=port, grpc_target=None
         ).effective_grpc_target
         logger.info(
-            "MemoryService listening on %s (memory %s)",
+            "MemoryService listening on %s (memory %s, %s, %s)",
             target,
             "enabled" if domain.enabled else "disabled",
+            "TLS" if credentials is not None else "plaintext",
+            "bearer token required" if settings.grpc_token else "no token",
         )
         if metrics_server is not None:
             logger.info(
@@ -142,7 +179,7 @@ class GrpcServer:
                 target.rsplit(":", 1)[0],
                 metrics_server.server_port,
             )
-        return cls(server, health_servicer, domain, target, metrics_server)
+        return cls(server, health_servicer, domain, target, owned_pool, metrics_server)
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
@@ -160,6 +197,8 @@ class GrpcServer:
             # serve_forever ends within its poll interval (0.5 s): not on the event loop.
             await asyncio.to_thread(self._metrics_server.shutdown)
             self._metrics_server.server_close()
+        if self._owned_pool is not None:
+            await self._owned_pool.close()
         logger.info("MemoryService stopped")
 
     async def wait_for_termination(self) -> None:

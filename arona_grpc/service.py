@@ -53,14 +53,9 @@ from typing import Any
 
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import SCOPE_SHARED, Settings
-from arona_grpc.episodes import (
-    EpisodeIndex,
-    IndexPage,
-    IndexUnavailable,
-    SqliteEpisodeIndex,
-)
+from arona_grpc.episodes import EpisodeIndex, IndexPage, IndexUnavailable, open_index
 from arona_grpc.metrics import ServiceMetrics
-from arona_grpc.outbox import Outbox, OutboxClosed
+from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
 
@@ -72,6 +67,8 @@ DEFAULT_RECALL_LIMIT = 5
 # beyond its frame budget.
 MAX_RECALL_LIMIT = 100
 EVENT_BUFFER_SIZE = 100
+# The code of an error caused by the database (PostgreSQL) being unreachable.
+DATABASE_UNAVAILABLE = "database_unavailable"
 DEFAULT_STATUS_LIMIT = 50
 DEFAULT_LIST_LIMIT = 50
 MAX_LIST_LIMIT = 100
@@ -86,6 +83,8 @@ DEADLINE_MARGIN_S = 0.05
 # Replay gives up after this many failed stores in a row, until kicked again.
 MAX_REPLAY_FAILURES = 5
 MAX_REPLAY_BACKOFF_S = 60.0
+# How often a replica looks at a shared (PostgreSQL) outbox for episodes to replay.
+OUTBOX_WATCH_S = 2.0
 # How many replayed node ids are remembered for writebacks waiting on them.
 _REPLAYED_MEMORY = 1024
 
@@ -142,7 +141,16 @@ class StatusSnapshot:
 
 
 class MemoryDomainError(Exception):
-    """Base of the errors the service reports; messages never carry secrets."""
+    """Base of the errors the service reports; messages never carry secrets.
+
+    ``code`` names the cause for machines (``database_unavailable``); ``queued`` says that
+    a writeback's episode is safe in the outbox although the call failed.
+    """
+
+    def __init__(self, message: str = "", *, code: str = "", queued: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.queued = queued
 
 
 class InvalidArgument(MemoryDomainError):
@@ -247,13 +255,17 @@ def episode_text(user: str, assistant: str) -> str:
     return "\n".join(parts)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Episode:
     """One episode to store: its text, node type and scope id ("" for nobody's)."""
 
     text: str
     node_type: str
     scope_id: str
+    # The caller's id of the episode ("" for none).
+    episode_id: str = ""
+    # Set once the outbox has it: a failure after that still leaves it safe.
+    kept: bool = False
 
 
 @dataclass
@@ -275,8 +287,11 @@ class MemoryDomain:
         *,
         clock: Callable[[], float] = time.monotonic,
         index: EpisodeIndex | None = None,
+        pool: Any | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
+        """``pool`` (PostgreSQL, ``ARONA_DATABASE_URL``) holds the index and the outbox;
+        without it they are SQLite files under ``ARONA_DATA_DIR``."""
         self._settings = settings
         # ARONA_METRICS=false: none at all.
         self.metrics = metrics or (ServiceMetrics() if settings.metrics else None)
@@ -295,7 +310,7 @@ class MemoryDomain:
                 metrics=self.metrics,
             )
             # Lazy too: the file appears with the first episode (or the first List).
-            self._index = index or SqliteEpisodeIndex(settings.data_dir)
+            self._index = index or open_index(settings.data_dir, pool, settings.database_url)
         # (kind, detail, wall-clock seconds, scope id): a turn records one or two events,
         # Status reads them rarely, so the MemoryEvent and its datetime are made only then.
         self._events: deque[tuple[EventKind, str, float, str]] = deque(maxlen=EVENT_BUFFER_SIZE)
@@ -306,18 +321,22 @@ class MemoryDomain:
             on_open=lambda reason: self._record(EventKind.ERROR, reason, ""),
         )
         # Constructing the outbox opens nothing: the file appears with its first episode.
-        self._outbox: Outbox | None = None
+        self._outbox: AnyOutbox | None = None
         if self.writeback_enabled:
-            self._outbox = Outbox(settings.data_dir, settings.memory_outbox_max)
+            self._outbox = open_outbox(settings, pool)
+        self._watch_task: asyncio.Task[None] | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._replayed: OrderedDict[int, str] = OrderedDict()
+        # Callers' episode ids the replay stored lately, with their node ids.
+        self._replayed_ids: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[int, _InFlight] = {}
         self._inflight_idle = asyncio.Event()
         self._inflight_idle.set()
         self._next_inflight = 0
         self._closing = False
+        self._closed_event = asyncio.Event()
 
     @property
     def enabled(self) -> bool:
@@ -337,7 +356,7 @@ class MemoryDomain:
         return self._breaker
 
     @property
-    def outbox(self) -> Outbox | None:
+    def outbox(self) -> AnyOutbox | None:
         """The writeback outbox (None when memory or writeback is off)."""
         return self._outbox
 
@@ -353,12 +372,34 @@ class MemoryDomain:
         try:
             await self._outbox.load()
         except Exception as exc:  # an unreadable file must not keep the service down
-            logger.error("cannot read the outbox %s: %s", self._outbox.path, type(exc).__name__)
-            self._record(EventKind.ERROR, "the outbox file could not be read", "")
-            return
+            logger.error("cannot read the outbox %s: %s", self._outbox.where, type(exc).__name__)
+            self._record(EventKind.ERROR, "the outbox could not be read", "")
         if self._outbox.pending:
             logger.info("%d episode(s) in the outbox: replaying", self._outbox.depth)
             self._kick_replay()
+        if self._outbox.shared:
+            # Other replicas queue episodes too, and one that dies leaves its own behind.
+            self._watch_task = asyncio.get_running_loop().create_task(
+                self._watch_outbox(), name="outbox-watch"
+            )
+
+    async def _watch_outbox(self) -> None:
+        """Look at the shared outbox every :data:`OUTBOX_WATCH_S` and help replay it."""
+        assert self._outbox is not None
+        while not self._closing:
+            try:
+                async with asyncio.timeout(OUTBOX_WATCH_S):
+                    await self._closed_event.wait()
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self._outbox.refresh()
+            except Exception as exc:  # the database is away: look again next time
+                logger.debug("outbox watch: %s", type(exc).__name__)
+                continue
+            if self._outbox.pending:
+                self._kick_replay()
 
     async def recall(
         self, query: str, limit: int = 0, *, scope: str = "", deadline_s: float | None = None
@@ -405,12 +446,15 @@ class MemoryDomain:
             return RecallOutcome(MemoryState.DISABLED, (), "")
         return RecallOutcome(MemoryState.ENABLED, kept, section)
 
-    async def writeback(self, user: str, assistant: str, scope: str = "") -> WritebackOutcome:
+    async def writeback(
+        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+    ) -> WritebackOutcome:
         """Store the turn as an episode, unless memory or writeback is off or it is empty.
 
         In ``user`` mode the episode's node type is ``episode:<scope id>`` (an empty scope is
         refused). An episode that cannot be stored now is kept in the outbox (the error says
-        so). A stored episode is noted in the episode index.
+        so). A stored episode is noted in the episode index. An episode sent again with an
+        ``episode_id`` that is already waiting in the outbox is not queued twice.
         """
         sid = self._scope_id(scope)
         if self._client is None or self._outbox is None:
@@ -419,7 +463,23 @@ class MemoryDomain:
         if not text:
             return WritebackOutcome(stored=False)
         node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
-        episode = _Episode(text, node_type, sid)
+        episode = _Episode(text, node_type, sid, episode_id)
+        try:
+            return await self._writeback(episode)
+        except MemoryDomainError as exc:
+            exc.queued = episode.kept
+            raise
+
+    async def _writeback(self, episode: _Episode) -> WritebackOutcome:
+        assert self._client is not None and self._outbox is not None
+        text, node_type, sid = episode.text, episode.node_type, episode.scope_id
+        if episode.episode_id:
+            replayed = self._replayed_ids.get(episode.episode_id)
+            if replayed is not None:
+                # Sent again after the outbox already stored it: the same episode.
+                return WritebackOutcome(stored=True, node_id=replayed)
+            if self._outbox.pending and await self._queued(episode):
+                raise MemoryUnavailable("writeback already queued in the outbox")
         if self._closing:
             await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
@@ -490,7 +550,7 @@ class MemoryDomain:
         try:
             return await self._index.page(scope_id(scope), limit, int(before) if before else None)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
     async def forget(self, scope: str) -> int:
         """Delete every episode stored for ``scope``; how many Philia deleted.
@@ -506,7 +566,7 @@ class MemoryDomain:
         try:
             node_ids = await self._index.node_ids(sid)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
         deleted = 0
         done: list[str] = []
         try:
@@ -516,7 +576,8 @@ class MemoryDomain:
                 done.append(node_id)
         except MemoryDomainError as exc:
             raise type(exc)(
-                f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)"
+                f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)",
+                code=exc.code,
             ) from None
         finally:
             await self._unindex(done)
@@ -546,7 +607,10 @@ class MemoryDomain:
         if self._closing:
             return
         self._closing = True
+        self._closed_event.set()
         self._wake.set()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         waits: set[asyncio.Future[Any]] = set()
         if not self._inflight_idle.is_set():
             waits.add(asyncio.ensure_future(self._inflight_idle.wait()))
@@ -583,7 +647,9 @@ class MemoryDomain:
         assert self._outbox is not None
         try:
             seq = await asyncio.shield(
-                self._outbox.put(episode.text, episode.node_type, episode.scope_id)
+                self._outbox.put(
+                    episode.text, episode.node_type, episode.scope_id, episode.episode_id
+                )
             )
         except OutboxClosed:
             raise MemoryUnavailable("the memory service is stopped; the episode is lost") from None
@@ -593,16 +659,27 @@ class MemoryDomain:
                 EventKind.ERROR, "outbox write failed: an episode was lost", episode.scope_id
             )
             raise MemoryUnavailable("writeback failed and the outbox could not keep it") from None
+        episode.kept = True
         self._kick_replay()
         return seq
+
+    async def _queued(self, episode: _Episode) -> bool:
+        """Whether the outbox already holds this episode (sent again by its caller)."""
+        assert self._outbox is not None
+        try:
+            episode.kept = await self._outbox.has(episode.episode_id)
+        except Exception as exc:  # unknown: treat it as new (at worst stored twice)
+            logger.debug("outbox lookup failed: %s", type(exc).__name__)
+            return False
+        return episode.kept
 
     def _put_soon(self, episode: _Episode) -> None:
         """Submit one episode to the outbox without waiting (cancellation, shutdown)."""
         assert self._outbox is not None
         try:
-            self._outbox.put(episode.text, episode.node_type, episode.scope_id).add_done_callback(
-                _ignore_result
-            )
+            self._outbox.put(
+                episode.text, episode.node_type, episode.scope_id, episode.episode_id
+            ).add_done_callback(_ignore_result)
         except OutboxClosed:
             logger.error("an in-flight writeback was lost: the outbox is already closed")
 
@@ -644,11 +721,16 @@ class MemoryDomain:
         assert self._client is not None and self._outbox is not None
         failures = 0
         while not self._closing:
-            entry = await self._outbox.oldest()
+            try:
+                entry = await self._outbox.oldest()
+            except Exception as exc:  # the outbox's database is away; a later kick retries
+                logger.warning("outbox replay paused: %s", self._safe(str(exc)))
+                return
             if entry is None:
                 return
             permit = self._breaker.admit()
             if permit is None:
+                await self._release(entry.seq)
                 self._fail_waiters("writeback queued in the outbox: memory breaker open")
                 await self._pause(self._breaker.cooldown_left())
                 continue
@@ -657,6 +739,7 @@ class MemoryDomain:
             except PhiliaError as exc:
                 self._breaker.failure(permit)
                 failures += 1
+                await self._release(entry.seq)
                 message = self._safe(f"outbox replay failed: {exc}")
                 logger.warning("%s (%d episode(s) kept)", message, self._outbox.depth)
                 self._fail_waiters(f"writeback queued in the outbox: {message}")
@@ -670,18 +753,37 @@ class MemoryDomain:
                 continue
             except asyncio.CancelledError:
                 self._breaker.abandon(permit)
+                # Given back now, so another replica need not wait for the claim to run out.
+                asyncio.get_running_loop().create_task(self._release(entry.seq))
                 raise
             failures = 0
             self._breaker.success(permit)
-            await self._outbox.remove(entry.seq)
-            self._stored(_Episode(entry.text, entry.node_type, entry.scope_id), node_id)
+            try:
+                await self._outbox.remove(entry.seq)
+            except Exception as exc:
+                # Stored, but still queued: it will be sent again (the store keeps one copy).
+                logger.warning("a replayed episode stays in the outbox: %s", self._safe(str(exc)))
+            self._stored(
+                _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id), node_id
+            )
             self._replayed[entry.seq] = node_id
             if len(self._replayed) > _REPLAYED_MEMORY:
                 self._replayed.popitem(last=False)
+            if entry.episode_id:
+                self._replayed_ids[entry.episode_id] = node_id
+                if len(self._replayed_ids) > _REPLAYED_MEMORY:
+                    self._replayed_ids.popitem(last=False)
             waiter = self._waiters.pop(entry.seq, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(node_id)
         logger.debug("outbox replay stopped: shutting down")
+
+    async def _release(self, seq: int) -> None:
+        assert self._outbox is not None
+        try:
+            await self._outbox.release(seq)
+        except Exception as exc:  # its claim runs out by itself
+            logger.debug("outbox release failed: %s", type(exc).__name__)
 
     async def _pause(self, delay_s: float) -> None:
         """Wait ``delay_s`` or until woken (a successful call, shutdown)."""
@@ -738,7 +840,7 @@ class MemoryDomain:
         try:
             return await self._index.owner(node_id)
         except IndexUnavailable as exc:
-            raise MemoryUnavailable(str(exc)) from None
+            raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
     async def _unindex(self, node_ids: list[str]) -> None:
         if self._index is None or not node_ids:

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[object, object]
 
+# Trailing metadata of a failed call: the cause for machines, and "the episode is queued".
+ERROR_CODE_KEY = "arona-error-code"
+QUEUED_KEY = "arona-queued"
+
 STATUS_CODES: dict[type[MemoryDomainError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotConfigured: grpc.StatusCode.FAILED_PRECONDITION,
@@ -104,7 +108,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     ) -> pb.WritebackResponse:
         try:
             _adopt_request_id(context)
-            outcome = await self._domain.writeback(request.user, request.assistant, request.scope)
+            outcome = await self._domain.writeback(
+                request.user, request.assistant, request.scope, request.episode_id
+            )
             logger.debug("Writeback: %s", outcome.node_id if outcome.stored else "not stored")
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
         except Exception as exc:
@@ -155,6 +161,13 @@ async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:
     """End the RPC with the status of ``exc``: its own code and message, or INTERNAL."""
     if isinstance(exc, MemoryDomainError):
         code = STATUS_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
+        trailers = []
+        if exc.code:
+            trailers.append((ERROR_CODE_KEY, exc.code))
+        if exc.queued:
+            trailers.append((QUEUED_KEY, "1"))
+        if trailers:
+            context.set_trailing_metadata(tuple(trailers))
         await context.abort(code, str(exc))
     logger.error("MemoryService/%s failed", rpc, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")

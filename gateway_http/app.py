@@ -12,6 +12,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import orjson
@@ -24,10 +25,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
 from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
-from gateway_http.conversations import ConversationStore
+from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
+from gateway_http.grpc_channel import (
+    memory_call_metadata,
+    memory_channel_credentials,
+    open_memory_channel,
+)
+from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
 from gateway_http.metrics import GatewayMetrics, NoMetrics
@@ -40,33 +48,6 @@ from gateway_http.upstream import ChatBackend, build_backend
 logger = logging.getLogger(__name__)
 
 WRITEBACK_GRACE_S = 5.0
-# In a split deployment the connection to the gRPC service crosses machines, and a NAT or
-# firewall may drop it while idle without a word: the next turn's recall would then wait out
-# its whole budget, and so would every turn after it until TCP gave up. Pinged every 30 s
-# (idle or not), a dead connection is found within 40 s and replaced before a turn needs it.
-# The service accepts pings this often (arona_grpc.server.MIN_PING_INTERVAL_MS).
-KEEPALIVE_TIME_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 10_000
-
-
-def channel_options(
-    keepalive_time_ms: int = KEEPALIVE_TIME_MS, keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS
-) -> list[tuple[str, int]]:
-    """The options of the channel to the gRPC service."""
-    return [
-        # Reconnect quickly once the gRPC service is back; a refused connection still
-        # fails an RPC at once (no wait_for_ready), which recall reports as offline.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.keepalive_time_ms", keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
-        # grpcio 1.85 waits this long for any ping's answer (60 s by default), keepalive or not.
-        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Without this, gRPC stops pinging after two pings with no call in between.
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -174,35 +155,47 @@ def create_app(
     memory_client: MemoryClient | None = None,
     backend: ChatBackend | None = None,
     metrics_collectors: Iterable[Collector] = (),
+    *,
+    pool: Any | None = None,
+    worker: int = 0,
 ) -> FastAPI:
-    """The gateway app; ``metrics_collectors`` are shown on its ``/metrics`` beside its own
-    (the gRPC service's, when it runs in the same process)."""
+    """The app; with ``ARONA_DATABASE_URL`` its conversations use ``pool``, or a pool the
+    lifespan opens (and closes). ``metrics_collectors`` are shown on its ``/metrics`` beside
+    its own (the gRPC service's, when it runs in the same process)."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
     owns_backend = backend is None
     chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
     metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
+    # Likewise an unreadable ARONA_GRPC_TLS_CA (read here to fail early, and again by the
+    # lifespan when it opens the channel).
+    if memory_client is None:
+        memory_channel_credentials(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         channel: grpc.aio.Channel | None = None
         memory = memory_client
         if memory is None:
-            channel = grpc.aio.insecure_channel(
-                settings.effective_grpc_target, options=channel_options()
-            )
+            channel = open_memory_channel(settings)
             memory = MemoryClient(
                 channel,
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
                 metrics=metrics,
+                metadata=memory_call_metadata(settings),
             )
-        conversations = ConversationStore.open(settings.data_dir / "conversations.db")
+        db_pool = pool
+        if db_pool is None and settings.database_url:
+            db_pool = await open_pool(settings.database_url)
+        conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
+        journal = Journal(journal_path(settings.data_dir, worker))
         pipeline = TurnPipeline(
             memory,
             chat_backend,
             conversations,
             user_scoped=settings.user_scoped,
+            journal=journal,
             metrics=metrics,
         )
         api_keys = ApiKeys(settings.api_keys)
@@ -216,13 +209,18 @@ def create_app(
         gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)
         app.state.gateway = gw
+        # Episodes a previous run answered but could not hand over.
+        pipeline.replay_journal()
         try:
             yield
         finally:
             await pipeline.drain(WRITEBACK_GRACE_S)
+            journal.close()
             if owns_backend:
                 await chat_backend.aclose()
-            conversations.close()
+            await conversations.aclose()
+            if db_pool is not None and pool is None:
+                await db_pool.close()
             if channel is not None:
                 await channel.close(grace=None)
 

@@ -171,12 +171,26 @@ async def run_parts(
     http_part: bool = True,
     on_ready: Callable[[Running], None] | None = None,
     stop: asyncio.Event | None = None,
+    listen_fd: int | None = None,
+    worker: int = 0,
 ) -> None:
-    """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal."""
+    """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal.
+
+    ``listen_fd`` is a listening socket handed down by ``serve --workers``; ``worker`` is
+    this HTTP worker's number among them.
+    """
+    from arona_grpc.database import DatabaseUnavailable, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
 
     stop = stop or asyncio.Event()
+    pool: Any | None = None
+    if settings.database_url:
+        # One pool for the process, opened (and the schema migrated) before anything listens.
+        try:
+            pool = await open_pool(settings.database_url)
+        except DatabaseUnavailable as exc:
+            raise StartupError(str(exc)) from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -188,7 +202,7 @@ async def run_parts(
     try:
         if grpc_part:
             try:
-                grpc_server = await GrpcServer.start(settings)
+                grpc_server = await GrpcServer.start(settings, pool=pool)
             except (OSError, RuntimeError) as exc:
                 raise StartupError(
                     f"cannot listen on {settings.grpc_host}:{settings.grpc_port}: {exc}"
@@ -201,10 +215,17 @@ async def run_parts(
                 # Port 0 asks for a free port: the HTTP layer must call the real one.
                 settings = dataclasses.replace(settings, grpc_port=grpc_server.port)
         if http_part:
-            sock = _listen(settings.http_host, settings.http_port)
+            if listen_fd is not None:
+                from gateway_http.workers import listen_fd_socket
+
+                sock = listen_fd_socket(listen_fd)
+            else:
+                sock = _listen(settings.http_host, settings.http_port)
             port = sock.getsockname()[1]
             config = uvicorn.Config(
-                create_app(settings, metrics_collectors=metrics_collectors),
+                create_app(
+                    settings, metrics_collectors=metrics_collectors, pool=pool, worker=worker
+                ),
                 log_config=None,
                 # Access logs would print WebSocket URLs, which may carry a JWT.
                 access_log=False,
@@ -238,30 +259,9 @@ async def run_parts(
                 await http_task
         if grpc_server is not None:
             await grpc_server.stop(GRPC_GRACE_S)
+        if pool is not None:
+            await pool.close()
         forget_live_metrics()
-
-
-PROMETHEUS_FILES = ("counter_*.db", "gauge_*.db", "histogram_*.db", "summary_*.db")
-
-
-def use_multiprocess_metrics(env: MutableMapping[str, str], data_dir: Path) -> Path:
-    """Put ``prometheus_client`` in multiprocess mode for several HTTP worker processes.
-
-    Called before any worker starts and before ``prometheus_client`` is first imported
-    (each process picks its mode at import). Unless the operator set
-    ``PROMETHEUS_MULTIPROC_DIR`` already, it is ``<data_dir>/prometheus``; either way the
-    directory is emptied of an earlier run's files, whose counts would otherwise be added
-    to this run's.
-    """
-    from arona_grpc.metrics import MULTIPROC_ENV
-
-    directory = Path(env.get(MULTIPROC_ENV) or data_dir / "prometheus")
-    directory.mkdir(parents=True, exist_ok=True)
-    for pattern in PROMETHEUS_FILES:
-        for stale in directory.glob(pattern):
-            stale.unlink(missing_ok=True)
-    env[MULTIPROC_ENV] = str(directory)
-    return directory
 
 
 def forget_live_metrics() -> None:
@@ -334,11 +334,24 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
         "Try it:",
         f"  curl -si {http}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(body)}",
-        f"  grpcurl -plaintext {grpc_target} arona.memory.v1.MemoryService/Status",
+        f"  grpcurl {_grpcurl_flags(running.settings)}{grpc_target} "
+        "arona.memory.v1.MemoryService/Status",
         "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def _grpcurl_flags(settings: Settings) -> str:
+    """grpcurl's flags for the listener: TLS or not, and the token (by name, never its value)."""
+    flags = ""
+    if settings.grpc_tls_ca is not None:
+        flags += f"-cacert {shlex.quote(str(settings.grpc_tls_ca))} "
+    elif settings.grpc_tls_cert is None:
+        flags += "-plaintext "
+    if settings.grpc_token:
+        flags += '-H "authorization: Bearer $ARONA_GRPC_TOKEN" '
+    return flags
 
 
 async def _up(env: Mapping[str, str]) -> None:
@@ -366,7 +379,20 @@ async def _up(env: Mapping[str, str]) -> None:
         await run_parts(settings, on_ready=ready)
 
 
-async def _serve(env: Mapping[str, str], only: str | None) -> None:
+def _serve_workers(env: Mapping[str, str], workers: int, *, grpc_part: bool) -> int:
+    from gateway_http.workers import run_workers
+
+    settings = Settings.from_env(env)
+    listener = _listen(settings.http_host, settings.http_port)
+    try:
+        return run_workers(settings, env, workers, listener, grpc_part=grpc_part)
+    finally:
+        listener.close()
+
+
+async def _serve(
+    env: Mapping[str, str], only: str | None, listen_fd: int | None = None, worker: int = 0
+) -> None:
     settings = Settings.from_env(env)
 
     def ready(running: Running) -> None:
@@ -377,7 +403,14 @@ async def _serve(env: Mapping[str, str], only: str | None) -> None:
         if settings.upstream_url is None and only != "grpc":
             logger.info("no ARONA_UPSTREAM_URL: using the echo model (a development default)")
 
-    await run_parts(settings, grpc_part=only != "http", http_part=only != "grpc", on_ready=ready)
+    await run_parts(
+        settings,
+        grpc_part=only != "http",
+        http_part=only != "grpc",
+        on_ready=ready,
+        listen_fd=listen_fd,
+        worker=worker,
+    )
 
 
 async def _store(env: Mapping[str, str], host: str, port: int) -> None:
@@ -452,6 +485,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="run everything on embedded defaults (store, gRPC, HTTP, echo)")
     serve = sub.add_parser("serve", help="run the gRPC service and the HTTP gateway")
     serve.add_argument("--only", choices=("grpc", "http"), help="run one part only")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="HTTP worker processes sharing the port (default 1); the gRPC service runs in "
+        "a process of its own when there are more",
+    )
+    # Set by the supervisor of --workers for its children.
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     store = sub.add_parser("store", help="run the embedded Philia-compatible store alone")
     store.add_argument("--host", default="127.0.0.1")
     store.add_argument("--port", type=int, default=STORE_DEFAULT_PORT)
@@ -460,6 +503,10 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--ttl", type=int, default=3600, help="lifetime in seconds")
     token.add_argument(
         "--admin", action="store_true", help='add "role": "admin" (status and others\' memory)'
+    )
+    sub.add_parser(
+        "migrate",
+        help="apply the database schema migrations (ARONA_DATABASE_URL, or the SQLite files)",
     )
     sub.add_parser(
         "check-memory",
@@ -495,6 +542,42 @@ def prefer_grpc_iomgr(env: MutableMapping[str, str]) -> None:
         env["GRPC_EXPERIMENTS"] = GRPC_IOMGR_EXPERIMENTS
 
 
+async def _migrate(env: Mapping[str, str]) -> None:
+    """Bring every store's schema up to date, alone (replicas may then start without racing)."""
+    from arona_grpc.database import DatabaseUnavailable, apply_migrations, open_pool
+
+    settings = Settings.from_env(env)
+    if settings.database_url:
+        try:
+            pool = await open_pool(settings.database_url, migrate=False, max_size=1)
+        except DatabaseUnavailable as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            async with pool.acquire() as conn:
+                applied = await apply_migrations(conn)
+        finally:
+            await pool.close()
+        where = redact_url(settings.database_url)
+        if applied:
+            for migration in applied:
+                print(f"{where}: applied migration {migration.version}: {migration.name}")
+        else:
+            print(f"{where}: the schema is up to date")
+        return
+    from arona_grpc.episodes import SqliteEpisodeIndex
+    from arona_grpc.outbox import Outbox
+    from gateway_http.conversations import CONVERSATIONS_FILE, SqliteConversationStore
+
+    SqliteConversationStore.open(settings.data_dir / CONVERSATIONS_FILE).close()
+    index = SqliteEpisodeIndex(settings.data_dir)
+    await index.owner("")  # opens (and migrates) the file
+    await index.aclose()
+    outbox = Outbox(settings.data_dir, settings.memory_outbox_max)
+    await outbox.load()  # migrates an existing file; a missing one is created when needed
+    await outbox.aclose()
+    print(f"{settings.data_dir}: the SQLite files' schemas are up to date")
+
+
 def _check_memory_sync(env: Mapping[str, str]) -> int:
     outcome: list[int] = []
 
@@ -510,17 +593,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = os.environ
     prefer_grpc_iomgr(env)
     try:
-        _configure_logging(Settings.from_env(env))
+        settings = Settings.from_env(env)
+        _configure_logging(settings)
+        only = getattr(args, "only", None)  # `serve --only`; `up` runs every part
+        if args.command == "up" or (args.command == "serve" and only != "http"):
+            # Before any part starts: a gRPC listener it would refuse (beyond loopback
+            # without a token, unusable TLS files) is one line, nothing started and stopped.
+            from arona_grpc.security import check_listener
+
+            check_listener(settings)
+            local_tls = settings.grpc_tls_cert is not None and settings.grpc_target is None
+            if only is None and local_tls and settings.grpc_tls_ca is None:
+                raise StartupError(
+                    "ARONA_GRPC_TLS_CA must be set with ARONA_GRPC_TLS_CERT: the HTTP gateway "
+                    "calls its own gRPC listener over TLS and checks its certificate"
+                )
         if args.command == "token":
             if args.ttl <= 0 or not args.sub:
                 raise StartupError("--sub must be non-empty and --ttl positive")
             print(_token(env, args.sub, args.ttl, args.admin))
         elif args.command == "check-memory":
             return _check_memory_sync(env)
+        elif args.command == "migrate":
+            _run(_migrate(env))
         elif args.command == "up":
             _run(_up(env))
         elif args.command == "serve":
-            _run(_serve(env, args.only))
+            if args.workers < 1:
+                raise StartupError("--workers must be at least 1")
+            if args.workers > 1:
+                if args.only == "grpc":
+                    raise StartupError("--workers is for the HTTP layer; not with --only grpc")
+                return _serve_workers(env, args.workers, grpc_part=args.only != "http")
+            _run(_serve(env, args.only, args.listen_fd, args.worker))
         else:
             _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError) as exc:

@@ -1,13 +1,17 @@
-"""Conversation storage: one SQLite database file under ``ARONA_DATA_DIR``.
+"""Conversation storage: SQLite under ``ARONA_DATA_DIR``, or PostgreSQL shared by replicas.
 
-A conversation belongs to one owner (the JWT ``sub`` on JSON-RPC, the API key owner on REST) and
-holds its messages in the order they were appended. The file survives restarts; deleting a
-conversation deletes its messages with it (``ON DELETE CASCADE``).
+A conversation belongs to one owner (the caller's principal: a JWT ``sub`` or an API key's
+``key:…``) and holds its messages in the order they were appended, each **whole**: the
+message as the client sent it (tool calls, tool call ids, names, content parts) and the
+upstream's reply as it was returned, so a replayed history is exactly what was said.
+Deleting a conversation deletes its messages with it.
 
-All SQLite work runs on one dedicated worker thread that owns the connection. SQLite calls are
-short, but a commit can still wait on the disk (a WAL checkpoint syncs the file), and that must
-never stall the event loop that is streaming other users' answers. One thread also serializes
-every statement, so the connection needs no lock and writers never contend with each other.
+:class:`ConversationStore` is the interface the turn pipeline uses; :func:`open_conversations`
+picks the backend. :class:`SqliteConversationStore` keeps one file (``conversations.db``) on
+one worker thread that owns the connection: a commit may wait on the disk and must never
+stall the event loop. :class:`PostgresConversationStore` uses the process's connection pool;
+when the database is unreachable its calls raise
+:class:`~arona_grpc.database.DatabaseUnavailable` at once.
 """
 
 from __future__ import annotations
@@ -17,39 +21,51 @@ import builtins
 import logging
 import sqlite3
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
+
+import orjson
+
+from arona_grpc.database import DatabaseUnavailable, is_unavailable, sqlite_migrate, unavailable
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_SCHEMA_VERSION = 1
+CONVERSATIONS_FILE = "conversations.db"
 _MAX_LIST = 1000
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id          TEXT PRIMARY KEY,
-    owner       TEXT NOT NULL,
-    title       TEXT,
-    created_us  INTEGER NOT NULL,  -- microseconds since the epoch, UTC
-    updated_us  INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS conversations_by_owner
-    ON conversations (owner, updated_us DESC);
-CREATE TABLE IF NOT EXISTS messages (
-    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
-    conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
-    role            TEXT NOT NULL,
-    content         TEXT NOT NULL,
-    created_us      INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS messages_by_conversation
-    ON messages (conversation_id, seq);
-"""
+_SQLITE_STEPS = (
+    # 1: conversations and their messages as role + text.
+    """
+    CREATE TABLE IF NOT EXISTS conversations (
+        id          TEXT PRIMARY KEY,
+        owner       TEXT NOT NULL,
+        title       TEXT,
+        created_us  INTEGER NOT NULL,  -- microseconds since the epoch, UTC
+        updated_us  INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS conversations_by_owner
+        ON conversations (owner, updated_us DESC);
+    CREATE TABLE IF NOT EXISTS messages (
+        seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+        role            TEXT NOT NULL,
+        content         TEXT NOT NULL,
+        created_us      INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS messages_by_conversation
+        ON messages (conversation_id, seq);
+    """,
+    # 2: each message whole, as JSON; the rows of version 1 become {role, content}.
+    """
+    ALTER TABLE messages ADD COLUMN body TEXT;
+    UPDATE messages SET body = json_object('role', role, 'content', content);
+    """,
+)
 
 
 class ConversationNotFound(Exception):
@@ -77,12 +93,47 @@ def _datetime(us: int) -> datetime:
     return datetime.fromtimestamp(us / 1_000_000, UTC)
 
 
-def _row(row: tuple[str, str, str | None, int, int]) -> Conversation:
+def _conversation(row: Sequence[Any]) -> Conversation:
     return Conversation(row[0], row[1], row[2], _datetime(row[3]), _datetime(row[4]))
 
 
-class ConversationStore:
-    """Conversations and their messages in one SQLite file; see the module docstring."""
+def _encoded(message: Mapping[str, Any]) -> tuple[str, str]:
+    """(role, JSON) of one message to store."""
+    return str(message.get("role", "")), orjson.dumps(message).decode()
+
+
+def _new_id() -> str:
+    return f"conv_{uuid.uuid4().hex}"
+
+
+class ConversationStore(Protocol):
+    """What the turn pipeline and the conversation routes need (one per backend)."""
+
+    async def create(self, owner: str, title: str | None = None) -> Conversation: ...
+
+    async def get(self, conversation_id: str, owner: str) -> Conversation:
+        """The conversation, if ``owner`` owns it (else NotFound / Forbidden)."""
+        ...
+
+    async def list(self, owner: str, limit: int = 100) -> builtins.list[Conversation]:
+        """The owner's conversations, most recently active first."""
+        ...
+
+    async def delete(self, conversation_id: str, owner: str) -> None: ...
+
+    async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
+        """Add whole messages at the end, in one transaction, and mark it as just updated."""
+        ...
+
+    async def messages(self, conversation_id: str) -> builtins.list[dict[str, Any]]:
+        """Every message, oldest first, exactly as stored (ownership is checked by ``get``)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class SqliteConversationStore:
+    """:class:`ConversationStore` in one SQLite file; see the module docstring."""
 
     def __init__(self, executor: ThreadPoolExecutor, connection: sqlite3.Connection) -> None:
         # Use :meth:`open`; the connection must only ever be used on ``executor``'s thread.
@@ -91,7 +142,7 @@ class ConversationStore:
         self._closed = False
 
     @classmethod
-    def open(cls, path: Path) -> ConversationStore:
+    def open(cls, path: Path) -> SqliteConversationStore:
         """Open (creating if needed) the database at ``path``, its parent directories and schema."""
         path.parent.mkdir(parents=True, exist_ok=True)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-conversations")
@@ -104,7 +155,7 @@ class ConversationStore:
         return cls(executor, connection)
 
     async def create(self, owner: str, title: str | None = None) -> Conversation:
-        conversation_id = f"conv_{uuid.uuid4().hex}"
+        conversation_id = _new_id()
 
         def work(db: sqlite3.Connection) -> Conversation:
             now = _now_us()
@@ -114,58 +165,46 @@ class ConversationStore:
                     " VALUES (?, ?, ?, ?, ?)",
                     (conversation_id, owner, title, now, now),
                 )
-            return _row((conversation_id, owner, title, now, now))
+            return _conversation((conversation_id, owner, title, now, now))
 
         return await self._run(work)
 
     async def get(self, conversation_id: str, owner: str) -> Conversation:
-        """The conversation, if ``owner`` owns it (else NotFound / Forbidden)."""
-
         def work(db: sqlite3.Connection) -> Conversation:
             row = db.execute(
                 "SELECT id, owner, title, created_us, updated_us FROM conversations WHERE id = ?",
                 (conversation_id,),
             ).fetchone()
-            if row is None:
-                raise ConversationNotFound(conversation_id)
-            if row[1] != owner:
-                raise ConversationForbidden(conversation_id)
-            return _row(row)
+            return _owned(row, conversation_id, owner)
 
         return await self._run(work)
 
-    async def list(self, owner: str, limit: int = 100) -> list[Conversation]:
-        """The owner's conversations, most recently active (created or appended to) first."""
+    async def list(self, owner: str, limit: int = 100) -> builtins.list[Conversation]:
         limit = max(0, min(limit, _MAX_LIST))
 
-        def work(db: sqlite3.Connection) -> list[Conversation]:
+        def work(db: sqlite3.Connection) -> builtins.list[Conversation]:
             rows = db.execute(
                 "SELECT id, owner, title, created_us, updated_us FROM conversations"
                 " WHERE owner = ? ORDER BY updated_us DESC, rowid DESC LIMIT ?",
                 (owner, limit),
             ).fetchall()
-            return [_row(row) for row in rows]
+            return [_conversation(row) for row in rows]
 
         return await self._run(work)
 
     async def delete(self, conversation_id: str, owner: str) -> None:
-        """Delete the conversation and its messages, if ``owner`` owns it."""
-
         def work(db: sqlite3.Connection) -> None:
             with db:
                 row = db.execute(
                     "SELECT owner FROM conversations WHERE id = ?", (conversation_id,)
                 ).fetchone()
-                if row is None:
-                    raise ConversationNotFound(conversation_id)
-                if row[0] != owner:
-                    raise ConversationForbidden(conversation_id)
+                _check_owner(row, conversation_id, owner)
                 db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
         await self._run(work)
 
-    async def append(self, conversation_id: str, role: str, content: str) -> None:
-        """Add a message at the end of the conversation and mark it as just updated."""
+    async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
+        rows = [_encoded(m) for m in messages]
 
         def work(db: sqlite3.Connection) -> None:
             now = _now_us()
@@ -177,29 +216,26 @@ class ConversationStore:
                 )
                 if updated.rowcount == 0:
                     raise ConversationNotFound(conversation_id)
-                db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, created_us)"
-                    " VALUES (?, ?, ?, ?)",
-                    (conversation_id, role, content, now),
+                db.executemany(
+                    "INSERT INTO messages (conversation_id, role, content, body, created_us)"
+                    " VALUES (?, ?, '', ?, ?)",
+                    [(conversation_id, role, body, now) for role, body in rows],
                 )
 
         await self._run(work)
 
-    # ``builtins.list``: inside this class ``list`` names the method above.
-    async def messages(self, conversation_id: str) -> builtins.list[dict[str, str]]:
-        """``[{"role", "content"}]`` oldest first; an unknown id has none.
-
-        Ownership is not checked here: callers go through :meth:`get` first.
-        """
-
-        def work(db: sqlite3.Connection) -> builtins.list[dict[str, str]]:
+    async def messages(self, conversation_id: str) -> builtins.list[dict[str, Any]]:
+        def work(db: sqlite3.Connection) -> builtins.list[dict[str, Any]]:
             rows = db.execute(
-                "SELECT role, content FROM messages WHERE conversation_id = ? ORDER BY seq",
+                "SELECT body FROM messages WHERE conversation_id = ? ORDER BY seq",
                 (conversation_id,),
             ).fetchall()
-            return [{"role": role, "content": content} for role, content in rows]
+            return [orjson.loads(body) for (body,) in rows]
 
         return await self._run(work)
+
+    async def aclose(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Close the database; idempotent. Work already submitted finishes first."""
@@ -218,6 +254,135 @@ class ConversationStore:
         return await loop.run_in_executor(self._executor, work, self._db)
 
 
+class PostgresConversationStore:
+    """:class:`ConversationStore` in PostgreSQL, shared by every replica."""
+
+    def __init__(self, pool: Any, url: str) -> None:
+        self._pool = pool
+        self._url = url
+
+    async def create(self, owner: str, title: str | None = None) -> Conversation:
+        conversation_id = _new_id()
+        now = _now_us()
+
+        async def work(conn: Any) -> None:
+            await conn.execute(
+                "INSERT INTO conversations (id, owner, title, created_us, updated_us)"
+                " VALUES ($1, $2, $3, $4, $4)",
+                conversation_id,
+                owner,
+                title,
+                now,
+            )
+
+        await self._run(work)
+        return _conversation((conversation_id, owner, title, now, now))
+
+    async def get(self, conversation_id: str, owner: str) -> Conversation:
+        async def work(conn: Any) -> Conversation:
+            row = await conn.fetchrow(
+                "SELECT id, owner, title, created_us, updated_us FROM conversations WHERE id = $1",
+                conversation_id,
+            )
+            return _owned(row, conversation_id, owner)
+
+        return await self._run(work)
+
+    async def list(self, owner: str, limit: int = 100) -> builtins.list[Conversation]:
+        limit = max(0, min(limit, _MAX_LIST))
+
+        async def work(conn: Any) -> builtins.list[Conversation]:
+            rows = await conn.fetch(
+                "SELECT id, owner, title, created_us, updated_us FROM conversations"
+                " WHERE owner = $1 ORDER BY updated_us DESC, created_us DESC, id LIMIT $2",
+                owner,
+                limit,
+            )
+            return [_conversation(row) for row in rows]
+
+        return await self._run(work)
+
+    async def delete(self, conversation_id: str, owner: str) -> None:
+        async def work(conn: Any) -> None:
+            async with conn.transaction():
+                row = await conn.fetchrow(
+                    "SELECT owner FROM conversations WHERE id = $1 FOR UPDATE", conversation_id
+                )
+                _check_owner(row, conversation_id, owner)
+                await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
+
+        await self._run(work)
+
+    async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
+        rows = [_encoded(m) for m in messages]
+
+        async def work(conn: Any) -> None:
+            now = _now_us()
+            async with conn.transaction():
+                updated = await conn.execute(
+                    "UPDATE conversations SET updated_us = greatest(updated_us + 1, $1)"
+                    " WHERE id = $2",
+                    now,
+                    conversation_id,
+                )
+                if updated.endswith(" 0"):
+                    raise ConversationNotFound(conversation_id)
+                await conn.executemany(
+                    "INSERT INTO messages (conversation_id, role, body, created_us)"
+                    " VALUES ($1, $2, $3, $4)",
+                    [(conversation_id, role, body, now) for role, body in rows],
+                )
+
+        await self._run(work)
+
+    async def messages(self, conversation_id: str) -> builtins.list[dict[str, Any]]:
+        async def work(conn: Any) -> builtins.list[dict[str, Any]]:
+            rows = await conn.fetch(
+                "SELECT body FROM messages WHERE conversation_id = $1 ORDER BY seq",
+                conversation_id,
+            )
+            return [orjson.loads(row[0]) for row in rows]
+
+        return await self._run(work)
+
+    async def aclose(self) -> None:
+        """The pool belongs to the process; nothing of its own to close."""
+
+    async def _run(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        try:
+            async with self._pool.acquire() as conn:
+                return await work(conn)
+        except (ConversationNotFound, ConversationForbidden):
+            raise
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise unavailable(self._url, exc) from None
+            raise
+
+
+def _owned(row: Sequence[Any] | None, conversation_id: str, owner: str) -> Conversation:
+    _check_owner(row, conversation_id, owner, column=1)
+    assert row is not None
+    return _conversation(row)
+
+
+def _check_owner(
+    row: Sequence[Any] | None, conversation_id: str, owner: str, column: int = 0
+) -> None:
+    if row is None:
+        raise ConversationNotFound(conversation_id)
+    if row[column] != owner:
+        raise ConversationForbidden(conversation_id)
+
+
+def open_conversations(data_dir: Path, pool: Any | None, url: str | None) -> ConversationStore:
+    """PostgreSQL when a pool is given, else ``conversations.db`` under ``data_dir``."""
+    if pool is not None:
+        assert url is not None
+        return PostgresConversationStore(pool, url)
+    return SqliteConversationStore.open(data_dir / CONVERSATIONS_FILE)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     # Autocommit off (the default isolation level): writes commit through ``with db:``.
     db = sqlite3.connect(path)
@@ -228,15 +393,20 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous = NORMAL")
         db.execute("PRAGMA foreign_keys = ON")
         db.execute("PRAGMA busy_timeout = 5000")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > _SCHEMA_VERSION:
-            raise RuntimeError(
-                f"the conversation database {path} was written by a newer version"
-                f" (schema {version} > {_SCHEMA_VERSION})"
-            )
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        sqlite_migrate(db, _SQLITE_STEPS, f"the conversation database {path}")
     except BaseException:
         db.close()
         raise
     return db
+
+
+__all__ = [
+    "Conversation",
+    "ConversationForbidden",
+    "ConversationNotFound",
+    "ConversationStore",
+    "DatabaseUnavailable",
+    "PostgresConversationStore",
+    "SqliteConversationStore",
+    "open_conversations",
+]

@@ -26,6 +26,8 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
+from arona_grpc.service import DATABASE_UNAVAILABLE
+from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
@@ -78,18 +80,22 @@ def _quoted(exc: grpc.aio.AioRpcError) -> str:
     return details[:_MAX_QUOTED] if details else "no details"
 
 
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    """One trailing metadata value of a failed call (None when absent)."""
+    metadata: Any = exc.trailing_metadata() or ()
+    for item in metadata:
+        name, value = item[0], item[1]
+        if name == key:
+            return value if isinstance(value, str) else bytes(value).decode()
+    return None
+
+
 @dataclass(frozen=True)
 class Recall:
     state: str
     section: str
     # Memories in the section.
     count: int = 0
-
-
-def _metadata() -> tuple[tuple[str, str], ...] | None:
-    """The current request id as ``x-request-id`` metadata (None outside a request)."""
-    request_id = REQUEST_ID.get()
-    return ((REQUEST_ID_HEADER, request_id),) if request_id is not None else None
 
 
 def _rfc3339_ms(ts: Timestamp) -> str:
@@ -106,9 +112,12 @@ class MemoryClient:
         recall_budget_s: float,
         rpc_timeout_s: float,
         metrics: GatewayMetrics | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
         self._metrics = metrics or NoMetrics()
+        # Sent on every MemoryService call (the bearer token); the health check needs none.
+        self._metadata = metadata
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self._recall_budget_s = recall_budget_s
@@ -122,7 +131,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
-                metadata=_metadata(),
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -138,29 +147,34 @@ class MemoryClient:
             return Recall(state, "")
         return Recall(state, reply.section, len(reply.memories))
 
-    async def writeback(self, user: str, assistant: str, scope: str = "") -> str | None:
-        """Store one turn; the node id, or None when nothing was stored.
+    async def writeback(
+        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+    ) -> bool:
+        """Hand one turn to the memory service; whether the service took it.
 
-        Nothing is stored when memory or writeback is off, or the turn is empty; a failed
-        call is logged (the service's own message says whether its outbox kept the episode)
-        and stores nothing either.
+        Taken: stored, not wanted (memory or writeback off, an empty turn), or kept in the
+        service's outbox although the call failed (it says so in a trailer). Not taken: the
+        service was unreachable or failed otherwise, and the turn must be sent again. A failed
+        call is logged (the service's own message says whether its outbox kept the episode).
         """
         try:
             reply = await self._stub.Writeback(
-                pb.WritebackRequest(user=user, assistant=assistant, scope=scope),
+                pb.WritebackRequest(
+                    user=user, assistant=assistant, scope=scope, episode_id=episode_id
+                ),
                 timeout=self._rpc_timeout_s,
-                metadata=_metadata(),
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             self._metrics.writeback("failed")
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
-            return None
+            return _trailer(exc, QUEUED_KEY) == "1"
         self._writeback_log.succeeded()
-        if not reply.stored:
+        if reply.stored:
+            self._metrics.writeback("stored")
+        else:
             self._metrics.writeback("not_stored")
-            return None
-        self._metrics.writeback("stored")
-        return reply.node_id
+        return True
 
     async def delete(self, node_id: str, scope: str = "") -> bool:
         reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id, scope=scope))
@@ -210,6 +224,13 @@ class MemoryClient:
         }
         return result
 
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: the bearer token, and the request id when there is one."""
+        request_id = REQUEST_ID.get()
+        if request_id is None:
+            return self._metadata
+        return (*self._metadata, (REQUEST_ID_HEADER, request_id))
+
     async def ready(self, timeout_s: float = 2.0) -> bool:
         """Whether the gRPC service answers its health check as SERVING."""
         try:
@@ -223,10 +244,16 @@ class MemoryClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._rpc_timeout_s, metadata=_metadata())
+            return await method(
+                request, timeout=self._rpc_timeout_s, metadata=self._call_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)
+            if _trailer(exc, ERROR_CODE_KEY) == DATABASE_UNAVAILABLE:
+                raise GatewayError(
+                    ErrorKind.UNAVAILABLE, "the database is unavailable", DATABASE_UNAVAILABLE
+                ) from None
             # The service's own messages for client mistakes are meant for the client;
             # transport details (addresses, resolver text) are not.
             if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
+from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream import (
@@ -93,10 +96,17 @@ class TurnPipeline:
         conversations: ConversationStore,
         *,
         user_scoped: bool = False,
+        journal: Journal | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self._memory = memory
         self.metrics = metrics or NoMetrics()
+        # Episodes answered but not yet taken by the memory service (durable before answered).
+        self._journal = journal
+        self._journal_behind = False
+        self._replaying: asyncio.Task[None] | None = None
+        # Journal entries whose writeback is under way (a replay leaves them alone).
+        self._sending: set[int] = set()
         # ARONA_MEMORY_SCOPE=user: a turn without a principal gets no memory at all.
         self._user_scoped = user_scoped
         self._backend = backend
@@ -110,7 +120,8 @@ class TurnPipeline:
         history: list[dict[str, Any]] = []
         if request.conversation_id is not None:
             await self._check_owner(request.conversation_id, request.owner)
-            history = list(await self._conversations.messages(request.conversation_id))
+            with conversation_errors():
+                history = await self._conversations.messages(request.conversation_id)
         messages = [*history, *new_messages]
         user_text = last_user_text(messages)
 
@@ -133,10 +144,9 @@ class TurnPipeline:
                 count = recall.count
 
         if request.conversation_id is not None:
-            for message in new_messages:
-                await self._conversations.append(
-                    request.conversation_id, str(message["role"]), message_text(message)
-                )
+            # Each message whole, as the client sent it (tool calls, tool call ids, parts).
+            with conversation_errors():
+                await self._conversations.append(request.conversation_id, *new_messages)
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
         return PreparedTurn(request, upstream_body, state, user_text, count, recall_s)
@@ -159,9 +169,11 @@ class TurnPipeline:
         completion = await self._backend.complete(turn.upstream_body)
         turn.upstream_first = turn.upstream_end = time.perf_counter()
         choice = first_choice(completion)
-        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        returned = choice.get("message")
+        message: dict[str, Any] = returned if isinstance(returned, dict) else {}
         content = message_text(message) if message else ""
-        await self._finish(turn, content, writeback=True)
+        reply = message or {"role": "assistant", "content": content}
+        await self._finish(turn, content, reply, writeback=True)
         usage = completion.get("usage")
         return TurnReply(
             completion,
@@ -178,19 +190,19 @@ class TurnPipeline:
         nothing and writes nothing back. Stopping early closes the upstream
         request at once.
         """
-        parts: list[str] = []
+        reply = StreamedReply()
         turn.upstream_start = time.perf_counter()
         upstream = self._backend.stream(turn.upstream_body)
         try:
             async for chunk in upstream:
                 if not turn.upstream_first:
                     turn.upstream_first = time.perf_counter()
-                parts.append(delta_text(chunk))
+                reply.add(chunk)
                 yield chunk
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
         turn.upstream_end = time.perf_counter()
-        await self._finish(turn, "".join(parts), writeback=writeback)
+        await self._finish(turn, reply.text, reply.message(), writeback=writeback)
 
     async def drain(self, grace_s: float) -> None:
         """Give pending writebacks up to ``grace_s`` seconds to finish."""
@@ -212,23 +224,91 @@ class TurnPipeline:
         with conversation_errors():
             await self._conversations.get(conversation_id, owner)
 
-    async def _finish(self, turn: PreparedTurn, content: str, *, writeback: bool) -> None:
+    async def _finish(
+        self, turn: PreparedTurn, content: str, reply: dict[str, Any], *, writeback: bool
+    ) -> None:
         conversation_id = turn.request.conversation_id
         if conversation_id is not None:
-            await self._conversations.append(conversation_id, "assistant", content)
+            try:
+                # The reply as the upstream returned it (tool calls included).
+                await self._conversations.append(conversation_id, reply)
+            except DatabaseUnavailable as exc:
+                # The answer exists; losing its copy in the history must not lose the answer.
+                logger.warning("the reply was not added to its conversation: %s", exc)
         if writeback and (turn.user_text or content) and self._has_memory(turn.request):
-            task = asyncio.create_task(
-                self._writeback(turn.user_text, content, turn.request.scope or "")
-            )
+            scope = turn.request.scope or ""
+            # Journaled before the reply's last byte leaves: a hard kill from here on loses
+            # nothing.
+            entry = self._journal_add(turn.user_text, content, scope)
+            task = asyncio.create_task(self._writeback(turn.user_text, content, scope, entry))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _writeback(self, user: str, assistant: str, scope: str) -> None:
+    async def _writeback(
+        self, user: str, assistant: str, scope: str, entry: Journaled | None
+    ) -> None:
+        if entry is not None:
+            self._sending.add(entry.id)
         try:
             # Its failures are logged by the memory client.
-            await self._memory.writeback(user, assistant, scope)
+            taken = await self._memory.writeback(
+                user, assistant, scope, entry.episode_id if entry is not None else ""
+            )
         except Exception:
             logger.exception("writeback failed")
+            taken = False
+        finally:
+            if entry is not None:
+                self._sending.discard(entry.id)
+        if entry is None:
+            return
+        if not taken:
+            self._journal_behind = True
+            return
+        self._journal_drop(entry.id)
+        if self._journal_behind:
+            self.replay_journal()
+
+    def _journal_add(self, user: str, assistant: str, scope: str) -> Journaled | None:
+        if self._journal is None:
+            return None
+        try:
+            return self._journal.add(user, assistant, scope)
+        except sqlite3.Error as exc:
+            logger.error("could not journal an episode: %s", exc)
+            return None
+
+    def _journal_drop(self, entry: int) -> None:
+        assert self._journal is not None
+        try:
+            self._journal.drop(entry)
+        except sqlite3.Error as exc:
+            logger.warning("could not drop a journaled episode (it will be sent again): %s", exc)
+
+    def replay_journal(self) -> None:
+        """Send again what the journal holds (at start, and once the service answers again)."""
+        if self._journal is None or (self._replaying is not None and not self._replaying.done()):
+            return
+        self._journal_behind = False
+        self._replaying = asyncio.create_task(self._replay_journal(), name="journal-replay")
+        self._background.add(self._replaying)
+        self._replaying.add_done_callback(self._background.discard)
+
+    async def _replay_journal(self) -> None:
+        assert self._journal is not None
+        left = self._journal.pending()
+        if left:
+            logger.info("%d journaled episode(s) not yet taken by memory: sending them", len(left))
+        for item in left:
+            if item.id in self._sending:
+                continue
+            if not await self._memory.writeback(
+                item.user, item.assistant, item.scope, item.episode_id
+            ):
+                # The service is still away: the next successful writeback tries again.
+                self._journal_behind = True
+                return
+            self._journal_drop(item.id)
 
 
 def first_choice(completion: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +316,57 @@ def first_choice(completion: dict[str, Any]) -> dict[str, Any]:
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
     return {}
+
+
+class StreamedReply:
+    """The assistant message a stream of chunks adds up to: text and tool calls assembled."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._role = "assistant"
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        delta = first_choice(chunk).get("delta")
+        if not isinstance(delta, dict):
+            return
+        content = delta.get("content")
+        if isinstance(content, str):
+            self._parts.append(content)
+        if isinstance(delta.get("role"), str):
+            self._role = delta["role"]
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            for position, part in enumerate(calls):
+                if isinstance(part, dict):
+                    self._add_call(part, position)
+
+    def _add_call(self, part: dict[str, Any], position: int) -> None:
+        index = part.get("index")
+        call = self._calls.setdefault(index if isinstance(index, int) else position, {})
+        for key in ("id", "type"):
+            if isinstance(part.get(key), str):
+                call[key] = part[key]
+        function = part.get("function")
+        if isinstance(function, dict):
+            target = call.setdefault("function", {"name": "", "arguments": ""})
+            if isinstance(function.get("name"), str):
+                target["name"] += function["name"]
+            if isinstance(function.get("arguments"), str):
+                target["arguments"] += function["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        """``{"role", "content"[, "tool_calls"]}`` as a non-streamed reply would carry it."""
+        text = self.text
+        message: dict[str, Any] = {"role": self._role, "content": text}
+        if self._calls:
+            message["content"] = text or None
+            message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
+        return message
 
 
 def delta_text(chunk: dict[str, Any]) -> str:

@@ -3,17 +3,21 @@ the one translation of conversation lookup failures into gateway errors."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import (
     Conversation,
     ConversationForbidden,
     ConversationNotFound,
 )
 from gateway_http.errors import ErrorKind, GatewayError
+
+logger = logging.getLogger(__name__)
 
 
 def rfc3339_ms(at: datetime) -> str:
@@ -34,9 +38,15 @@ def conversation_view(conversation: Conversation) -> dict[str, Any]:
 
 @contextmanager
 def conversation_errors() -> Iterator[None]:
-    """Unknown id -> 404 ``conversation_not_found``; another owner's -> 403."""
+    """Unknown id -> 404 ``conversation_not_found``; another owner's -> 403; the database
+    unreachable -> 503 ``database_unavailable``."""
     try:
         yield
+    except DatabaseUnavailable as exc:
+        logger.warning("%s", exc)
+        raise GatewayError(
+            ErrorKind.UNAVAILABLE, "the database is unavailable", "database_unavailable"
+        ) from None
     except ConversationNotFound:
         raise GatewayError(
             ErrorKind.NOT_FOUND, "conversation not found", "conversation_not_found"

@@ -92,11 +92,35 @@ def test_secrets_are_not_in_the_settings_repr() -> None:
             "ARONA_JWT_SECRET": "j" * 40,
             "ARONA_API_KEYS": "key-1, key-2",
             "ARONA_UPSTREAM_API_KEY": "sk-999",
+            "ARONA_GRPC_TOKEN": "grpc-777",
         }
     )
     assert s.api_keys == ("key-1", "key-2")
     text = repr(s)
-    assert not any(secret in text for secret in ("tok-123", "j" * 40, "key-1", "sk-999"))
+    assert not any(
+        secret in text for secret in ("tok-123", "j" * 40, "key-1", "sk-999", "grpc-777")
+    )
+
+
+def test_grpc_token_and_tls_files() -> None:
+    s = Settings.from_env({})
+    assert (s.grpc_token, s.grpc_tls_cert, s.grpc_tls_key, s.grpc_tls_ca) == (None,) * 4
+    s = Settings.from_env(
+        {
+            "ARONA_GRPC_TOKEN": " grpc-777 ",
+            "ARONA_GRPC_TLS_CERT": "/etc/arona/server.pem",
+            "ARONA_GRPC_TLS_KEY": "/etc/arona/server-key.pem",
+            "ARONA_GRPC_TLS_CA": "ca.pem",
+            "ARONA_GRPC_TARGET": "",
+        }
+    )
+    assert s.grpc_token == "grpc-777"
+    assert (s.grpc_tls_cert, s.grpc_tls_key, s.grpc_tls_ca) == (
+        Path("/etc/arona/server.pem"),
+        Path("/etc/arona/server-key.pem"),
+        Path("ca.pem"),
+    )
+    assert Settings.from_env({"ARONA_GRPC_TOKEN": "  ", "ARONA_GRPC_TLS_CA": ""}) == Settings()
 
 
 def test_grpc_target_follows_the_listener_unless_set() -> None:

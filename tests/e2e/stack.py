@@ -161,11 +161,13 @@ async def running_stack(
     timeout_s: float = 0.5,
     grpc_target: str | None = None,
     clock: Callable[[], float] | None = None,
+    http_overrides: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
     """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started).
 
     ``clock`` replaces the monotonic clock of the memory breaker (tests skip its cooldown).
+    ``overrides`` apply to both layers' settings, ``http_overrides`` to the HTTP layer's only.
     """
     async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
         fields: dict[str, Any] = {
@@ -184,7 +186,9 @@ async def running_stack(
             grpc = await GrpcServer.start(settings, domain)
             grpc_target = grpc.target
         try:
-            settings = dataclasses.replace(settings, grpc_target=grpc_target)
+            settings = dataclasses.replace(
+                settings, grpc_target=grpc_target, **(http_overrides or {})
+            )
             app = create_app(settings)
             async with (
                 serve_app(app) as base_url,

@@ -24,8 +24,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway_http.cli import use_multiprocess_metrics
-
 pytestmark = pytest.mark.timeout(120)
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
@@ -277,21 +275,3 @@ def _json_records(lines: list[str]) -> list[dict[str, Any]]:
         records.append(record)
     assert records
     return records
-
-
-def test_multiprocess_metrics_get_a_fresh_directory_under_the_data_dir(tmp_path: Path) -> None:
-    env: dict[str, str] = {}
-    directory = use_multiprocess_metrics(env, tmp_path / "data")
-    assert directory == tmp_path / "data" / "prometheus" and directory.is_dir()
-    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(directory)
-    # An earlier run's files are gone; anything else is left alone.
-    (directory / "counter_123.db").write_bytes(b"old")
-    (directory / "notes.txt").write_text("mine")
-    chosen = tmp_path / "chosen"
-    chosen.mkdir()
-    (chosen / "histogram_9.db").write_bytes(b"old")
-    assert use_multiprocess_metrics(env, tmp_path / "data") == directory
-    assert [p.name for p in directory.iterdir()] == ["notes.txt"]
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(chosen)
-    assert use_multiprocess_metrics(env, tmp_path / "data") == chosen
-    assert list(chosen.iterdir()) == []

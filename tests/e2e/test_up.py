@@ -34,6 +34,8 @@ class Up:
     banner: str
     http_url: str
     jwt: str
+    # Everything the process logged, once it has stopped.
+    stderr: str = ""
 
     async def rpc(self, client: httpx.AsyncClient, method: str, params: Any = None) -> Any:
         request = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}}
@@ -47,7 +49,7 @@ class Up:
         return reply["result"]
 
 
-def _env(data_dir: Path) -> dict[str, str]:
+def _env(data_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
     env.update(
         ARONA_DATA_DIR=str(data_dir),
@@ -55,20 +57,22 @@ def _env(data_dir: Path) -> dict[str, str]:
         ARONA_GRPC_PORT="0",
         ARONA_LOG_LEVEL="warning",
     )
+    env.update(extra or {})
     return env
 
 
 @asynccontextmanager
-async def gateway_up(data_dir: Path) -> AsyncIterator[Up]:
+async def gateway_up(data_dir: Path, extra_env: dict[str, str] | None = None) -> AsyncIterator[Up]:
     command = Path(sys.executable).parent / "arona-gateway"
     process = await asyncio.create_subprocess_exec(
         str(command),
         "up",
-        env=_env(data_dir),
+        env=_env(data_dir, extra_env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None and process.stderr is not None
+    up: Up | None = None
     try:
         lines: list[str] = []
 
@@ -84,11 +88,14 @@ async def gateway_up(data_dir: Path) -> AsyncIterator[Up]:
         http = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)", banner)
         jwt = re.search(r"JWT for JSON-RPC .*: (\S+)$", banner, re.MULTILINE)
         assert http and jwt, banner
-        yield Up(process, banner, http.group(1), jwt.group(1))
+        up = Up(process, banner, http.group(1), jwt.group(1))
+        yield up
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGINT)
         _, stderr = await asyncio.wait_for(process.communicate(), 30)
+        if up is not None:
+            up.stderr = stderr.decode()
     assert process.returncode == 0, stderr.decode()
     assert "Traceback" not in stderr.decode()
 

@@ -35,9 +35,11 @@ class Writebacks:
         self.done = 0
         self._changed = asyncio.Condition()
 
-        async def counted(user: str, assistant: str, scope: str = "") -> WritebackOutcome:
+        async def counted(
+            user: str, assistant: str, scope: str = "", episode_id: str = ""
+        ) -> WritebackOutcome:
             try:
-                return await original(user, assistant, scope)
+                return await original(user, assistant, scope, episode_id)
             finally:
                 async with self._changed:
                     self.done += 1

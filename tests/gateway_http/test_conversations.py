@@ -1,20 +1,30 @@
-"""The SQLite conversation store, on real database files under ``tmp_path``."""
+"""The conversation stores on both backends: SQLite files under ``tmp_path`` and a real
+PostgreSQL database."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
+from arona_grpc.database import open_pool
 from gateway_http.conversations import (
     ConversationForbidden,
     ConversationNotFound,
     ConversationStore,
+    SqliteConversationStore,
+    open_conversations,
 )
+
+
+def msg(role: str, content: str) -> dict[str, Any]:
+    return {"role": role, "content": content}
 
 
 @pytest.fixture
@@ -22,11 +32,14 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "data" / "nested" / "conversations.db"
 
 
-@pytest.fixture
-def store(db_path: Path) -> Iterator[ConversationStore]:
-    opened = ConversationStore.open(db_path)
+@pytest_asyncio.fixture
+async def store(backend: str | None, db_path: Path) -> AsyncIterator[ConversationStore]:
+    pool = await open_pool(backend) if backend else None
+    opened = open_conversations(db_path.parent, pool, backend)
     yield opened
-    opened.close()
+    await opened.aclose()
+    if pool is not None:
+        await pool.close()
 
 
 @pytest.mark.asyncio
@@ -60,7 +73,7 @@ async def test_unknown_id_is_not_found(store: ConversationStore) -> None:
     with pytest.raises(ConversationNotFound):
         await store.delete("conv_missing", "alice")
     with pytest.raises(ConversationNotFound):
-        await store.append("conv_missing", "user", "hello?")
+        await store.append("conv_missing", msg("user", "hello?"))
 
 
 @pytest.mark.asyncio
@@ -68,7 +81,7 @@ async def test_another_owners_conversation_is_forbidden_and_left_alone(
     store: ConversationStore,
 ) -> None:
     mine = await store.create("alice", "private")
-    await store.append(mine.id, "user", "my secret plans")
+    await store.append(mine.id, msg("user", "my secret plans"))
 
     with pytest.raises(ConversationForbidden) as get_error:
         await store.get(mine.id, "mallory")
@@ -94,7 +107,7 @@ async def test_list_shows_only_the_owners_conversations_most_recent_first(
     assert [c.id for c in await store.list("alice")] == [third.id, second.id, first.id]
     assert [c.title for c in await store.list("alice", limit=2)] == ["third", "second"]
 
-    await store.append(first.id, "user", "back to the first one")
+    await store.append(first.id, msg("user", "back to the first one"))
 
     assert [c.id for c in await store.list("alice")] == [first.id, third.id, second.id]
 
@@ -109,7 +122,7 @@ async def test_messages_come_back_oldest_first(store: ConversationStore) -> None
         ("assistant", "Oolong 🍵"),
     ]
     for role, content in turns:
-        await store.append(conversation.id, role, content)
+        await store.append(conversation.id, msg(role, content))
 
     assert await store.messages(conversation.id) == [
         {"role": role, "content": content} for role, content in turns
@@ -120,7 +133,7 @@ async def test_messages_come_back_oldest_first(store: ConversationStore) -> None
 async def test_concurrent_appends_are_all_kept(store: ConversationStore) -> None:
     conversation = await store.create("alice")
 
-    await asyncio.gather(*(store.append(conversation.id, "user", f"m{i}") for i in range(50)))
+    await asyncio.gather(*(store.append(conversation.id, msg("user", f"m{i}")) for i in range(50)))
 
     stored = await store.messages(conversation.id)
     assert sorted(m["content"] for m in stored) == sorted(f"m{i}" for i in range(50))
@@ -132,8 +145,8 @@ async def test_messages_of_one_conversation_do_not_leak_into_another(
 ) -> None:
     a = await store.create("alice")
     b = await store.create("alice")
-    await store.append(a.id, "user", "for a")
-    await store.append(b.id, "user", "for b")
+    await store.append(a.id, msg("user", "for a"))
+    await store.append(b.id, msg("user", "for b"))
 
     assert await store.messages(a.id) == [{"role": "user", "content": "for a"}]
     assert await store.messages(b.id) == [{"role": "user", "content": "for b"}]
@@ -143,7 +156,7 @@ async def test_messages_of_one_conversation_do_not_leak_into_another(
 async def test_append_bumps_updated_at_only(store: ConversationStore) -> None:
     created = await store.create("alice")
 
-    await store.append(created.id, "user", "hi")
+    await store.append(created.id, msg("user", "hi"))
     after = await store.get(created.id, "alice")
 
     assert after.created_at == created.created_at
@@ -152,12 +165,12 @@ async def test_append_bumps_updated_at_only(store: ConversationStore) -> None:
 
 @pytest.mark.asyncio
 async def test_delete_removes_the_conversation_and_its_messages(
-    store: ConversationStore, db_path: Path
+    store: ConversationStore, db_path: Path, backend: str | None
 ) -> None:
     doomed = await store.create("alice")
     kept = await store.create("alice")
-    await store.append(doomed.id, "user", "forget me")
-    await store.append(kept.id, "user", "keep me")
+    await store.append(doomed.id, msg("user", "forget me"))
+    await store.append(kept.id, msg("user", "keep me"))
 
     await store.delete(doomed.id, "alice")
 
@@ -165,23 +178,25 @@ async def test_delete_removes_the_conversation_and_its_messages(
         await store.get(doomed.id, "alice")
     assert await store.messages(doomed.id) == []
     assert [c.id for c in await store.list("alice")] == [kept.id]
-    with sqlite3.connect(db_path) as raw:
-        rows = raw.execute("SELECT conversation_id, content FROM messages").fetchall()
-    assert rows == [(kept.id, "keep me")]
+    assert await store.messages(kept.id) == [msg("user", "keep me")]
+    if backend is None:
+        with sqlite3.connect(db_path) as raw:
+            rows = raw.execute("SELECT conversation_id FROM messages").fetchall()
+        assert rows == [(kept.id,)]
 
 
 @pytest.mark.asyncio
 async def test_conversations_survive_a_restart(db_path: Path) -> None:
-    first_run = ConversationStore.open(db_path)
+    first_run = SqliteConversationStore.open(db_path)
     try:
         conversation = await first_run.create("alice", "persistent")
-        await first_run.append(conversation.id, "user", "remember this")
-        await first_run.append(conversation.id, "assistant", "I will.")
+        await first_run.append(conversation.id, msg("user", "remember this"))
+        await first_run.append(conversation.id, msg("assistant", "I will."))
         before = await first_run.get(conversation.id, "alice")
     finally:
         first_run.close()
 
-    second_run = ConversationStore.open(db_path)
+    second_run = SqliteConversationStore.open(db_path)
     try:
         assert await second_run.get(conversation.id, "alice") == before
         assert await second_run.list("alice") == [before]
@@ -190,7 +205,7 @@ async def test_conversations_survive_a_restart(db_path: Path) -> None:
             {"role": "assistant", "content": "I will."},
         ]
         # New messages go after the old ones.
-        await second_run.append(conversation.id, "user", "still there?")
+        await second_run.append(conversation.id, msg("user", "still there?"))
         assert (await second_run.messages(conversation.id))[-1]["content"] == "still there?"
     finally:
         second_run.close()
@@ -199,7 +214,7 @@ async def test_conversations_survive_a_restart(db_path: Path) -> None:
 def test_open_creates_the_directories_and_a_wal_database(db_path: Path) -> None:
     assert not db_path.parent.exists()
 
-    ConversationStore.open(db_path).close()
+    SqliteConversationStore.open(db_path).close()
 
     assert db_path.is_file()
     with sqlite3.connect(db_path) as raw:
@@ -211,14 +226,72 @@ def test_open_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     path.write_bytes(b"this is not sqlite, just some text long enough to have a header" * 4)
 
     with pytest.raises(sqlite3.DatabaseError):
-        ConversationStore.open(path)
+        SqliteConversationStore.open(path)
 
 
 @pytest.mark.asyncio
 async def test_a_closed_store_refuses_work(db_path: Path) -> None:
-    store = ConversationStore.open(db_path)
+    store = SqliteConversationStore.open(db_path)
     store.close()
     store.close()  # closing twice is harmless
 
     with pytest.raises(RuntimeError, match="closed"):
         await store.create("alice")
+
+
+TOOL_TURN = [
+    {"role": "system", "content": "You can look up the weather."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Lyon?"}], "name": "mia"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Lyon", "unit": "C"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21.5}'},
+]
+
+
+@pytest.mark.asyncio
+async def test_messages_are_kept_whole(store: ConversationStore) -> None:
+    conversation = await store.create("alice")
+    await store.append(conversation.id, *TOOL_TURN[:2])
+    await store.append(conversation.id, *TOOL_TURN[2:])
+    assert await store.messages(conversation.id) == TOOL_TURN
+
+
+@pytest.mark.asyncio
+async def test_rows_of_the_first_schema_are_migrated_whole(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    with sqlite3.connect(db_path) as raw:
+        raw.executescript(
+            """
+            CREATE TABLE conversations (id TEXT PRIMARY KEY, owner TEXT NOT NULL, title TEXT,
+                created_us INTEGER NOT NULL, updated_us INTEGER NOT NULL);
+            CREATE TABLE messages (seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                conversation_id TEXT NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+                role TEXT NOT NULL, content TEXT NOT NULL, created_us INTEGER NOT NULL);
+            INSERT INTO conversations VALUES ('conv_old', 'alice', NULL, 1, 1);
+            INSERT INTO messages (conversation_id, role, content, created_us)
+                VALUES ('conv_old', 'user', 'an "old" question', 1),
+                       ('conv_old', 'assistant', 'an answer', 2);
+            PRAGMA user_version = 1;
+            """
+        )
+    store = SqliteConversationStore.open(db_path)
+    try:
+        assert await store.messages("conv_old") == [
+            msg("user", 'an "old" question'),
+            msg("assistant", "an answer"),
+        ]
+        await store.append("conv_old", TOOL_TURN[2])
+        assert (await store.messages("conv_old"))[-1] == TOOL_TURN[2]
+    finally:
+        store.close()
+    with sqlite3.connect(db_path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == 2

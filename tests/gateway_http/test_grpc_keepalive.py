@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from arona_grpc.config import Settings
 from arona_grpc.server import GrpcServer
-from gateway_http.app import channel_options
+from gateway_http.grpc_channel import channel_options
 from gateway_http.memory_client import MemoryClient
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -143,6 +143,11 @@ class FakePhilia:
         async with self._changed:
             await self._changed.wait_for(lambda: self.answered >= count)
 
+    async def wait_stored(self, count: int) -> None:
+        """Return once ``count`` stores in all have been answered and kept."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self.stored) >= count)
+
     async def wait_all_closed(self) -> None:
         """Return once no client connection is open (e.g. after the client aborted)."""
         async with self._changed:

@@ -102,6 +102,7 @@ class Reply:
 class Complete(Reply):
     content: str | None = None  # None = default_content(request)
     finish_reason: str = "stop"
+    message: dict[str, Any] | None = None  # the whole message instead (tool calls…)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Stream(Reply):
     resume: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     sent: list[dict[str, Any]] = field(default_factory=list)  # the chunks sent so far
+    deltas: Sequence[dict[str, Any]] | None = None  # raw deltas instead of content pieces
 
 
 class FakeUpstream:
@@ -271,7 +273,7 @@ def _completion(reply: Complete, body: dict[str, Any]) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": reply.message or {"role": "assistant", "content": content},
                 "finish_reason": reply.finish_reason,
             }
         ],
@@ -310,7 +312,9 @@ async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: S
         if reply.comment:
             await send(_body(b": keep-alive\n\n"))
         await event({"role": "assistant", "content": ""})
-        for index, piece in enumerate(pieces):
+        for delta in reply.deltas or ():
+            await event(delta)
+        for index, piece in enumerate(pieces if reply.deltas is None else ()):
             if index == reply.pause_after and not await _pause(reply, disconnect):
                 return
             await event({"content": piece})

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$arona/memory/v1/memory_service.proto\x12\x0f\x61rona.memory.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x06Memory\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x11\n\tnode_type\x18\x03 \x01(\t\"<\n\rRecallRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05scope\x18\x03 \x01(\t\"y\n\x0eRecallResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.arona.memory.v1.MemoryState\x12)\n\x08memories\x18\x02 \x03(\x0b\x32\x17.arona.memory.v1.Memory\x12\x0f\n\x07section\x18\x03 \x01(\t\"B\n\x10WritebackRequest\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\tassistant\x18\x02 \x01(\t\x12\r\n\x05scope\x18\x03 \x01(\t\"4\n\x11WritebackResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"/\n\rDeleteRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"{\n\x05\x45vent\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.arona.memory.v1.EventKind\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"\xa1\x02\n\x0eStatusResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.arona.memory.v1.Event\x12.\n\x07\x62reaker\x18\x04 \x01(\x0e\x32\x1d.arona.memory.v1.BreakerState\x12\x35\n\x11\x62reaker_opened_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0coutbox_depth\x18\x06 \x01(\r\x12\x16\n\x0eoutbox_dropped\x18\x07 \x01(\x04\x12.\n\nscope_mode\x18\x08 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\";\n\x0bListRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06\x62\x65\x66ore\x18\x03 \x01(\t\"S\n\x07\x45pisode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07preview\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x0cListResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.arona.memory.v1.Episode\x12\x0c\n\x04next\x18\x02 \x01(\t\"\x1e\n\rForgetRequest\x12\r\n\x05scope\x18\x01 \x01(\t\"!\n\x0e\x46orgetResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r*z\n\x0bMemoryState\x12\x1c\n\x18MEMORY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_STATE_ENABLED\x10\x01\x12\x19\n\x15MEMORY_STATE_DISABLED\x10\x02\x12\x18\n\x14MEMORY_STATE_OFFLINE\x10\x03*\x85\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_RECALL\x10\x01\x12\x18\n\x14\x45VENT_KIND_WRITEBACK\x10\x02\x12\x15\n\x11\x45VENT_KIND_DELETE\x10\x03\x12\x14\n\x10\x45VENT_KIND_ERROR\x10\x04*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*S\n\tScopeMode\x12\x1a\n\x16SCOPE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCOPE_MODE_SHARED\x10\x01\x12\x13\n\x0fSCOPE_MODE_USER\x10\x02\x32\xd4\x03\n\rMemoryService\x12I\n\x06Recall\x12\x1e.arona.memory.v1.RecallRequest\x1a\x1f.arona.memory.v1.RecallResponse\x12R\n\tWriteback\x12!.arona.memory.v1.WritebackRequest\x1a\".arona.memory.v1.WritebackResponse\x12I\n\x06\x44\x65lete\x12\x1e.arona.memory.v1.DeleteRequest\x1a\x1f.arona.memory.v1.DeleteResponse\x12I\n\x06Status\x12\x1e.arona.memory.v1.StatusRequest\x1a\x1f.arona.memory.v1.StatusResponse\x12\x43\n\x04List\x12\x1c.arona.memory.v1.ListRequest\x1a\x1d.arona.memory.v1.ListResponse\x12I\n\x06\x46orget\x12\x1e.arona.memory.v1.ForgetRequest\x1a\x1f.arona.memory.v1.ForgetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$arona/memory/v1/memory_service.proto\x12\x0f\x61rona.memory.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x06Memory\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x11\n\tnode_type\x18\x03 \x01(\t\"<\n\rRecallRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05scope\x18\x03 \x01(\t\"y\n\x0eRecallResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.arona.memory.v1.MemoryState\x12)\n\x08memories\x18\x02 \x03(\x0b\x32\x17.arona.memory.v1.Memory\x12\x0f\n\x07section\x18\x03 \x01(\t\"V\n\x10WritebackRequest\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\tassistant\x18\x02 \x01(\t\x12\r\n\x05scope\x18\x03 \x01(\t\x12\x12\n\nepisode_id\x18\x04 \x01(\t\"4\n\x11WritebackResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"/\n\rDeleteRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"{\n\x05\x45vent\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.arona.memory.v1.EventKind\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"\xa1\x02\n\x0eStatusResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.arona.memory.v1.Event\x12.\n\x07\x62reaker\x18\x04 \x01(\x0e\x32\x1d.arona.memory.v1.BreakerState\x12\x35\n\x11\x62reaker_opened_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0coutbox_depth\x18\x06 \x01(\r\x12\x16\n\x0eoutbox_dropped\x18\x07 \x01(\x04\x12.\n\nscope_mode\x18\x08 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\";\n\x0bListRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06\x62\x65\x66ore\x18\x03 \x01(\t\"S\n\x07\x45pisode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07preview\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x0cListResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.arona.memory.v1.Episode\x12\x0c\n\x04next\x18\x02 \x01(\t\"\x1e\n\rForgetRequest\x12\r\n\x05scope\x18\x01 \x01(\t\"!\n\x0e\x46orgetResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r*z\n\x0bMemoryState\x12\x1c\n\x18MEMORY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_STATE_ENABLED\x10\x01\x12\x19\n\x15MEMORY_STATE_DISABLED\x10\x02\x12\x18\n\x14MEMORY_STATE_OFFLINE\x10\x03*\x85\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_RECALL\x10\x01\x12\x18\n\x14\x45VENT_KIND_WRITEBACK\x10\x02\x12\x15\n\x11\x45VENT_KIND_DELETE\x10\x03\x12\x14\n\x10\x45VENT_KIND_ERROR\x10\x04*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*S\n\tScopeMode\x12\x1a\n\x16SCOPE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCOPE_MODE_SHARED\x10\x01\x12\x13\n\x0fSCOPE_MODE_USER\x10\x02\x32\xd4\x03\n\rMemoryService\x12I\n\x06Recall\x12\x1e.arona.memory.v1.RecallRequest\x1a\x1f.arona.memory.v1.RecallResponse\x12R\n\tWriteback\x12!.arona.memory.v1.WritebackRequest\x1a\".arona.memory.v1.WritebackResponse\x12I\n\x06\x44\x65lete\x12\x1e.arona.memory.v1.DeleteRequest\x1a\x1f.arona.memory.v1.DeleteResponse\x12I\n\x06Status\x12\x1e.arona.memory.v1.StatusRequest\x1a\x1f.arona.memory.v1.StatusResponse\x12\x43\n\x04List\x12\x1c.arona.memory.v1.ListRequest\x1a\x1d.arona.memory.v1.ListResponse\x12I\n\x06\x46orget\x12\x1e.arona.memory.v1.ForgetRequest\x1a\x1f.arona.memory.v1.ForgetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arona.memory.v1.memory_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYSTATE']._serialized_start=1275
-  _globals['_MEMORYSTATE']._serialized_end=1397
-  _globals['_EVENTKIND']._serialized_start=1400
-  _globals['_EVENTKIND']._serialized_end=1533
-  _globals['_BREAKERSTATE']._serialized_start=1535
-  _globals['_BREAKERSTATE']._serialized_end=1659
-  _globals['_SCOPEMODE']._serialized_start=1661
-  _globals['_SCOPEMODE']._serialized_end=1744
+  _globals['_MEMORYSTATE']._serialized_start=1295
+  _globals['_MEMORYSTATE']._serialized_end=1417
+  _globals['_EVENTKIND']._serialized_start=1420
+  _globals['_EVENTKIND']._serialized_end=1553
+  _globals['_BREAKERSTATE']._serialized_start=1555
+  _globals['_BREAKERSTATE']._serialized_end=1679
+  _globals['_SCOPEMODE']._serialized_start=1681
+  _globals['_SCOPEMODE']._serialized_end=1764
   _globals['_MEMORY']._serialized_start=90
   _globals['_MEMORY']._serialized_end=146
   _globals['_RECALLREQUEST']._serialized_start=148
@@ -47,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECALLRESPONSE']._serialized_start=210
   _globals['_RECALLRESPONSE']._serialized_end=331
   _globals['_WRITEBACKREQUEST']._serialized_start=333
-  _globals['_WRITEBACKREQUEST']._serialized_end=399
-  _globals['_WRITEBACKRESPONSE']._serialized_start=401
-  _globals['_WRITEBACKRESPONSE']._serialized_end=453
-  _globals['_DELETEREQUEST']._serialized_start=455
-  _globals['_DELETEREQUEST']._serialized_end=502
-  _globals['_DELETERESPONSE']._serialized_start=504
-  _globals['_DELETERESPONSE']._serialized_end=537
-  _globals['_STATUSREQUEST']._serialized_start=539
-  _globals['_STATUSREQUEST']._serialized_end=569
-  _globals['_EVENT']._serialized_start=571
-  _globals['_EVENT']._serialized_end=694
-  _globals['_STATUSRESPONSE']._serialized_start=697
-  _globals['_STATUSRESPONSE']._serialized_end=986
-  _globals['_LISTREQUEST']._serialized_start=988
-  _globals['_LISTREQUEST']._serialized_end=1047
-  _globals['_EPISODE']._serialized_start=1049
-  _globals['_EPISODE']._serialized_end=1132
-  _globals['_LISTRESPONSE']._serialized_start=1134
-  _globals['_LISTRESPONSE']._serialized_end=1206
-  _globals['_FORGETREQUEST']._serialized_start=1208
-  _globals['_FORGETREQUEST']._serialized_end=1238
-  _globals['_FORGETRESPONSE']._serialized_start=1240
-  _globals['_FORGETRESPONSE']._serialized_end=1273
-  _globals['_MEMORYSERVICE']._serialized_start=1747
-  _globals['_MEMORYSERVICE']._serialized_end=2215
+  _globals['_WRITEBACKREQUEST']._serialized_end=419
+  _globals['_WRITEBACKRESPONSE']._serialized_start=421
+  _globals['_WRITEBACKRESPONSE']._serialized_end=473
+  _globals['_DELETEREQUEST']._serialized_start=475
+  _globals['_DELETEREQUEST']._serialized_end=522
+  _globals['_DELETERESPONSE']._serialized_start=524
+  _globals['_DELETERESPONSE']._serialized_end=557
+  _globals['_STATUSREQUEST']._serialized_start=559
+  _globals['_STATUSREQUEST']._serialized_end=589
+  _globals['_EVENT']._serialized_start=591
+  _globals['_EVENT']._serialized_end=714
+  _globals['_STATUSRESPONSE']._serialized_start=717
+  _globals['_STATUSRESPONSE']._serialized_end=1006
+  _globals['_LISTREQUEST']._serialized_start=1008
+  _globals['_LISTREQUEST']._serialized_end=1067
+  _globals['_EPISODE']._serialized_start=1069
+  _globals['_EPISODE']._serialized_end=1152
+  _globals['_LISTRESPONSE']._serialized_start=1154
+  _globals['_LISTRESPONSE']._serialized_end=1226
+  _globals['_FORGETREQUEST']._serialized_start=1228
+  _globals['_FORGETREQUEST']._serialized_end=1258
+  _globals['_FORGETRESPONSE']._serialized_start=1260
+  _globals['_FORGETRESPONSE']._serialized_end=1293
+  _globals['_MEMORYSERVICE']._serialized_start=1767
+  _globals['_MEMORYSERVICE']._serialized_end=2235
 # @@protoc_insertion_point(module_scope)

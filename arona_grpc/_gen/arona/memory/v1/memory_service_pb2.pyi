@@ -205,20 +205,27 @@ class WritebackRequest(_message.Message):
     USER_FIELD_NUMBER: _builtins.int
     ASSISTANT_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
     user: _builtins.str
     assistant: _builtins.str
     scope: _builtins.str
     """Whose episode this is (see RecallRequest.scope)."""
+    episode_id: _builtins.str
+    """The caller's own id for this episode, so that sending it again is safe: an
+    episode whose id is already waiting in the outbox is not queued twice (the
+    call fails as queued). Empty: no such check.
+    """
     def __init__(
         self,
         *,
         user: _builtins.str = ...,
         assistant: _builtins.str = ...,
         scope: _builtins.str = ...,
+        episode_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "scope", b"scope", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "episode_id", b"episode_id", "scope", b"scope", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

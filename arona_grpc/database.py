@@ -1,0 +1,256 @@
+"""Shared state on PostgreSQL (``ARONA_DATABASE_URL``) and versioned schemas on both backends.
+
+With ``ARONA_DATABASE_URL`` set, conversations, the episode index and the writeback outbox
+live in one PostgreSQL database shared by every replica; unset, each lives in its own SQLite
+file under ``ARONA_DATA_DIR``. Either way the schema is versioned:
+
+- PostgreSQL: :data:`PG_MIGRATIONS` are applied in order at start (or by
+  ``arona-gateway migrate``), each in its own transaction, recorded in ``arona_schema``, under
+  a session advisory lock, so replicas starting together apply each migration once.
+- SQLite: each file's steps are applied in order from its ``PRAGMA user_version``
+  (:func:`sqlite_migrate`).
+
+:class:`DatabaseUnavailable` is the one error a caller sees when PostgreSQL cannot be
+reached; its message never carries the URL's credentials.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from arona_grpc.redact import redact_text, redact_url
+
+logger = logging.getLogger(__name__)
+
+# pg_advisory_lock key for migrations ("Arona" in ASCII).
+MIGRATION_LOCK = 0x41726F6E61
+CONNECT_TIMEOUT_S = 5.0
+# A query that takes longer than this on a live connection is given up (and the turn 503s).
+COMMAND_TIMEOUT_S = 10.0
+POOL_MAX = 10
+
+
+class DatabaseUnavailable(Exception):
+    """PostgreSQL could not be reached or dropped the connection; safe to show."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+PG_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "conversations, messages, episode index, outbox",
+        """
+        CREATE TABLE conversations (
+            id          text PRIMARY KEY,
+            owner       text NOT NULL,
+            title       text,
+            created_us  bigint NOT NULL,
+            updated_us  bigint NOT NULL
+        );
+        CREATE INDEX conversations_by_owner ON conversations (owner, updated_us DESC);
+        CREATE TABLE messages (
+            seq             bigserial PRIMARY KEY,
+            conversation_id text NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+            role            text NOT NULL,
+            body            text NOT NULL,
+            created_us      bigint NOT NULL
+        );
+        CREATE INDEX messages_by_conversation ON messages (conversation_id, seq);
+        CREATE TABLE episodes (
+            seq       bigserial PRIMARY KEY,
+            node_id   text NOT NULL UNIQUE,
+            scope_id  text NOT NULL,
+            at_us     bigint NOT NULL,
+            preview   text NOT NULL
+        );
+        CREATE INDEX episodes_by_scope ON episodes (scope_id, seq);
+        CREATE TABLE outbox (
+            seq            bigserial PRIMARY KEY,
+            text           text NOT NULL,
+            node_type      text NOT NULL,
+            scope_id       text NOT NULL DEFAULT '',
+            queued_us      bigint NOT NULL,
+            claimed_by     text,
+            claimed_until  timestamptz
+        );
+        CREATE TABLE outbox_counters (
+            name   text PRIMARY KEY,
+            value  bigint NOT NULL
+        );
+        """,
+    ),
+    Migration(
+        2,
+        "outbox episodes keep their caller's id",
+        """
+        ALTER TABLE outbox ADD COLUMN episode_id text NOT NULL DEFAULT '';
+        CREATE INDEX outbox_by_episode ON outbox (episode_id) WHERE episode_id <> '';
+        """,
+    ),
+)
+
+# The errors that mean "the database is not there" (as opposed to a bug in a query).
+_UNAVAILABLE_NAMES = frozenset(
+    {
+        "ConnectionDoesNotExistError",
+        "ConnectionFailureError",
+        "CannotConnectNowError",
+        "InterfaceError",
+        "InternalClientError",
+        "PostgresConnectionError",
+        "AdminShutdownError",
+        "CrashShutdownError",
+        "ServerNotReadyError",
+        "TooManyConnectionsError",
+        "QueryCanceledError",
+    }
+)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be used right now."""
+    if isinstance(exc, OSError | TimeoutError | ConnectionError):
+        return True
+    return any(kind.__name__ in _UNAVAILABLE_NAMES for kind in type(exc).__mro__)
+
+
+def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
+    """A :class:`DatabaseUnavailable` for ``exc``, its text free of the URL's credentials."""
+    password = _password(url)
+    detail = redact_text(str(exc) or type(exc).__name__, (password,))
+    return DatabaseUnavailable(
+        f"the database at {redact_url(url)} is unavailable ({type(exc).__name__}: {detail})"
+    )
+
+
+def _password(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
+async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX) -> Any:
+    """A connection pool on ``url`` with the schema migrated; :class:`DatabaseUnavailable`
+    when the server cannot be reached."""
+    import asyncpg
+
+    try:
+        pool = await asyncpg.create_pool(
+            url,
+            min_size=1,
+            max_size=max_size,
+            timeout=CONNECT_TIMEOUT_S,
+            command_timeout=COMMAND_TIMEOUT_S,
+            # Statements are prepared per connection; no cache needed across a pool reset.
+            max_inactive_connection_lifetime=60.0,
+        )
+    except Exception as exc:
+        if is_unavailable(exc) or type(exc).__module__.startswith("asyncpg"):
+            raise unavailable(url, exc) from None
+        raise
+    if migrate:
+        try:
+            async with pool.acquire() as conn:
+                await apply_migrations(conn)
+        except BaseException:
+            await pool.close()
+            raise
+    return pool
+
+
+async def apply_migrations(conn: Any) -> list[Migration]:
+    """Apply the migrations this database lacks, under the advisory lock; those applied."""
+    applied: list[Migration] = []
+    await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS arona_schema ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {row[0] for row in await conn.fetch("SELECT version FROM arona_schema")}
+        newest = max((m.version for m in PG_MIGRATIONS), default=0)
+        if done and max(done) > newest:
+            raise RuntimeError(
+                f"the database schema (version {max(done)}) is newer than this version knows"
+                f" ({newest})"
+            )
+        for migration in PG_MIGRATIONS:
+            if migration.version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(migration.sql)
+                await conn.execute(
+                    "INSERT INTO arona_schema (version, name) VALUES ($1, $2)",
+                    migration.version,
+                    migration.name,
+                )
+            logger.info("database migration %d applied: %s", migration.version, migration.name)
+            applied.append(migration)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
+    return applied
+
+
+# One SQLite step: a script, or a function of the connection (for steps that must look first).
+SqliteStep = str | Callable[[sqlite3.Connection], None]
+
+
+def sqlite_migrate(db: sqlite3.Connection, steps: Sequence[SqliteStep], what: str) -> int:
+    """Apply ``steps[user_version:]`` in order, each with its version; the version now.
+
+    Step ``i`` (from 0) brings the file to version ``i + 1``. Each step runs in a write
+    transaction taken before the version is read, so processes opening one file together
+    (``serve --workers N``) apply it once. A file from a newer version is refused.
+    """
+    while True:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            version = int(db.execute("PRAGMA user_version").fetchone()[0])
+            if version > len(steps):
+                raise RuntimeError(
+                    f"{what} was written by a newer version (schema {version} > {len(steps)})"
+                )
+            if version == len(steps):
+                db.execute("COMMIT")
+                return version
+            step = steps[version]
+            if isinstance(step, str):
+                for statement in _statements(step):
+                    db.execute(statement)
+            else:
+                step(db)
+            db.execute(f"PRAGMA user_version = {version + 1}")
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of a script, split where SQLite says a statement is complete."""
+    statements: list[str] = []
+    current = ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            if current.strip().rstrip(";").strip():
+                statements.append(current.strip())
+            current = ""
+    if current.strip():
+        statements.append(current.strip())
+    return statements

@@ -1,0 +1,187 @@
+"""The episode index and the writeback outbox on both backends: SQLite files and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from arona_grpc.config import Settings
+from arona_grpc.database import PG_MIGRATIONS, apply_migrations, open_pool
+from arona_grpc.episodes import EpisodeIndex, open_index
+from arona_grpc.outbox import PostgresOutbox, open_outbox
+from arona_grpc.service import MemoryDomain, MemoryUnavailable
+from tests.support.fake_philia import STORE, FakePhilia, Step
+
+pytestmark = pytest.mark.asyncio
+
+
+def _alice() -> str:
+    from arona_grpc.scopes import scope_id
+
+    return scope_id("alice")
+
+
+TOKEN = "backend-test-token"
+
+
+@pytest_asyncio.fixture
+async def pool(backend: str | None) -> AsyncIterator[Any]:
+    if backend is None:
+        yield None
+        return
+    opened = await open_pool(backend)
+    yield opened
+    await opened.close()
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[FakePhilia]:
+    async with FakePhilia(token=TOKEN) as server:
+        yield server
+
+
+def settings_for(
+    fake: FakePhilia, tmp_path: Path, backend: str | None, **overrides: Any
+) -> Settings:
+    base = Settings(
+        memory_url=fake.url,
+        memory_token=TOKEN,
+        memory_timeout_s=0.5,
+        data_dir=tmp_path,
+        database_url=backend,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+async def test_the_index_pages_and_forgets_on_each_backend(
+    tmp_path: Path, backend: str | None, pool: Any
+) -> None:
+    index: EpisodeIndex = open_index(tmp_path, pool, backend)
+    try:
+        for i in range(5):
+            index.record(f"n-{i}", "s1", f"episode {i}")
+        index.record("x-1", "s2", "another scope")
+        index.record("n-1", "s1", "episode 1 again")
+        first = await index.page("s1", 3, None)
+        assert [e.node_id for e in first.episodes] == ["n-1", "n-4", "n-3"]
+        assert first.episodes[0].preview == "episode 1 again"
+        rest = await index.page("s1", 3, first.next)
+        assert ([e.node_id for e in rest.episodes], rest.next) == (["n-2", "n-0"], None)
+        assert await index.owner("x-1") == "s2"
+        assert await index.owner("nope") is None
+        await index.remove(["n-4", "nope"])
+        assert await index.node_ids("s1") == ["n-1", "n-3", "n-2", "n-0"]
+    finally:
+        await index.aclose()
+
+
+async def test_the_outbox_is_a_bounded_fifo_on_each_backend(
+    tmp_path: Path, backend: str | None, pool: Any, fake: FakePhilia
+) -> None:
+    outbox = open_outbox(settings_for(fake, tmp_path, backend, memory_outbox_max=3), pool)
+    try:
+        await outbox.load()
+        assert not outbox.pending
+        for i in range(5):
+            await outbox.put(f"episode {i}", "episode", f"s{i}")
+        assert (outbox.depth, outbox.dropped) == (3, 2)
+        entry = await outbox.oldest()
+        assert entry is not None
+        assert (entry.text, entry.scope_id) == ("episode 2", "s2")
+        await outbox.remove(entry.seq)
+        assert outbox.depth == 2
+    finally:
+        await outbox.aclose()
+
+
+async def test_two_replicas_claim_different_episodes_and_a_dead_ones_claims_run_out(
+    database_url: str,
+) -> None:
+    pool = await open_pool(database_url)
+    try:
+        alive = PostgresOutbox(pool, database_url, 100, claim_s=60)
+        dead = PostgresOutbox(pool, database_url, 100, claim_s=0.2)
+        for i in range(3):
+            await alive.put(f"episode {i}", "episode")
+        first = await dead.oldest()
+        second = await alive.oldest()
+        assert first is not None and second is not None
+        # Oldest first, and never the same episode twice while claimed.
+        assert (first.text, second.text) == ("episode 0", "episode 1")
+        # The claimant of episode 0 never comes back; its claim runs out (bounded wait).
+        third = None
+        for _ in range(100):
+            third = await alive.oldest()
+            if third is not None and third.text == "episode 0":
+                break
+            if third is not None:
+                await alive.release(third.seq)
+            await asyncio.sleep(0.05)
+        assert third is not None and third.text == "episode 0"
+        # A failed store gives its episode back at once.
+        await alive.release(second.seq)
+        again = await alive.oldest()
+        assert again is not None and again.text == "episode 1"
+    finally:
+        await pool.close()
+
+
+async def test_a_replica_replays_what_another_queued_each_once(
+    tmp_path: Path, database_url: str, fake: FakePhilia
+) -> None:
+    settings = settings_for(fake, tmp_path / "a", database_url, memory_breaker_failures=1)
+    pool = await open_pool(database_url)
+    try:
+        queuing = MemoryDomain(settings, pool=pool)
+        fake.script(STORE, Step(error=(-32603, "down")))
+        for i in range(4):
+            with pytest.raises(MemoryUnavailable, match="queued in the outbox"):
+                await queuing.writeback(f"fact {i}", "", "alice")
+        # The replica goes away with its episodes queued (no shutdown grace for replay).
+        await queuing.aclose(grace_s=0)
+        other = MemoryDomain(
+            dataclasses.replace(settings, data_dir=tmp_path / "b", memory_breaker_failures=3),
+            pool=pool,
+        )
+        try:
+            await other.start()
+            stores = await fake.wait_frames(STORE, 5)
+            assert [f["params"]["text"] for f in stores[1:]] == [
+                f"User: fact {i}" for i in range(4)
+            ]
+        finally:
+            # Shutdown lets the replay finish the episode it is on.
+            await other.aclose()
+        # Stored once each, and listed for their owner by the shared index.
+        assert len(fake.frames_of(STORE)) == 5
+        index = open_index(tmp_path, pool, database_url)
+        try:
+            previews = [e.preview for e in (await index.page(_alice(), 10, None)).episodes]
+        finally:
+            await index.aclose()
+        assert previews == [f"User: fact {i}" for i in (3, 2, 1, 0)]
+    finally:
+        await pool.close()
+
+
+async def test_migrations_apply_once_under_concurrent_starts(database_url: str) -> None:
+    pools = await asyncio.gather(*(open_pool(database_url, migrate=False) for _ in range(4)))
+    try:
+
+        async def migrate(pool: Any) -> int:
+            async with pool.acquire() as conn:
+                return len(await apply_migrations(conn))
+
+        applied = await asyncio.gather(*(migrate(pool) for pool in pools))
+        assert sorted(applied) == [0, 0, 0, len(PG_MIGRATIONS)]
+        async with pools[0].acquire() as conn:
+            versions = [r[0] for r in await conn.fetch("SELECT version FROM arona_schema")]
+        assert versions == [m.version for m in PG_MIGRATIONS]
+    finally:
+        await asyncio.gather(*(pool.close() for pool in pools))

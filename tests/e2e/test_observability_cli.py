@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,3 +276,48 @@ def _json_records(lines: list[str]) -> list[dict[str, Any]]:
         records.append(record)
     assert records
     return records
+
+
+@pytest.mark.asyncio
+async def test_serve_workers_two_shows_every_workers_turns_on_each_scrape(tmp_path: Path) -> None:
+    data_dir = tmp_path / "gateway"
+    async with AsyncExitStack() as stack:
+        store_url = await _store(stack, tmp_path / "store")
+        proc = await stack.enter_async_context(
+            _process(
+                ["serve", "--workers", "2"],
+                _env(
+                    data_dir,
+                    ARONA_MEMORY_URL=store_url,
+                    ARONA_MEMORY_TOKEN=MEMORY_TOKEN,
+                    ARONA_HTTP_PORT="0",
+                    ARONA_GRPC_PORT="0",
+                    ARONA_GRPC_METRICS_PORT="0",
+                ),
+                r"serving on http://\S+ \(2 HTTP workers\)",
+            )
+        )
+        url = re.search(r"serving on (http://127\.0\.0\.1:\d+)", proc.ready)
+        assert url
+        turns = 12
+        # A new connection per request, so the kernel hands them to either worker.
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url.group(1), timeout=30, limits=fresh) as client:
+            await asyncio.gather(*(_turn(client, f"turn number {i}") for i in range(turns)))
+            for _ in range(6):
+                totals = _totals((await client.get("/metrics")).text)
+                assert _sum(totals, "arona_turns_total", surface="rest", outcome="ok") == turns
+                assert _sum(totals, "arona_recall_seconds_count") == turns
+                assert not [n for n in totals if n.startswith("arona_philia")]
+            grpc_totals = _totals((await client.get(_grpc_metrics_url(proc))).text)
+        assert _sum(grpc_totals, "arona_philia_calls_total", method="query") == turns
+        # Every process wrote its own file into the run's directory: two workers, one service.
+        [run_dir] = (data_dir / "metrics").iterdir()
+        per_process = {}
+        for path in run_dir.glob("counter_*.db"):
+            [family] = [
+                f for f in MultiProcessCollector.merge([str(path)]) if f.name == "arona_turns"
+            ] or [None]
+            per_process[path.name] = sum(s.value for s in family.samples) if family else None
+        workers = [n for n in per_process.values() if n is not None]
+        assert len(workers) == 2 and sum(workers) == turns, per_process

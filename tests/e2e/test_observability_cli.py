@@ -32,7 +32,8 @@ JWT_SECRET = "a-jwt-secret-for-the-observability-tests-0123456789"
 MEMORY_TOKEN = "memory-token-for-the-observability-test"
 API_KEY = "sk-observability-api-key-0123"
 UPSTREAM_KEY = "sk-upstream-key-never-logged-4567"
-SECRETS = (JWT_SECRET, MEMORY_TOKEN, API_KEY, UPSTREAM_KEY)
+GRPC_TOKEN = "grpc-bearer-token-never-logged-89"
+SECRETS = (JWT_SECRET, MEMORY_TOKEN, API_KEY, UPSTREAM_KEY, GRPC_TOKEN)
 
 
 @dataclass
@@ -225,7 +226,7 @@ def _check_worker_totals(totals: dict[str, Any]) -> None:
 async def test_a_request_id_is_in_both_processes_json_logs_and_no_secret_is(
     tmp_path: Path,
 ) -> None:
-    logs = {"ARONA_LOG_FORMAT": "json", "ARONA_LOG_LEVEL": "debug"}
+    logs = {"ARONA_LOG_FORMAT": "json", "ARONA_LOG_LEVEL": "debug", "ARONA_GRPC_TOKEN": GRPC_TOKEN}
     request_id = "trace-42/abc.DEF"
     async with AsyncExitStack() as stack:
         store_url = await _store(stack, tmp_path / "store")

@@ -4,6 +4,10 @@
 ``MemoryService`` (the only way this layer reaches memory), one upstream
 client, and the conversation database, and closes them on shutdown after
 giving pending writebacks a short grace period.
+
+Every HTTP request gets its request id in :class:`GatewayApp` (returned as
+``X-Request-Id``), and ``GET /metrics`` serves the Prometheus exposition of
+:mod:`gateway_http.metrics` (unless ``ARONA_METRICS=false``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ recall -> persist -> forward -> writeback:
 4. forward the turn upstream (whole or streamed);
 5. once the reply is complete, persist it and write the turn back as an
    episode in a background task that never blocks or alters the response.
+
+On the way it notes what the metrics and the memory headers report: the memories
+injected, the recall's time, and when the upstream call started, answered and
+ended (:class:`PreparedTurn`); each surface reports how its turn ended through
+:meth:`TurnPipeline.finished`.
 """
 
 from __future__ import annotations

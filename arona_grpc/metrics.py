@@ -160,7 +160,7 @@ class ServiceMetrics:
         )
         yield CounterMetricFamily(
             "arona_outbox_dropped",
-            "Episodes dropped from the full outbox (oldest first) since the service started.",
+            "Episodes dropped from the full outbox (oldest first), as the outbox counts them.",
             value=float(outbox.dropped if outbox is not None else 0),
         )
         client = domain.client

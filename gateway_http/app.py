@@ -31,7 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
-from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
+from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, bearer
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import (
@@ -138,19 +138,37 @@ def _with_request_id(send: Send, request_id: str) -> Send:
 METRICS_PATH = "/metrics"
 
 
-def _add_metrics_route(app: FastAPI, metrics: GatewayMetrics, token: str | None) -> None:
-    """``GET /metrics``: the Prometheus text exposition, open unless ARONA_METRICS_TOKEN."""
+def _add_metrics_route(app: FastAPI, metrics: GatewayMetrics, settings: Settings) -> None:
+    """``GET /metrics``: the Prometheus text exposition.
+
+    Open unless ``ARONA_METRICS_TOKEN`` is set; then the bearer must be that token, or a JWT
+    that may read ``memory.status`` (any valid one in shared mode, an admin's in user mode),
+    so the console, which shows the turn counts, scrapes with the token it already holds.
+    """
     registry = metrics.registry()
-    expected = f"Bearer {token}".encode() if token else None
+    token = settings.metrics_token
+    expected = token.encode() if token else None
+    verifier = JwtVerifier(settings.jwt_secret)
+
+    def allowed(credential: str | None) -> bool:
+        if expected is None:
+            return True
+        if credential is None:
+            return False
+        if hmac.compare_digest(credential.encode(), expected):
+            return True
+        try:
+            principal = verifier.principal(credential)
+        except AuthError:
+            return False
+        return principal.admin or not settings.user_scoped
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def metrics_endpoint(request: Request) -> Response:
-        if expected is not None:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise GatewayError(
-                    ErrorKind.AUTH, "Invalid or missing metrics token", "invalid_metrics_token"
-                )
+        if not allowed(bearer(request.headers.get("authorization"))):
+            raise GatewayError(
+                ErrorKind.AUTH, "Invalid or missing metrics token", "invalid_metrics_token"
+            )
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -237,7 +255,7 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
     if settings.metrics:
-        _add_metrics_route(app, metrics, settings.metrics_token)
+        _add_metrics_route(app, metrics, settings)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -17,7 +17,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.stack import ASK_TEXT, SURFACES, Stack, running_stack
+from gateway_http.auth import mint_token
+from tests.e2e.stack import ASK_TEXT, JWT_SECRET, SURFACES, Stack, running_stack
 from tests.support.fake_philia import QUERY, STORE, Step
 from tests.support.fake_upstream import Fail, Stream
 
@@ -363,6 +364,22 @@ async def test_metrics_token_guards_the_exposition(tmp_path: Path) -> None:
         assert key("arona_turns_total", surface="rest", memory="enabled", outcome="ok") in parse(
             allowed.text
         )
+        # A JWT that may read memory.status may read the metrics too (shared mode: any).
+        with_jwt = await stack.http.get("/metrics", headers=stack.rpc_headers())
+        assert with_jwt.status_code == 200
+        wrong = await stack.http.get("/metrics", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+
+
+async def test_metrics_token_and_user_scope_admit_only_an_admin_jwt(tmp_path: Path) -> None:
+    async with running_stack(
+        tmp_path, metrics_token="a-metrics-token", memory_scope="user"
+    ) as stack:
+        user = await stack.http.get("/metrics", headers=stack.rpc_headers())
+        assert user.status_code == 401
+        admin = mint_token(JWT_SECRET, "ops", 600, admin=True)
+        allowed = await stack.http.get("/metrics", headers={"Authorization": f"Bearer {admin}"})
+        assert allowed.status_code == 200
 
 
 async def test_metrics_off_records_and_exposes_nothing(tmp_path: Path) -> None:

@@ -81,6 +81,8 @@ class Settings:
     # How long a replica's claim on an outbox episode (PostgreSQL) holds before another
     # replica may replay it.
     memory_outbox_claim_s: float = 30.0
+    # The HTTP layer journals each episode before answering (durable before answered).
+    writeback_journal: bool = True
 
     @property
     def memory_enabled(self) -> bool:
@@ -151,6 +153,7 @@ class Settings:
             ),
             database_url=_database_url(env),
             memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
+            writeback_journal=_strict_bool(env, "ARONA_WRITEBACK_JOURNAL", True),
         )
 
     @property

@@ -139,13 +139,39 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
 
+def create_conversations(args: argparse.Namespace) -> list[str]:
+    """``--conversations`` fresh conversations (made before the clock starts)."""
+    import urllib.request
+
+    ids = []
+    for _ in range(args.conversations):
+        request = urllib.request.Request(
+            f"http://{args.host}:{args.port}/v1/conversations",
+            data=b"{}",
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}),
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            ids.append(orjson.loads(response.read())["id"])
+    return ids
+
+
 def build_requests(args: argparse.Namespace) -> list[bytes]:
+    """One request per query, or per query and conversation (taken in turn)."""
     requests = []
-    for query in QUERIES:
+    conversations: list[str | None] = list(create_conversations(args)) or [None]
+    pairs = [
+        (query, conversations[i % len(conversations)])
+        for i, query in enumerate(QUERIES * max(1, len(conversations) // len(QUERIES) + 1))
+    ][: max(len(QUERIES), len(conversations))]
+    for query, conversation in pairs:
         body: dict[str, Any] = {
             "model": args.model,
             "messages": [{"role": "user", "content": query}],
         }
+        if conversation is not None:
+            body["conversation_id"] = conversation
         if args.stream:
             body["stream"] = True
         if args.memory_field != "omit":
@@ -286,6 +312,12 @@ def _parser() -> argparse.ArgumentParser:
         "--expect-memory", choices=("enabled", "disabled", "offline", "any"), default="any"
     )
     http.add_argument("--api-key", default="")
+    http.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="send each turn with a conversation_id, taking this many conversations in turn",
+    )
     recall = sub.choices["recall"]
     recall.add_argument("--target", required=True)
     return parser

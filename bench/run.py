@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,9 @@ USER_KEY_NAME = "bench"
 USER_KEY = "bench-user-key-" + "0123456789abcdef"
 # How many users share the user-scope gateway's store (the caller is one of them).
 USER_SCOPES = 4
+# Conversations a round of the conversation rows takes in turn (so each gets a few turns of
+# history, the same on both backends).
+CONVERSATIONS = 100
 
 
 def user_node_types() -> list[str]:
@@ -81,6 +84,8 @@ class Config:
     baseline: str = "direct"
     # A bearer to send (the user-scope gateway knows callers by their API key).
     api_key: str = ""
+    # Each turn carries a conversation_id, taking this many conversations in turn.
+    conversations: int = 0
 
 
 CONFIGS = (
@@ -98,6 +103,32 @@ CONFIGS = (
         "mem_on_nometrics",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
         "gw_nometrics",
+        expect="enabled",
+    ),
+    Config(
+        "mem_nojournal",
+        "3j. gateway, memory enabled, no writeback journal (ARONA_WRITEBACK_JOURNAL=false)",
+        "gw_nojournal",
+        expect="enabled",
+    ),
+    Config(
+        "conv_sqlite",
+        "3c. gateway, memory enabled, with a conversation_id (SQLite)",
+        "gw_on",
+        expect="enabled",
+        conversations=CONVERSATIONS,
+    ),
+    Config(
+        "conv_pg",
+        "3p. gateway, memory enabled, with a conversation_id (PostgreSQL)",
+        "gw_pg",
+        expect="enabled",
+        conversations=CONVERSATIONS,
+    ),
+    Config(
+        "mem_workers",
+        "3w. gateway, memory enabled, serve --workers 2",
+        "gw_workers",
         expect="enabled",
     ),
     Config(
@@ -146,6 +177,8 @@ class Run:
     rounds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     recall: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Run at the end whatever happened (a PostgreSQL cluster's removal).
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
     litellm_version: str | None = None
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
@@ -157,6 +190,8 @@ class Run:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+        while self.cleanups:
+            self.cleanups.pop()()
 
     def settle(self) -> float:
         """Wait until the run's processes are idle; the seconds waited.
@@ -228,6 +263,39 @@ def start_store(run: Run, name: str, data_dir: Path) -> str:
         name, [PY, "-m", "gateway_http.cli", "store", "--host", "127.0.0.1", "--port", "0"], env
     )
     return proc.wait_for(r"embedded memory store on (ws://\S+)", 30).group(1)
+
+
+def start_postgres(run: Run) -> str | None:
+    """A throwaway PostgreSQL server for the database rows; None (and a note) without one."""
+    try:
+        from tests.support.postgres import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+    except BaseException as exc:  # pytest's skip is a BaseException too
+        run.notes.append(f"PostgreSQL rows not measured: {exc}")
+        return None
+    run.cleanups.append(cluster.remove)
+    return cluster.create_database()
+
+
+def start_workers(run: Run, name: str, extra: dict[str, str], workers: int) -> None:
+    """``serve --workers N``: its HTTP port from the supervisor's line."""
+    env = clean_env(
+        {
+            "ARONA_HTTP_PORT": "0",
+            "ARONA_GRPC_PORT": "0",
+            "ARONA_DATA_DIR": str(run.work / name),
+            "ARONA_UPSTREAM_URL": f"http://127.0.0.1:{run.ports['upstream']}/v1",
+            "ARONA_LOG_LEVEL": "info",
+            **extra,
+        }
+    )
+    argv = [PY, "-m", "gateway_http.cli", "serve", "--workers", str(workers)]
+    proc = run.start(name, argv, env)
+    found = proc.wait_for(r"serving on http://\S+:(\d+) \(\d+ HTTP workers\), (\S+)", 90)
+    run.ports[name] = int(found.group(1))
+    run.grpc_targets[name] = found.group(2)
 
 
 def start_gateway(run: Run, name: str, extra: dict[str, str], only: str | None = None) -> None:
@@ -353,6 +421,8 @@ def measure(
         argv += ["--api-key", LITELLM_KEY]
     elif config.api_key:
         argv += ["--api-key", config.api_key]
+    if config.conversations:
+        argv += ["--conversations", str(config.conversations)]
     waited = run.settle()
     if waited > 2 * SETTLE_WINDOW_S:
         log(f"waited {waited:.1f} s for the processes to go idle")
@@ -464,6 +534,11 @@ def execute(run: Run) -> None:
     start_gateway(run, "gw_on", memory)
     # The same gateway without metrics: what recording them costs a turn.
     start_gateway(run, "gw_nometrics", {**memory, "ARONA_METRICS": "false"})
+    start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
+    start_workers(run, "gw_workers", memory, 2)
+    database_url = start_postgres(run)
+    if database_url is not None:
+        start_gateway(run, "gw_pg", {**memory, "ARONA_DATABASE_URL": database_url})
     start_gateway(
         run,
         "gw_user",
@@ -496,7 +571,12 @@ def execute(run: Run) -> None:
     # Recall alone against the freshly loaded store, before writebacks grow it.
     measure_recall(run, run.grpc_targets["gw_on"], nodes)
 
-    configs = [c for c in CONFIGS if c.target != "litellm" or litellm_proc is not None]
+    configs = [
+        c
+        for c in CONFIGS
+        if (c.target != "litellm" or litellm_proc is not None)
+        and (c.target != "gw_pg" or "gw_pg" in run.ports)
+    ]
     for concurrency in CONCURRENCIES:
         measure_interleaved(run, concurrency, configs)
     state = breaker_state(run.grpc_targets["gw_blackhole"])
@@ -607,6 +687,23 @@ def targets(run: Run) -> list[list[str]]:
             "our added p50 (memory on) below LiteLLM's (no memory), c=1",
             f"{ours:.3f} ms vs {theirs:.3f} ms",
             ours < theirs,
+        )
+    nojournal1 = r.get(("mem_nojournal", 1))
+    if on1 and nojournal1 and direct1:
+        with_journal = on1["p50_ms"] - direct1["p50_ms"]
+        without = nojournal1["p50_ms"] - direct1["p50_ms"]
+        ratio = with_journal / without if without > 0 else float("inf")
+        add(
+            "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1",
+            f"{ratio:.2f}× ({with_journal:.3f} ms vs {without:.3f} ms)",
+            ratio <= 1.10,
+        )
+    workers32 = r.get(("mem_workers", 32))
+    if on32 and workers32 and on32["turns_per_s"] > 0:
+        add(
+            "serve --workers 2 turns/s ÷ --workers 1, c=32 (information)",
+            f"{workers32['turns_per_s'] / on32['turns_per_s']:.2f}×",
+            None,
         )
     user1 = r.get(("mem_user", 1))
     if on1 and user1 and direct1:

@@ -43,7 +43,7 @@ from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
 from gateway_http.metrics import GatewayMetrics, NoMetrics
-from gateway_http.routes import rest
+from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
@@ -211,7 +211,9 @@ def create_app(
         if db_pool is None and settings.database_url:
             db_pool = await open_pool(settings.database_url)
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
-        journal = Journal(journal_path(settings.data_dir, worker))
+        journal = (
+            Journal(journal_path(settings.data_dir, worker)) if settings.writeback_journal else None
+        )
         pipeline = TurnPipeline(
             memory,
             chat_backend,
@@ -237,7 +239,8 @@ def create_app(
             yield
         finally:
             await pipeline.drain(WRITEBACK_GRACE_S)
-            journal.close()
+            if journal is not None:
+                journal.close()
             if owns_backend:
                 await chat_backend.aclose()
             await conversations.aclose()
@@ -254,6 +257,7 @@ def create_app(
     )
     app.include_router(rest.router)
     app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
+    app.include_router(console.router)
     if settings.metrics:
         _add_metrics_route(app, metrics, settings)
 

@@ -314,6 +314,7 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
     lines = [
         "Arona Memory Gateway is up.",
         f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
+        f"  console  {http}/console  (sign in with `arona-gateway token --sub ops --admin`)",
         f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
     ]
     if running.settings.metrics:

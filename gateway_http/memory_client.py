@@ -98,6 +98,22 @@ class Recall:
     count: int = 0
 
 
+@dataclass(frozen=True)
+class RecalledMemory:
+    text: str
+    score: float
+    node_type: str
+
+
+@dataclass(frozen=True)
+class RecallDetail:
+    """A recall as a turn would see it, with the memories behind its section."""
+
+    state: str
+    section: str
+    memories: tuple[RecalledMemory, ...]
+
+
 def _rfc3339_ms(ts: Timestamp) -> str:
     return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
 
@@ -146,6 +162,33 @@ class MemoryClient:
         if state != ENABLED:
             return Recall(state, "")
         return Recall(state, reply.section, len(reply.memories))
+
+    async def recall_detail(self, query: str, limit: int, scope: str = "") -> RecallDetail:
+        """What :meth:`recall` gives a turn, plus the memories its section was made of.
+
+        For operators (``memory.recall``), not turns: :meth:`recall` stays the hot path. The
+        budget, the state and the section are a turn's; a failed call is ``offline``, except
+        a client mistake the service names (``INVALID_ARGUMENT``), which is raised.
+        """
+        try:
+            reply = await self._stub.Recall(
+                pb.RecallRequest(query=query, limit=limit, scope=scope),
+                timeout=self._recall_budget_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details():
+                raise GatewayError(ErrorKind.BAD_INPUT, exc.details() or "") from None
+            self._recall_log.failed(f"memory recall failed ({exc.code().name}: {_quoted(exc)})")
+            return RecallDetail(OFFLINE, "", ())
+        self._recall_log.succeeded()
+        state = _STATE_NAMES.get(reply.state, OFFLINE)
+        if state == ENABLED and not reply.section:
+            state = DISABLED
+        if state != ENABLED:
+            return RecallDetail(state, "", ())
+        memories = tuple(RecalledMemory(m.text, m.score, m.node_type) for m in reply.memories)
+        return RecallDetail(state, reply.section, memories)
 
     async def writeback(
         self, user: str, assistant: str, scope: str = "", episode_id: str = ""

@@ -1,5 +1,6 @@
-"""JSON-RPC methods: ``chat.send``, ``memory.status``, ``memory.delete`` and
-``conversations.*``, registered on the transport's :class:`Dispatcher`.
+"""JSON-RPC methods: ``chat.send``, ``memory.status``, ``memory.recall``, ``memory.delete``,
+``memory.list``, ``memory.forget`` and ``conversations.*``, registered on the transport's
+:class:`Dispatcher`.
 
 Every method runs as the JWT's ``sub``; failures become JSON-RPC errors through
 the one error table (:mod:`gateway_http.errors`).
@@ -31,7 +32,13 @@ from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, 
 from gateway_http.memory_client import DISABLED
 from gateway_http.routes.rest import turn_outcome
 from gateway_http.state import Gateway
-from gateway_http.turns import PreparedTurn, TurnRequest, delta_text, first_choice
+from gateway_http.turns import (
+    RECALL_LIMIT,
+    PreparedTurn,
+    TurnRequest,
+    delta_text,
+    first_choice,
+)
 from gateway_http.upstream import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
@@ -65,6 +72,12 @@ class ChatSendParams(_Params):
 
 class StatusParams(_Params):
     limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
+
+
+class RecallParams(_Params):
+    query: NonEmpty
+    limit: Annotated[StrictInt, Field(ge=1, le=100)] = RECALL_LIMIT
+    scope: NonEmpty | None = None
 
 
 class DeleteParams(_Params):
@@ -210,6 +223,23 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
             raise _not_allowed("memory.status")
         return await gw.memory.status(params.limit)
 
+    async def memory_recall(params: RecallParams, ctx: RpcContext) -> dict[str, Any]:
+        """What a turn asking ``query`` would recall and inject, without a turn."""
+        if user_scoped and not ctx.admin:
+            # Like memory.status: a tester for operators, who may name any scope.
+            raise _not_allowed("memory.recall")
+        recall = await gw.memory.recall_detail(
+            params.query, params.limit, scope_for(ctx, params.scope)
+        )
+        return {
+            "state": recall.state,
+            "memories": [
+                {"text": m.text, "score": m.score, "node_type": m.node_type}
+                for m in recall.memories
+            ],
+            "section": recall.section,
+        }
+
     async def memory_delete(params: DeleteParams, ctx: RpcContext) -> dict[str, Any]:
         scope = scope_for(ctx, params.scope)
         return {"deleted": await gw.memory.delete(params.node_id, scope)}
@@ -247,6 +277,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
 
     dispatcher.register("chat.send", _translated(chat_send), ChatSendParams, chat_send_refused)
     dispatcher.register("memory.status", _translated(memory_status), StatusParams)
+    dispatcher.register("memory.recall", _translated(memory_recall), RecallParams)
     dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)
     dispatcher.register("memory.list", _translated(memory_list), ListParams)
     dispatcher.register("memory.forget", _translated(memory_forget), ForgetParams)

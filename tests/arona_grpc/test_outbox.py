@@ -1,4 +1,5 @@
-"""Outbox: a bounded FIFO in SQLite, and the domain's shutdown keeping in-flight episodes."""
+"""Outbox: a bounded FIFO (a SQLite file, or a PostgreSQL table: every test runs on both
+backends but the one about the file), and the domain's shutdown keeping in-flight episodes."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from arona_grpc.config import Settings
-from arona_grpc.outbox import Outbox, OutboxClosed
+from arona_grpc.database import open_pool
+from arona_grpc.outbox import AnyOutbox, Outbox, OutboxClosed, open_outbox
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
 from tests.support.log_watch import watching
@@ -22,7 +25,37 @@ pytestmark = pytest.mark.asyncio
 TOKEN = "t0k3n"
 
 
-async def texts_of(outbox: Outbox) -> list[str]:
+@pytest_asyncio.fixture
+async def pool(backend: str | None) -> AsyncIterator[Any]:
+    if backend is None:
+        yield None
+        return
+    opened = await open_pool(backend)
+    yield opened
+    await opened.close()
+
+
+@dataclasses.dataclass
+class Backend:
+    """Opens outboxes and domains on one backend (``url`` None: SQLite under ``data_dir``)."""
+
+    data_dir: Path
+    url: str | None
+    pool: Any
+
+    def outbox(self, max_entries: int) -> AnyOutbox:
+        settings = Settings(
+            data_dir=self.data_dir, memory_outbox_max=max_entries, database_url=self.url
+        )
+        return open_outbox(settings, self.pool)
+
+
+@pytest.fixture
+def on(tmp_path: Path, backend: str | None, pool: Any) -> Backend:
+    return Backend(tmp_path, backend, pool)
+
+
+async def texts_of(outbox: AnyOutbox) -> list[str]:
     found = []
     for _ in range(outbox.depth):
         entry = await outbox.oldest()
@@ -40,8 +73,8 @@ async def test_nothing_is_created_until_an_episode_is_kept(tmp_path: Path) -> No
     await outbox.aclose()
 
 
-async def test_fifo_across_a_reopen(tmp_path: Path) -> None:
-    outbox = Outbox(tmp_path, 10)
+async def test_fifo_across_a_reopen(on: Backend) -> None:
+    outbox = on.outbox(10)
     first = outbox.put("one", "episode")
     assert outbox.pending  # visible before the write commits
     seqs = [await first, await outbox.put("two", "episode"), await outbox.put("three", "x")]
@@ -50,34 +83,34 @@ async def test_fifo_across_a_reopen(tmp_path: Path) -> None:
     with pytest.raises(OutboxClosed):
         outbox.put("late", "episode")
 
-    again = Outbox(tmp_path, 10)
+    again = on.outbox(10)
     await again.load()
     assert again.depth == 3
     entry = await again.oldest()
     assert entry is not None and (entry.text, entry.node_type) == ("one", "episode")
+    # Looked at, not stored: given back (another replica may claim it then).
+    await again.release(entry.seq)
     assert await texts_of(again) == ["one", "two", "three"]
     assert again.depth == 0
     await again.aclose()
 
 
-async def test_overflow_drops_the_oldest_and_counts_them_across_restarts(
-    tmp_path: Path,
-) -> None:
-    outbox = Outbox(tmp_path, 3)
+async def test_overflow_drops_the_oldest_and_counts_them_across_restarts(on: Backend) -> None:
+    outbox = on.outbox(3)
     for i in range(5):
         await outbox.put(f"e{i}", "episode")
     assert (outbox.depth, outbox.dropped) == (3, 2)
     await outbox.aclose()
 
-    again = Outbox(tmp_path, 3)
+    again = on.outbox(3)
     await again.load()
     assert (again.depth, again.dropped) == (3, 2)
     assert await texts_of(again) == ["e2", "e3", "e4"]
     await again.aclose()
 
 
-async def test_a_full_outbox_warns_once_not_on_every_drop(tmp_path: Path) -> None:
-    outbox = Outbox(tmp_path, 3)
+async def test_a_full_outbox_warns_once_not_on_every_drop(on: Backend) -> None:
+    outbox = on.outbox(3)
     with watching("arona_grpc.outbox") as seen:
         for i in range(50):
             await outbox.put(f"e{i}", "episode")
@@ -96,18 +129,22 @@ async def fake() -> AsyncIterator[FakePhilia]:
         yield server
 
 
-def settings_for(fake: FakePhilia, tmp_path: Path, **overrides: object) -> Settings:
+def settings_for(fake: FakePhilia, on: Backend, **overrides: object) -> Settings:
     base = Settings(
-        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=5.0, data_dir=tmp_path
+        memory_url=fake.url,
+        memory_token=TOKEN,
+        memory_timeout_s=5.0,
+        data_dir=on.data_dir,
+        database_url=on.url,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
 async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
-    fake: FakePhilia, tmp_path: Path
+    fake: FakePhilia, on: Backend
 ) -> None:
     fake.script(STORE, Step(action="hang"))
-    domain = MemoryDomain(settings_for(fake, tmp_path))
+    domain = MemoryDomain(settings_for(fake, on), pool=on.pool)
     await domain.start()
     in_flight = asyncio.ensure_future(domain.writeback("remember me", "noted"))
     await fake.wait_frames(STORE)
@@ -118,7 +155,7 @@ async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
     assert domain.status().outbox_depth == 1
     assert fake.stored == []
 
-    restarted = MemoryDomain(settings_for(fake, tmp_path))
+    restarted = MemoryDomain(settings_for(fake, on), pool=on.pool)
     await restarted.start()
     await asyncio.wait_for(fake.wait_frames(STORE, 2), 5)
     await restarted.aclose()
@@ -126,9 +163,9 @@ async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
     assert restarted.status().outbox_depth == 0
 
 
-async def test_cancelled_writeback_is_kept(fake: FakePhilia, tmp_path: Path) -> None:
+async def test_cancelled_writeback_is_kept(fake: FakePhilia, on: Backend) -> None:
     fake.script(STORE, Step(action="hang"))
-    domain = MemoryDomain(settings_for(fake, tmp_path))
+    domain = MemoryDomain(settings_for(fake, on), pool=on.pool)
     try:
         call = asyncio.ensure_future(domain.writeback("u", "a"))
         await fake.wait_frames(STORE)
@@ -141,12 +178,11 @@ async def test_cancelled_writeback_is_kept(fake: FakePhilia, tmp_path: Path) -> 
         await domain.aclose(grace_s=0.1)
 
 
-async def test_writeback_while_open_fails_fast_and_is_queued(
-    fake: FakePhilia, tmp_path: Path
-) -> None:
+async def test_writeback_while_open_fails_fast_and_is_queued(fake: FakePhilia, on: Backend) -> None:
     await fake.stop()  # refused
     domain = MemoryDomain(
-        settings_for(fake, tmp_path, memory_breaker_failures=1, memory_breaker_cooldown_s=60.0)
+        settings_for(fake, on, memory_breaker_failures=1, memory_breaker_cooldown_s=60.0),
+        pool=on.pool,
     )
     try:
         with pytest.raises(MemoryUnavailable, match="queued in the outbox"):

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(180)
 def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path) -> None:
     out = tmp_path / "result.md"
     done = subprocess.run(
@@ -37,7 +40,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=50,
+        timeout=150,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
@@ -49,6 +52,10 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "3. gateway, memory enabled",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
+        "3j. gateway, memory enabled, no writeback journal",
+        "3c. gateway, memory enabled, with a conversation_id (SQLite)",
+        "3p. gateway, memory enabled, with a conversation_id (PostgreSQL)",
+        "3w. gateway, memory enabled, serve --workers 2",
         "4. gateway, memory enabled, Philia blackholed",
         "5a. streaming direct",
         "5b. streaming via gateway, memory enabled",
@@ -62,6 +69,8 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "memory-enabled p50 over direct" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
+    assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table
+    assert "serve --workers 2 turns/s ÷ --workers 1, c=32" in table
     # The throughput target's row also says how far apart its rounds were.
     [share] = [row for row in rows if row.startswith("| memory-enabled turns/s ≥ 75%")]
     assert re.search(r"\| \d+% \(rounds: \d+%–\d+%\) \|", share), share

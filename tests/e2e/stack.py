@@ -21,6 +21,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from arona_grpc.config import Settings
+from arona_grpc.database import open_pool
 from arona_grpc.server import GrpcServer
 from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app
@@ -180,16 +181,20 @@ async def running_stack(
             "data_dir": data_dir,
         }
         settings = Settings(**{**fields, **overrides})
+        # One pool for both parts, as the command line has (ARONA_DATABASE_URL).
+        pool = await open_pool(settings.database_url) if settings.database_url else None
         grpc: GrpcServer | None = None
-        if grpc_target is None:
-            domain = MemoryDomain(settings, clock=clock) if clock is not None else None
-            grpc = await GrpcServer.start(settings, domain)
-            grpc_target = grpc.target
         try:
+            if grpc_target is None:
+                domain = (
+                    MemoryDomain(settings, clock=clock, pool=pool) if clock is not None else None
+                )
+                grpc = await GrpcServer.start(settings, domain, pool=pool)
+                grpc_target = grpc.target
             settings = dataclasses.replace(
                 settings, grpc_target=grpc_target, **(http_overrides or {})
             )
-            app = create_app(settings)
+            app = create_app(settings, pool=pool)
             async with (
                 serve_app(app) as base_url,
                 httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
@@ -198,3 +203,5 @@ async def running_stack(
         finally:
             if grpc is not None:
                 await grpc.stop(0.5)
+            if pool is not None:
+                await pool.close()

@@ -117,6 +117,9 @@ async def test_up_remembers_and_survives_a_restart(tmp_path: Path) -> None:
             assert "echo" in up.banner and "grpcurl -plaintext" in up.banner
             assert "curl " in up.banner
             assert "scope    shared  (one memory pool for every caller" in up.banner
+            assert f"console  {up.http_url}/console" in up.banner
+            console = await client.get(f"{up.http_url}/console")
+            assert console.status_code == 200 and "Arona console" in console.text
             conversation = (await up.rpc(client, "conversations.create", {"title": "tea"}))["id"]
             first = await up.rpc(
                 client,

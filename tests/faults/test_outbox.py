@@ -14,6 +14,7 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from arona_grpc.service import MemoryDomain, WritebackOutcome
@@ -70,9 +71,11 @@ async def turns_while_down(fs: FaultStack, writebacks: Writebacks, count: int) -
 
 
 async def test_down_for_n_turns_then_back_stores_all_in_order_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None
 ) -> None:
-    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+    async with fault_stack(
+        tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0, database_url=backend
+    ) as fs:
         writebacks = Writebacks(domain_of(fs), monkeypatch)
         await fs.raw.refuse()
         await turns_while_down(fs, writebacks, N)
@@ -139,9 +142,11 @@ async def test_an_outage_is_a_few_log_lines_not_one_per_turn(
 
 
 async def test_restart_with_a_non_empty_outbox_stores_the_rest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None
 ) -> None:
-    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+    async with fault_stack(
+        tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0, database_url=backend
+    ) as fs:
         writebacks = Writebacks(domain_of(fs), monkeypatch)
         await fs.raw.refuse()
         await turns_while_down(fs, writebacks, N)
@@ -155,22 +160,33 @@ async def test_restart_with_a_non_empty_outbox_stores_the_rest(
         await asyncio.wait_for(fs.stack.philia.wait_frames(STORE, 3), 10)
         assert [s["text"] for s in fs.stack.philia.stored] == [episode(1), episode(2)]
 
-    assert (tmp_path / "outbox.db").exists()
+    assert (tmp_path / "outbox.db").exists() == (backend is None)
     # Next start: a fresh Philia (nothing stored yet) and the same data directory.
-    async with running_stack(tmp_path, memory_writeback=True) as stack:
+    async with running_stack(tmp_path, memory_writeback=True, database_url=backend) as stack:
         rest = [episode(i) for i in range(3, N + 1)]
         # The stalled episode and the ones behind it, then the "hello" turn's own.
         await asyncio.wait_for(stack.philia.wait_frames(STORE, len(rest) + 1), 10)
     texts = [s["text"] for s in stack.philia.stored]
     assert texts == [*rest, "User: hello\nAssistant: reply to: hello"]
-    with contextlib.closing(sqlite3.connect(tmp_path / "outbox.db")) as db:
-        assert db.execute("SELECT COUNT(*) FROM episodes").fetchone() == (0,)
+    if backend is None:
+        with contextlib.closing(sqlite3.connect(tmp_path / "outbox.db")) as db:
+            assert db.execute("SELECT COUNT(*) FROM episodes").fetchone() == (0,)
+    else:
+        conn = await asyncpg.connect(backend)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+        finally:
+            await conn.close()
 
 
-async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(tmp_path: Path) -> None:
+async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
+    tmp_path: Path, backend: str | None
+) -> None:
     """The stop order of the command line: HTTP drains its writebacks, then gRPC stops."""
     # A long RPC timeout: the store is still waiting when the shutdown begins.
-    async with running_stack(tmp_path, memory_writeback=True, timeout_s=30.0) as stack:
+    async with running_stack(
+        tmp_path, memory_writeback=True, timeout_s=30.0, database_url=backend
+    ) as stack:
         stack.philia.script(STORE, Step(action="hang"))
         turn = await stack.turn("rest", [{"role": "user", "content": "keep me"}])
         assert turn.status == 200
@@ -178,7 +194,7 @@ async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(tmp_path
         # Leaving the block stops HTTP (the writeback's grace runs out on the hang),
         # then the gRPC service, which keeps the episode in the outbox.
 
-    async with running_stack(tmp_path, memory_writeback=True) as stack:
+    async with running_stack(tmp_path, memory_writeback=True, database_url=backend) as stack:
         await asyncio.wait_for(stack.philia.wait_frames(STORE), 10)
     assert [s["text"] for s in stack.philia.stored] == [
         "User: keep me\nAssistant: reply to: keep me"

@@ -97,8 +97,13 @@ class FakePhilia:
     # token it received) from the gateway's.
     LOGGER = "fake_philia"
 
-    def __init__(self, token: str = "t0k3n", path: str = "/ws", port: int = 0) -> None:
+    def __init__(
+        self, token: str = "t0k3n", path: str = "/ws", port: int = 0, *, filtering: bool = False
+    ) -> None:
         self.token = token
+        # With ``node_type_filter``, a query answers with the stored nodes of that type (what
+        # a Philia that honours the filter would find), newest first.
+        self.filtering = filtering
         self.path = path
         self.port = port
         self.memories: list[dict[str, Any]] = []
@@ -293,6 +298,13 @@ class FakePhilia:
         if method == QUERY:
             limit = params.get("limit", 10)
             results = self.memories[:limit]
+            wanted = params.get("node_type_filter")
+            if self.filtering and wanted is not None:
+                results = [
+                    {"node_type": wanted, "text": p["text"], "score": 0.5}
+                    for p in reversed(self.stored)
+                    if p.get("node_type") == wanted
+                ][:limit]
             return {"query": params.get("query"), "total": len(results), "results": results}
         if method == STORE:
             self.stored.append(params)

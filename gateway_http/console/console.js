@@ -1,0 +1,470 @@
+// The operator console: the gateway's own JSON-RPC methods (POST /api/rpc) and, when it is
+// there, GET /metrics. No dependencies, no build step. The JWT lives in this tab's
+// sessionStorage and travels only in the Authorization header: never in a URL, never logged.
+// Everything the server sends is shown through textContent, never parsed as HTML.
+"use strict";
+
+(function () {
+  const TOKEN_KEY = "arona.console.jwt";
+  const REFRESH_MS = 2000;
+  // Turns per minute are measured over the scrapes of the last minute.
+  const RATE_WINDOW_MS = 60000;
+  const MEMORY_STATES = ["enabled", "disabled", "offline"];
+
+  const AUTH_REQUIRED = -32005;
+  const NOT_ALLOWED = -32007;
+
+  const $ = (id) => document.getElementById(id);
+
+  let token = null;
+  let timer = null;
+  let generation = 0;
+  let samples = [];
+  let metricsWithToken = false;
+  let episodesScope = null;
+  let episodesNext = null;
+
+  class RpcError extends Error {
+    constructor(code, message, data) {
+      super(message);
+      this.code = code;
+      this.data = data;
+    }
+  }
+
+  async function rpc(method, params) {
+    let response;
+    try {
+      response = await fetch("/api/rpc", {
+        method: "POST",
+        headers: {
+          "Content-Type": "application/json",
+          Authorization: "Bearer " + token,
+        },
+        body: JSON.stringify({ jsonrpc: "2.0", id: 1, method: method, params: params || {} }),
+        cache: "no-store",
+        credentials: "omit",
+      });
+    } catch (err) {
+      throw new RpcError(null, "the gateway does not answer");
+    }
+    let reply;
+    try {
+      reply = await response.json();
+    } catch (err) {
+      throw new RpcError(null, "the gateway answered HTTP " + response.status);
+    }
+    if (reply && reply.error) {
+      throw new RpcError(reply.error.code, reply.error.message || "error", reply.error.data);
+    }
+    if (!reply || !("result" in reply)) {
+      throw new RpcError(null, "the gateway answered HTTP " + response.status);
+    }
+    return reply.result;
+  }
+
+  function authProblem(err) {
+    if (err.code === AUTH_REQUIRED) return "Token refused (invalid, expired or not for this gateway).";
+    if (err.code === NOT_ALLOWED) return "This token is not an admin's.";
+    return null;
+  }
+
+  function describe(err) {
+    return authProblem(err) || (err.message ? err.message : String(err));
+  }
+
+  // ---- the JWT's claims, for display only (the server verifies it) ----
+  function claims(jwt) {
+    try {
+      const part = jwt.split(".")[1].replace(/-/g, "+").replace(/_/g, "/");
+      const padded = part + "===".slice((part.length + 3) % 4);
+      return JSON.parse(atob(padded));
+    } catch (err) {
+      return {};
+    }
+  }
+
+  // ---- sign in / out ----
+  async function signIn(candidate, fromStorage) {
+    const error = $("sign-in-error");
+    error.textContent = "";
+    if (!candidate) {
+      error.textContent = "Paste a JWT first.";
+      $("token").focus();
+      return;
+    }
+    token = candidate;
+    let status;
+    try {
+      status = await rpc("memory.status", { limit: 50 });
+    } catch (err) {
+      token = null;
+      sessionStorage.removeItem(TOKEN_KEY);
+      error.textContent = (fromStorage ? "Signed out: " : "") + describe(err);
+      $("token").focus();
+      return;
+    }
+    sessionStorage.setItem(TOKEN_KEY, candidate);
+    $("token").value = "";
+    showConsole(true);
+    renderStatus(status);
+    start();
+    $("status-title").focus();
+  }
+
+  function signOut(message) {
+    stop();
+    token = null;
+    sessionStorage.removeItem(TOKEN_KEY);
+    showConsole(false);
+    $("sign-in-error").textContent = message || "";
+    $("token").focus();
+  }
+
+  function showConsole(on) {
+    $("sign-in").hidden = on;
+    $("console").hidden = !on;
+    $("sign-out").hidden = !on;
+    const who = $("who");
+    who.hidden = !on;
+    if (on) {
+      const c = claims(token);
+      let text = "Signed in as " + (c.sub || "?");
+      if (c.role === "admin") text += " (admin)";
+      if (typeof c.exp === "number") text += ", token valid until " + new Date(c.exp * 1000).toISOString();
+      who.textContent = text;
+    } else {
+      who.textContent = "";
+    }
+  }
+
+  // ---- live refresh ----
+  function start() {
+    stop();
+    samples = [];
+    metricsWithToken = false;
+    const mine = ++generation;
+    const tick = async () => {
+      await refresh();
+      if (mine === generation && token) timer = setTimeout(tick, REFRESH_MS);
+    };
+    timer = setTimeout(tick, 0);
+  }
+
+  function stop() {
+    generation++;
+    if (timer !== null) clearTimeout(timer);
+    timer = null;
+  }
+
+  async function refresh() {
+    const mine = generation;
+    try {
+      const status = await rpc("memory.status", { limit: 50 });
+      if (mine !== generation) return;
+      renderStatus(status);
+      $("status-error").textContent = "";
+    } catch (err) {
+      if (mine !== generation) return;
+      if (err.code === AUTH_REQUIRED || err.code === NOT_ALLOWED) {
+        signOut(describe(err));
+        return;
+      }
+      $("status-error").textContent = "Status not refreshed: " + describe(err);
+    }
+    await scrapeMetrics(mine);
+  }
+
+  function text(id, value) {
+    $(id).textContent = value === null || value === undefined || value === "" ? "—" : String(value);
+  }
+
+  function onOff(value) {
+    return value ? "on" : "off";
+  }
+
+  function renderStatus(s) {
+    text("enabled", onOff(s.enabled));
+    text("writeback", onOff(s.writeback));
+    text("scope-mode", s.scope);
+    const breaker = $("breaker");
+    breaker.textContent = s.breaker || "—";
+    breaker.className = "badge breaker-" + (s.breaker || "unknown");
+    text("breaker-opened-at", s.breaker_opened_at);
+    text("outbox-depth", s.outbox_depth);
+    text("outbox-dropped", s.outbox_dropped);
+    text("refreshed", new Date().toISOString());
+    renderEvents(s.events || []);
+  }
+
+  function cell(row, value, className) {
+    const td = document.createElement("td");
+    td.textContent = value === null || value === undefined ? "" : String(value);
+    if (className) td.className = className;
+    row.appendChild(td);
+    return td;
+  }
+
+  function renderEvents(events) {
+    const body = $("events-table").tBodies[0];
+    const rows = document.createDocumentFragment();
+    for (const e of events) {
+      const row = document.createElement("tr");
+      row.className = "event-" + e.kind;
+      cell(row, e.at, "nowrap");
+      cell(row, e.kind);
+      cell(row, e.detail, "detail");
+      cell(row, e.scope_id, "mono");
+      rows.appendChild(row);
+    }
+    if (!events.length) {
+      const row = document.createElement("tr");
+      cell(row, "No events yet.").colSpan = 4;
+      rows.appendChild(row);
+    }
+    body.replaceChildren(rows);
+  }
+
+  // ---- turns per minute, from arona_turns_total{surface,memory,outcome} ----
+  function unescapeLabel(value) {
+    return value.replace(/\\(.)/g, (m, c) => (c === "n" ? "\n" : c));
+  }
+
+  function turnsByMemory(exposition) {
+    const totals = {};
+    let seen = false;
+    const line = /^arona_turns_total\{([^}]*)\}\s+(\S+)/;
+    const label = /(\w+)="((?:[^"\\]|\\.)*)"/g;
+    for (const raw of exposition.split("\n")) {
+      const m = line.exec(raw.trim());
+      if (!m) continue;
+      const value = Number(m[2]);
+      if (!Number.isFinite(value)) continue;
+      let memory = null;
+      for (const l of m[1].matchAll(label)) {
+        if (l[1] === "memory") memory = unescapeLabel(l[2]);
+      }
+      if (memory === null) continue;
+      seen = true;
+      totals[memory] = (totals[memory] || 0) + value;
+    }
+    return seen ? totals : null;
+  }
+
+  function metricsNote(message) {
+    $("metrics-note").textContent = message;
+  }
+
+  function clearTurns() {
+    for (const state of MEMORY_STATES) {
+      text("tpm-" + state, "–");
+      text("total-" + state, "–");
+    }
+  }
+
+  async function fetchMetrics() {
+    const get = (withToken) =>
+      fetch("/metrics", {
+        headers: withToken ? { Authorization: "Bearer " + token } : {},
+        cache: "no-store",
+        credentials: "omit",
+      });
+    let response = await get(metricsWithToken);
+    if (!metricsWithToken && (response.status === 401 || response.status === 403)) {
+      // A /metrics that wants a bearer: the console's own token, same origin.
+      response = await get(true);
+      if (response.ok) metricsWithToken = true;
+    }
+    return response;
+  }
+
+  async function scrapeMetrics(mine) {
+    let response;
+    let body;
+    try {
+      response = await fetchMetrics();
+      body = response.ok ? await response.text() : "";
+    } catch (err) {
+      if (mine !== generation) return;
+      clearTurns();
+      metricsNote("Metrics not available (the gateway does not answer).");
+      return;
+    }
+    if (mine !== generation) return;
+    if (!response.ok) {
+      clearTurns();
+      samples = [];
+      metricsNote(
+        response.status === 404
+          ? "Metrics not available (this gateway has no /metrics)."
+          : "Metrics not available (HTTP " + response.status + ")."
+      );
+      return;
+    }
+    const totals = turnsByMemory(body);
+    if (totals === null) {
+      clearTurns();
+      metricsNote("No turns counted yet.");
+      return;
+    }
+    const now = Date.now();
+    samples.push({ at: now, totals: totals });
+    while (samples.length > 2 && now - samples[1].at >= RATE_WINDOW_MS) samples.shift();
+    for (const state of MEMORY_STATES) text("total-" + state, totals[state] || 0);
+    if (samples.length < 2) {
+      metricsNote("Measuring… (turns per minute need two scrapes)");
+      return;
+    }
+    const first = samples[0];
+    const minutes = (now - first.at) / 60000;
+    for (const state of MEMORY_STATES) {
+      let delta = (totals[state] || 0) - (first.totals[state] || 0);
+      // A counter that went down is a restarted gateway: count from zero.
+      if (delta < 0) delta = totals[state] || 0;
+      text("tpm-" + state, (delta / minutes).toFixed(1));
+    }
+    metricsNote("Over the last " + Math.round((now - first.at) / 1000) + " s, from GET /metrics.");
+  }
+
+  // ---- recall tester ----
+  async function recall(event) {
+    event.preventDefault();
+    const query = $("recall-query").value;
+    const scope = $("recall-scope").value.trim();
+    const limit = Number($("recall-limit").value || "5");
+    const state = $("recall-state");
+    const section = $("recall-section");
+    const body = $("recall-memories").tBodies[0];
+    if (!query.trim()) {
+      state.textContent = "Type a query first.";
+      $("recall-query").focus();
+      return;
+    }
+    const params = { query: query, limit: limit };
+    if (scope) params.scope = scope;
+    state.textContent = "Recalling…";
+    let result;
+    try {
+      result = await rpc("memory.recall", params);
+    } catch (err) {
+      state.textContent = "Recall failed: " + describe(err);
+      section.textContent = "";
+      body.replaceChildren();
+      return;
+    }
+    const n = result.memories.length;
+    state.textContent =
+      "State: " + result.state + (result.section ? " — " + n + " memor" + (n === 1 ? "y" : "ies") + " injected" : " — nothing would be injected");
+    section.textContent = result.section;
+    const rows = document.createDocumentFragment();
+    for (const m of result.memories) {
+      const row = document.createElement("tr");
+      cell(row, Number(m.score).toFixed(2), "nowrap");
+      cell(row, m.node_type, "mono");
+      cell(row, m.text, "detail");
+      rows.appendChild(row);
+    }
+    body.replaceChildren(rows);
+  }
+
+  // ---- a user's episodes ----
+  async function listEpisodes(event) {
+    event.preventDefault();
+    episodesScope = $("episodes-scope").value.trim() || null;
+    $("episodes-table").tBodies[0].replaceChildren();
+    await loadEpisodes(null);
+  }
+
+  async function loadEpisodes(before) {
+    const note = $("episodes-note");
+    const more = $("episodes-more");
+    const params = { limit: 50 };
+    if (episodesScope) params.scope = episodesScope;
+    if (before) params.before = before;
+    note.textContent = "Loading…";
+    let page;
+    try {
+      page = await rpc("memory.list", params);
+    } catch (err) {
+      note.textContent = "Listing failed: " + describe(err);
+      more.hidden = true;
+      return;
+    }
+    const body = $("episodes-table").tBodies[0];
+    for (const m of page.memories) body.appendChild(episodeRow(m));
+    episodesNext = page.next;
+    more.hidden = !episodesNext;
+    const who = episodesScope ? "“" + episodesScope + "”" : "your own scope";
+    const count = body.rows.length;
+    note.textContent = count
+      ? count + " episode" + (count === 1 ? "" : "s") + " of " + who + (episodesNext ? " (more below)" : "") + "."
+      : "No episodes in " + who + ".";
+  }
+
+  function episodeRow(m) {
+    const row = document.createElement("tr");
+    row.dataset.nodeId = m.node_id;
+    cell(row, m.at, "nowrap");
+    cell(row, m.preview, "detail");
+    cell(row, m.node_id, "mono");
+    const td = document.createElement("td");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "danger";
+    button.textContent = "Delete";
+    button.setAttribute("aria-label", "Delete episode " + m.preview);
+    button.addEventListener("click", () => deleteEpisode(row, m, button));
+    td.appendChild(button);
+    row.appendChild(td);
+    return row;
+  }
+
+  async function deleteEpisode(row, m, button) {
+    const note = $("episodes-note");
+    const params = { node_id: m.node_id };
+    if (episodesScope) params.scope = episodesScope;
+    button.disabled = true;
+    let result;
+    try {
+      result = await rpc("memory.delete", params);
+    } catch (err) {
+      button.disabled = false;
+      note.textContent = "Delete failed: " + describe(err);
+      button.focus();
+      return;
+    }
+    if (!result.deleted) {
+      button.disabled = false;
+      note.textContent = "Not deleted: episode " + m.node_id + " is not in this scope, or is already gone.";
+      return;
+    }
+    // Keep the keyboard where it was: the next row's button, else the previous one's.
+    const neighbour = row.nextElementSibling || row.previousElementSibling;
+    row.remove();
+    note.textContent = "Deleted episode " + m.node_id + ".";
+    const next = neighbour ? neighbour.querySelector("button") : null;
+    (next || $("episodes-scope")).focus();
+  }
+
+  // ---- wiring ----
+  function init() {
+    $("sign-in-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      signIn($("token").value.trim(), false);
+    });
+    $("sign-out").addEventListener("click", () => signOut("Signed out."));
+    $("recall-form").addEventListener("submit", recall);
+    $("episodes-form").addEventListener("submit", listEpisodes);
+    $("episodes-more").addEventListener("click", () => loadEpisodes(episodesNext));
+    // Headings that take focus after sign-in, for screen readers and keyboards.
+    $("status-title").tabIndex = -1;
+    const saved = sessionStorage.getItem(TOKEN_KEY);
+    if (saved) {
+      signIn(saved, true);
+    } else {
+      $("token").focus();
+    }
+  }
+
+  init();
+})();

@@ -1,0 +1,334 @@
+"""The operator console in a real headless Chromium, against the real stack.
+
+The embedded store, the real gRPC ``MemoryService`` and the real app under uvicorn
+(:func:`tests.e2e.scoped.scoped_stack`, ``user`` scope mode), and Debian's ``chromium``
+driven by Playwright (:mod:`tests.support.browser`). The page is used as an operator would:
+by label and role, with the keyboard where it matters, and every wait is one of Playwright's
+bounded expectations, never a sleep. A screenshot of each state is saved under
+``tests/artifacts/console/``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.async_api import BrowserContext, Page, Route, expect
+
+from gateway_http.auth import mint_token
+from tests.e2e.scoped import HEADER, JWT_SECRET, ScopedStack, jwt, scoped_stack
+from tests.support.browser import artifact_dir, chromium
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+ADMIN = jwt("ops", admin=True)
+ALICE = jwt("alice")
+FACT = "My locker code is 4417 and my locker is the blue zebra one"
+OTHER = "I keep a spare zebra key in the kitchen drawer"
+ASK = "Which zebra locker is mine, and its code?"
+RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+WAIT_MS = 10_000
+BREAKER_FAILURES = 2
+
+
+@dataclass
+class Watched:
+    """A page and what it did: every URL it asked for, every script error it met."""
+
+    page: Page
+    context: BrowserContext
+    shots: Path
+    urls: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    async def shot(self, name: str) -> None:
+        await self.page.screenshot(path=self.shots / f"{name}.png", full_page=True)
+
+    def assert_clean(self, token: str) -> None:
+        assert all(token not in url for url in self.urls)
+        # A 404 for /metrics (or a favicon) is reported as "Failed to load resource";
+        # anything else (a CSP violation, a script error) is a fault of the page.
+        assert [p for p in self.problems if not p.startswith("Failed to load resource")] == []
+
+
+async def open_console(stack: ScopedStack, context: BrowserContext, shots: Path) -> Watched:
+    page = await context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    watched = Watched(page, context, shots)
+    page.on("request", lambda request: watched.urls.append(request.url))
+    page.on(
+        "console",
+        lambda message: watched.problems.append(message.text) if message.type == "error" else None,
+    )
+    page.on("pageerror", lambda error: watched.problems.append(str(error)))
+    await page.goto(stack.base_url + "/console")
+    return watched
+
+
+async def sign_in(page: Page, token: str) -> None:
+    field_ = page.get_by_label("Admin JWT")
+    await field_.fill(token)
+    await field_.press("Enter")
+
+
+async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> None:
+    shots = artifact_dir("console")
+    async with (
+        scoped_stack(
+            tmp_path,
+            memory_breaker_failures=BREAKER_FAILURES,
+            # Open for the rest of the test once it opens.
+            memory_breaker_cooldown_s=600.0,
+            memory_timeout_s=1.0,
+        ) as stack,
+        chromium() as browser,
+    ):
+        await stack.say("rpc", ALICE, FACT)
+        await stack.say("rpc", ALICE, OTHER)
+        await stack.settle()
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        watched = await open_console(stack, context, shots)
+        page = watched.page
+
+        # Sign in: the token field has the focus; a user's token and a forged one are refused.
+        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        await watched.shot("01-sign-in")
+        await sign_in(page, ALICE)
+        await expect(page.get_by_role("alert")).to_have_text("This token is not an admin's.")
+        await sign_in(page, "not.a.token")
+        await expect(page.get_by_role("alert")).to_contain_text("Token refused")
+        await expect(page.locator("#console")).to_be_hidden()
+        await watched.shot("02-token-refused")
+        await sign_in(page, ADMIN)
+        await expect(page.locator("#breaker")).to_have_text("closed")
+        await expect(page.locator("#enabled")).to_have_text("on")
+        await expect(page.locator("#writeback")).to_have_text("on")
+        await expect(page.locator("#scope-mode")).to_have_text("user")
+        await expect(page.locator("#outbox-depth")).to_have_text("0")
+        await expect(page.locator("#who")).to_contain_text("ops (admin)")
+        await expect(page.get_by_label("Admin JWT")).to_have_value("")
+        assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") == ADMIN
+        assert "token" not in page.url
+        await watched.shot("03-signed-in")
+
+        # A reload stays signed in (the tab keeps the token), with no token typed again.
+        await page.reload()
+        await expect(page.locator("#breaker")).to_have_text("closed")
+
+        # The recall tester shows exactly the section a turn would inject.
+        await page.get_by_label("Query").fill(ASK)
+        await page.locator("#recall-scope").fill("alice")
+        await page.get_by_label("Query").press("Enter")
+        section = page.locator("#recall-section")
+        await expect(section).to_contain_text(HEADER)
+        await expect(section).to_contain_text("4417")
+        expected = await stack.result(ADMIN, "memory.recall", {"query": ASK, "scope": "alice"})
+        assert await section.text_content() == expected["section"]
+        await expect(page.locator("#recall-memories tbody tr")).to_have_count(
+            len(expected["memories"])
+        )
+        await expect(page.locator("#recall-state")).to_contain_text("State: enabled")
+        # The event feed refreshes by itself: the tester's recall shows up.
+        recall_event = page.locator("#events-table tbody tr.event-recall", has_text=ASK)
+        await expect(recall_event.first).to_be_visible()
+        await watched.shot("04-recall")
+
+        # A user's episodes, listed and one deleted with the keyboard.
+        await page.locator("#episodes-scope").fill("alice")
+        await page.locator("#episodes-scope").press("Enter")
+        rows = page.locator("#episodes-table tbody tr")
+        await expect(rows).to_have_count(2)
+        await watched.shot("05-episodes")
+        delete = rows.filter(has_text="4417").get_by_role("button", name="Delete episode")
+        await delete.focus()
+        await page.keyboard.press("Enter")
+        await expect(rows).to_have_count(1)
+        await expect(rows.filter(has_text="4417")).to_have_count(0)
+        await expect(page.locator("#episodes-note")).to_contain_text("Deleted episode")
+        # The focus stays in the table, on the remaining row's button.
+        await expect(rows.get_by_role("button", name="Delete episode")).to_be_focused()
+        listed = await stack.result(ADMIN, "memory.list", {"scope": "alice"})
+        remaining = await rows.locator("td").nth(1).text_content()
+        assert [m["preview"] for m in listed["memories"]] == [remaining]
+        assert all("4417" not in text for text in stack.stored_texts())
+        await watched.shot("06-episode-deleted")
+
+        # Philia stops: turns go on offline, the breaker opens, the page shows it.
+        await stack.store.stop()
+        for _ in range(BREAKER_FAILURES):
+            said = await stack.say("rpc", ALICE, ASK)
+            assert said.memory == "offline"
+        await expect(page.locator("#breaker")).to_have_text("open", timeout=WAIT_MS)
+        await expect(page.locator("#breaker-opened-at")).to_have_text(RFC3339_MS)
+        error_event = page.locator("#events-table tbody tr.event-error")
+        await expect(error_event.first).to_be_visible()
+        await watched.shot("07-breaker-open")
+
+        watched.assert_clean(ADMIN)
+        await context.close()
+
+
+def _exposition(n: int) -> str:
+    """``/metrics`` after ``n`` scrapes: 12 enabled and 1 offline turn between two."""
+    return "\n".join(
+        [
+            "# HELP arona_turns_total Chat turns.",
+            "# TYPE arona_turns_total counter",
+            f'arona_turns_total{{surface="rest",memory="enabled",outcome="ok"}} {6 * n}.0',
+            f'arona_turns_total{{surface="rpc",memory="enabled",outcome="ok"}} {6 * n}.0',
+            f'arona_turns_total{{surface="sse",memory="offline",outcome="ok"}} {n}.0',
+            'arona_turns_total{surface="rest",memory="disabled",outcome="error"} 3.0',
+            f'arona_turns_created{{surface="rest",memory="enabled",outcome="ok"}} {n}.0',
+            "",
+        ]
+    )
+
+
+async def test_turns_per_minute_from_metrics_and_without_them(tmp_path: Path) -> None:
+    shots = artifact_dir("console")
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        scrapes = 0
+        available = True
+
+        async def metrics(route: Route) -> None:
+            nonlocal scrapes
+            if not available:
+                await route.fulfill(status=404, json={"error": {"message": "Not Found"}})
+                return
+            scrapes += 1
+            await route.fulfill(
+                status=200, body=_exposition(scrapes), content_type="text/plain; version=0.0.4"
+            )
+
+        handler: Callable[[Route], Awaitable[Any]] = metrics
+        await context.route("**/metrics", handler)
+        watched = await open_console(stack, context, shots)
+        page = watched.page
+        await sign_in(page, ADMIN)
+
+        await expect(page.locator("#metrics-note")).to_contain_text("Over the last")
+        # Both read at once, from one refresh.
+        enabled, offline = map(
+            float,
+            await page.evaluate(
+                "() => ['tpm-enabled', 'tpm-offline']"
+                ".map(id => document.getElementById(id).textContent)"
+            ),
+        )
+        assert enabled > 0 and enabled == pytest.approx(12 * offline, rel=0.05)
+        await expect(page.locator("#tpm-disabled")).to_have_text("0.0")
+        await expect(page.locator("#total-disabled")).to_have_text("3")
+        await watched.shot("08-turns-per-minute")
+
+        # A gateway without /metrics: the panel says so, the rest goes on.
+        available = False
+        await expect(page.locator("#metrics-note")).to_contain_text("Metrics not available")
+        await expect(page.locator("#tpm-enabled")).to_have_text("–")
+        await expect(page.locator("#breaker")).to_have_text("closed")
+        await page.get_by_label("Query").fill("anything")
+        await page.get_by_label("Query").press("Enter")
+        await expect(page.locator("#recall-state")).to_contain_text("State: disabled")
+        await watched.shot("09-metrics-not-available")
+        watched.assert_clean(ADMIN)
+        await context.close()
+
+
+async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> None:
+    shots = artifact_dir("console")
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        await stack.say("rpc", ALICE, FACT)
+        await stack.settle()
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        watched = await open_console(stack, context, shots)
+        page, keyboard = watched.page, watched.page.keyboard
+
+        async def focused() -> str:
+            return str(await page.evaluate("() => document.activeElement.id || ''"))
+
+        async def outline_visible() -> bool:
+            style = await page.evaluate(
+                "() => { const s = getComputedStyle(document.activeElement);"
+                " return [s.outlineStyle, s.outlineWidth]; }"
+            )
+            return bool(style[0] != "none" and style[1] != "0px")
+
+        # The token field has the focus on arrival; type, Enter.
+        assert await focused() == "token"
+        assert await outline_visible()
+        await keyboard.press("Tab")
+        assert await page.evaluate("() => document.activeElement.textContent") == "Sign in"
+        assert await outline_visible()
+        await keyboard.press("Shift+Tab")
+        await keyboard.type(ADMIN)
+        await keyboard.press("Enter")
+        await expect(page.locator("#breaker")).to_have_text("closed")
+
+        # Then the tab order runs through the recall tester's fields in reading order.
+        order = []
+        for _ in range(4):
+            await keyboard.press("Tab")
+            order.append(
+                await focused() or await page.evaluate("() => document.activeElement.textContent")
+            )
+            assert await outline_visible()
+        assert order == ["recall-query", "recall-scope", "recall-limit", "Recall"]
+        await keyboard.press("Shift+Tab")
+        await keyboard.press("Shift+Tab")
+        await keyboard.type("alice")
+        await keyboard.press("Shift+Tab")
+        await keyboard.type(ASK)
+        await keyboard.press("Enter")
+        await expect(page.locator("#recall-section")).to_contain_text("4417")
+
+        # On to the episodes: their scope field, then its button; the list shows Alice's.
+        while await focused() != "episodes-scope":
+            await keyboard.press("Tab")
+        await keyboard.type("alice")
+        await keyboard.press("Enter")
+        await expect(page.locator("#episodes-table tbody tr")).to_have_count(1)
+        await keyboard.press("Tab")
+        assert await page.evaluate("() => document.activeElement.textContent") == "List episodes"
+        await keyboard.press("Tab")
+        assert await page.evaluate("() => document.activeElement.textContent") == "Delete"
+        await keyboard.press("Enter")
+        await expect(page.locator("#episodes-table tbody tr")).to_have_count(0)
+        # The focus does not fall out of the page.
+        assert await focused() == "episodes-scope"
+
+        # Sign out is a button too; the token is gone from the tab.
+        await page.get_by_role("button", name="Sign out").focus()
+        await keyboard.press("Enter")
+        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
+        watched.assert_clean(ADMIN)
+        await context.close()
+
+
+async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        context = await browser.new_context()
+        watched = await open_console(stack, context, artifact_dir("console"))
+        page = watched.page
+        short = mint_token(JWT_SECRET, "ops", 3, admin=True)
+        await sign_in(page, short)
+        await expect(page.locator("#breaker")).to_have_text("closed")
+        # The next refresh after the token's exp is refused: back to the sign-in form.
+        await expect(page.get_by_role("alert")).to_contain_text("Token refused", timeout=15_000)
+        await expect(page.locator("#console")).to_be_hidden()
+        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
+
+        # A tab that still holds a refused token starts signed out and says why.
+        await page.evaluate("t => sessionStorage.setItem('arona.console.jwt', t)", short)
+        await page.reload()
+        await expect(page.get_by_role("alert")).to_have_text(
+            re.compile("^Signed out: Token refused")
+        )
+        await expect(page.locator("#console")).to_be_hidden()
+        watched.assert_clean(short)
+        await context.close()

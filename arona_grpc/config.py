@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     data_dir: Path = Path(".arona")
     log_level: str = "info"
+    # "text" or "json" (one JSON object per line).
+    log_format: str = "text"
+    # Prometheus metrics: recorded and exposed at /metrics (false: neither).
+    metrics: bool = True
+    # When set, /metrics on the HTTP listener asks for `Authorization: Bearer <token>`.
+    metrics_token: str | None = field(default=None, repr=False)
+    # The gRPC service's own metrics listener (None: off).
+    grpc_metrics_port: int | None = None
     # postgresql://…: conversations, the episode index and the outbox shared by every replica;
     # None = SQLite files under data_dir.
     database_url: str | None = field(default=None, repr=False)
@@ -134,10 +143,44 @@ class Settings:
             api_keys=_api_keys(env),
             data_dir=Path(_str(env, "ARONA_DATA_DIR") or ".arona"),
             log_level=_log_level(env),
+            log_format=_log_format(env),
+            metrics=_strict_bool(env, "ARONA_METRICS", True),
+            metrics_token=_str(env, "ARONA_METRICS_TOKEN"),
+            grpc_metrics_port=(
+                _port(env, "ARONA_GRPC_METRICS_PORT", 0)
+                if _str(env, "ARONA_GRPC_METRICS_PORT") is not None
+                else None
+            ),
             database_url=_database_url(env),
             memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
             writeback_journal=_strict_bool(env, "ARONA_WRITEBACK_JOURNAL", True),
         )
+
+    @property
+    def secret_values(self) -> tuple[str, ...]:
+        """Every configured secret, for the log formatters' backstop."""
+        values = (
+            self.memory_token,
+            self.jwt_secret,
+            self.upstream_api_key,
+            self.metrics_token,
+            self.grpc_token,
+            self.database_url,
+            _url_password(self.database_url),
+            # A named entry's key (`name=key`) and the entry as written.
+            *(entry.partition("=")[2] for entry in self.api_keys),
+            *self.api_keys,
+        )
+        return tuple(v for v in values if v)
+
+
+def _url_password(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
 
 
 def _str(env: Mapping[str, str], name: str) -> str | None:
@@ -234,6 +277,13 @@ def _memory_scope(env: Mapping[str, str]) -> str:
     raw = _str(env, "ARONA_MEMORY_SCOPE") or SCOPE_SHARED
     if raw not in SCOPE_MODES:
         raise ConfigError(f"ARONA_MEMORY_SCOPE must be 'shared' or 'user', got {raw!r}")
+    return raw
+
+
+def _log_format(env: Mapping[str, str]) -> str:
+    raw = (_str(env, "ARONA_LOG_FORMAT") or "text").lower()
+    if raw not in ("text", "json"):
+        raise ConfigError(f"ARONA_LOG_FORMAT must be 'text' or 'json', got {raw!r}")
     return raw
 
 

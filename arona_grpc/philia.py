@@ -38,6 +38,7 @@ import itertools
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ import aiohttp
 import orjson
 import yarl
 
+from arona_grpc.metrics import PhiliaMetrics
 from arona_grpc.redact import redact_text, redact_url
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,12 @@ _HEARTBEAT = b'{"jsonrpc":"2.0","method":"Base.Heartbeat"}'
 # How long a closing handshake aiohttp starts itself (after a protocol error from the
 # peer) waits for the peer's answer; our own faults abort instead.
 _CLOSE_TIMEOUT_S = 1.0
+# The ``method`` label of each call in the metrics.
+_METRIC_METHODS = {
+    "Sync.MemoryQueryRequest": "query",
+    "Sync.MemoryStoreRequest": "store",
+    "Sync.MemoryDeleteRequest": "delete",
+}
 
 
 @dataclass(frozen=True)
@@ -293,9 +301,16 @@ class PhiliaClient:
     """Lazy, shared, self-healing JSON-RPC link to Philia."""
 
     def __init__(
-        self, url: str, token: str, timeout_s: float, *, heartbeat_s: float | None = HEARTBEAT_S
+        self,
+        url: str,
+        token: str,
+        timeout_s: float,
+        *,
+        heartbeat_s: float | None = HEARTBEAT_S,
+        metrics: PhiliaMetrics | None = None,
     ) -> None:
-        """``heartbeat_s``: how long a link may stay quiet before a heartbeat (None: never)."""
+        """``heartbeat_s``: how long a link may stay quiet before a heartbeat (None: never);
+        ``metrics``: where each call's method, outcome and time are recorded."""
         if heartbeat_s is not None and not heartbeat_s > 0:
             raise ValueError("heartbeat_s must be positive (or None for no heartbeats)")
         self._url = url
@@ -309,6 +324,9 @@ class PhiliaClient:
         self._ids = itertools.count(1)
         self._connecting: asyncio.Task[_Connection] | None = None
         self._closed = False
+        self._metrics = metrics
+        self.connects = 0
+        """Connections opened (handshake done) since the client was made."""
 
     @property
     def redacted_url(self) -> str:
@@ -405,6 +423,8 @@ class PhiliaClient:
         attempt: asyncio.Task[_Connection] | None = None
         loop = asyncio.get_running_loop()
         sent_at = math.inf
+        # For the metrics: the loop's clock may count whole milliseconds (uvloop).
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
                 conn = self._live_connection()
@@ -413,7 +433,12 @@ class PhiliaClient:
                     conn = await self._join(attempt)
                 sent_at = loop.time()
                 result = await conn.request(method, params)
-            return parse(result)
+            parsed = parse(result)
+            if self._metrics is not None:
+                self._metrics.philia_call(
+                    _METRIC_METHODS[method], "ok", time.perf_counter() - started
+                )
+            return parsed
         except TimeoutError:
             error: PhiliaError = PhiliaTimeout(
                 f"{method}: no answer from Philia within {deadline_s:.3g} s"
@@ -433,6 +458,11 @@ class PhiliaClient:
                 self._connecting = None
         if conn is not None:
             self._drop(conn, error)
+        if self._metrics is not None:
+            outcome = "timeout" if isinstance(error, PhiliaTimeout) else "error"
+            self._metrics.philia_call(
+                _METRIC_METHODS[method], outcome, time.perf_counter() - started
+            )
         raise error
 
     def _drop(self, conn: _Connection, reason: PhiliaError) -> None:
@@ -506,6 +536,7 @@ class PhiliaClient:
             if isinstance(exc, PhiliaRPCError):
                 raise PhiliaUnavailable(f"Philia refused the handshake: {exc}") from None
             raise
+        self.connects += 1
         logger.info("connected to Philia at %s", self.redacted_url)
         return conn
 

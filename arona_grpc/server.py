@@ -9,9 +9,11 @@ finish within the grace period and closes the Philia link.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +26,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
+from arona_grpc.metrics import start_metrics_server
 from arona_grpc.security import BearerTokenInterceptor, check_exposure, server_credentials
 from arona_grpc.service import MemoryDomain
 from arona_grpc.servicer import MemoryServicer
@@ -84,6 +87,7 @@ class GrpcServer:
         domain: MemoryDomain,
         target: str,
         owned_pool: Any | None = None,
+        metrics_server: WSGIServer | None = None,
     ) -> None:
         self._server = server
         # A database pool the server opened itself (closed with it).
@@ -92,6 +96,11 @@ class GrpcServer:
         self.domain = domain
         self.target = target
         self.port = int(target.rsplit(":", 1)[1])
+        self._metrics_server = metrics_server
+        self.metrics_port: int | None = (
+            metrics_server.server_port if metrics_server is not None else None
+        )
+        """The port of the service's own ``/metrics`` listener (None when it is off)."""
         self._stopped = False
 
     @classmethod
@@ -133,6 +142,21 @@ class GrpcServer:
             if owned_pool is not None:
                 await owned_pool.close()
             raise GrpcBindError(f"cannot listen for gRPC on {address}: address in use or invalid")
+        metrics_server: WSGIServer | None = None
+        if settings.grpc_metrics_port is not None and domain.metrics is not None:
+            try:
+                metrics_server = start_metrics_server(
+                    domain.metrics.registry(), settings.grpc_host, settings.grpc_metrics_port
+                )
+            except OSError as exc:
+                await server.stop(None)
+                await domain.aclose()
+                if owned_pool is not None:
+                    await owned_pool.close()
+                raise GrpcBindError(
+                    f"cannot listen for metrics on {settings.grpc_host}:"
+                    f"{settings.grpc_metrics_port}: {exc.strerror or exc}"
+                ) from None
         await server.start()
         # An outbox left by an earlier run starts replaying now.
         await domain.start()
@@ -149,7 +173,13 @@ class GrpcServer:
             "TLS" if credentials is not None else "plaintext",
             "bearer token required" if settings.grpc_token else "no token",
         )
-        return cls(server, health_servicer, domain, target, owned_pool)
+        if metrics_server is not None:
+            logger.info(
+                "MemoryService metrics on http://%s:%d/metrics",
+                target.rsplit(":", 1)[0],
+                metrics_server.server_port,
+            )
+        return cls(server, health_servicer, domain, target, owned_pool, metrics_server)
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
@@ -163,6 +193,10 @@ class GrpcServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await self.domain.aclose(grace)
+        if self._metrics_server is not None:
+            # serve_forever ends within its poll interval (0.5 s): not on the event loop.
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
         if self._owned_pool is not None:
             await self._owned_pool.close()
         logger.info("MemoryService stopped")

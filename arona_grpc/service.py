@@ -54,6 +54,7 @@ from typing import Any
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import SCOPE_SHARED, Settings
 from arona_grpc.episodes import EpisodeIndex, IndexPage, IndexUnavailable, open_index
+from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
@@ -287,10 +288,15 @@ class MemoryDomain:
         clock: Callable[[], float] = time.monotonic,
         index: EpisodeIndex | None = None,
         pool: Any | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         """``pool`` (PostgreSQL, ``ARONA_DATABASE_URL``) holds the index and the outbox;
         without it they are SQLite files under ``ARONA_DATA_DIR``."""
         self._settings = settings
+        # ARONA_METRICS=false: none at all.
+        self.metrics = metrics or (ServiceMetrics() if settings.metrics else None)
+        if self.metrics is not None:
+            self.metrics.watch(self)
         self._user_scoped = settings.user_scoped
         self._client: PhiliaClient | None = None
         self._index: EpisodeIndex | None = None
@@ -298,7 +304,10 @@ class MemoryDomain:
             assert settings.memory_url is not None and settings.memory_token is not None
             # Lazy: constructing the client opens nothing.
             self._client = client or PhiliaClient(
-                settings.memory_url, settings.memory_token, settings.memory_timeout_s
+                settings.memory_url,
+                settings.memory_token,
+                settings.memory_timeout_s,
+                metrics=self.metrics,
             )
             # Lazy too: the file appears with the first episode (or the first List).
             self._index = index or open_index(settings.data_dir, pool, settings.database_url)

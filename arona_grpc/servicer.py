@@ -19,6 +19,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.breaker import BreakerState
 from arona_grpc.config import SCOPE_SHARED, SCOPE_USER
 from arona_grpc.episodes import IndexPage
+from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER, sane_request_id
 from arona_grpc.service import (
     EventKind,
     InvalidArgument,
@@ -83,6 +84,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
         try:
+            _adopt_request_id(context)
             # The caller's deadline bounds the recall too: the service never outlasts it.
             outcome = await self._domain.recall(
                 request.query,
@@ -96,6 +98,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             add = reply.memories.add
             for m in outcome.memories:
                 add(text=m.text, score=m.score, node_type=m.node_type)
+            logger.debug("Recall: %s, %d memories", outcome.state.value, len(outcome.memories))
             return reply
         except Exception as exc:
             await _abort(context, "Recall", exc)
@@ -104,15 +107,18 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self, request: pb.WritebackRequest, context: Context
     ) -> pb.WritebackResponse:
         try:
+            _adopt_request_id(context)
             outcome = await self._domain.writeback(
                 request.user, request.assistant, request.scope, request.episode_id
             )
+            logger.debug("Writeback: %s", outcome.node_id if outcome.stored else "not stored")
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
         except Exception as exc:
             await _abort(context, "Writeback", exc)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         try:
+            _adopt_request_id(context)
             deleted = await self._domain.delete(request.node_id, request.scope)
             return pb.DeleteResponse(deleted=deleted)
         except Exception as exc:
@@ -120,12 +126,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         try:
+            _adopt_request_id(context)
             return _status_reply(self._domain.status(request.limit))
         except Exception as exc:
             await _abort(context, "Status", exc)
 
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
         try:
+            _adopt_request_id(context)
             page = await self._domain.list_episodes(request.scope, request.limit, request.before)
             return _list_reply(page)
         except Exception as exc:
@@ -133,9 +141,20 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
         try:
+            _adopt_request_id(context)
             return pb.ForgetResponse(deleted=await self._domain.forget(request.scope))
         except Exception as exc:
             await _abort(context, "Forget", exc)
+
+
+def _adopt_request_id(context: Context) -> None:
+    """Log this RPC under the caller's ``x-request-id`` (the RPC runs in its own task)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            request_id = sane_request_id(value if isinstance(value, str) else None)
+            if request_id is not None:
+                REQUEST_ID.set(request_id)
+            return
 
 
 async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:

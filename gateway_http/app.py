@@ -4,12 +4,17 @@
 ``MemoryService`` (the only way this layer reaches memory), one upstream
 client, and the conversation database, and closes them on shutdown after
 giving pending writebacks a short grace period.
+
+Every HTTP request gets its request id in :class:`GatewayApp` (returned as
+``X-Request-Id``), and ``GET /metrics`` serves the Prometheus exposition of
+:mod:`gateway_http.metrics` (unless ``ARONA_METRICS=false``).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,12 +23,15 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
-from gateway_http.auth import ApiKeys, JwtVerifier, RestAuth
+from arona_grpc.logs import REQUEST_ID, request_id_or_new
+from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, bearer
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import (
@@ -34,6 +42,7 @@ from gateway_http.grpc_channel import (
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
@@ -58,6 +67,17 @@ def _internal_error(request: Request) -> Response:
     return _error_response(GatewayError(ErrorKind.INTERNAL, "Internal error", "internal_error"))
 
 
+_REQUEST_ID_KEY = b"x-request-id"
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == _REQUEST_ID_KEY:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
 class GatewayApp(FastAPI):
     """The FastAPI app, with the chat-completions route served without the framework layers.
 
@@ -66,44 +86,109 @@ class GatewayApp(FastAPI):
     everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
     dependencies, so it is dispatched here straight to the same handler, with the same error
     mapping as the exception handlers below; every other request goes through FastAPI.
+
+    Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
+    sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
+    request's log lines and gRPC calls, and returned as ``X-Request-Id`` on the response.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] == rest.CHAT_COMPLETIONS_PATH
-            and scope["method"] == "POST"
-        ):
-            scope["app"] = self
-            request = Request(scope, receive, send)
-            try:
-                response = await rest.chat_completions(request)
-            except GatewayError as exc:
-                response = _error_response(exc)
-            except rest.ClientGone:
-                # Nobody is left to answer.
-                return
-            except Exception:
-                response = _internal_error(request)
-            await response(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        request_id = request_id_or_new(_incoming_request_id(scope))
+        token = REQUEST_ID.set(request_id)
+        try:
+            if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
+                await self._chat_completions(scope, receive, send, request_id)
+            else:
+                await super().__call__(scope, receive, _with_request_id(send, request_id))
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _chat_completions(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> None:
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            response = await rest.chat_completions(request)
+        except GatewayError as exc:
+            response = _error_response(exc)
+        except rest.ClientGone:
+            # Nobody is left to answer.
+            return
+        except Exception:
+            response = _internal_error(request)
+        response.raw_headers.append((_REQUEST_ID_KEY, request_id.encode("latin-1")))
+        await response(scope, receive, send)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    header = (_REQUEST_ID_KEY, request_id.encode("latin-1"))
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), header]
+        await send(message)
+
+    return sending
+
+
+METRICS_PATH = "/metrics"
+
+
+def _add_metrics_route(app: FastAPI, metrics: GatewayMetrics, settings: Settings) -> None:
+    """``GET /metrics``: the Prometheus text exposition.
+
+    Open unless ``ARONA_METRICS_TOKEN`` is set; then the bearer must be that token, or a JWT
+    that may read ``memory.status`` (any valid one in shared mode, an admin's in user mode),
+    so the console, which shows the turn counts, scrapes with the token it already holds.
+    """
+    registry = metrics.registry()
+    token = settings.metrics_token
+    expected = token.encode() if token else None
+    verifier = JwtVerifier(settings.jwt_secret)
+
+    def allowed(credential: str | None) -> bool:
+        if expected is None:
+            return True
+        if credential is None:
+            return False
+        if hmac.compare_digest(credential.encode(), expected):
+            return True
+        try:
+            principal = verifier.principal(credential)
+        except AuthError:
+            return False
+        return principal.admin or not settings.user_scoped
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def metrics_endpoint(request: Request) -> Response:
+        if not allowed(bearer(request.headers.get("authorization"))):
+            raise GatewayError(
+                ErrorKind.AUTH, "Invalid or missing metrics token", "invalid_metrics_token"
+            )
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(
     settings: Settings,
     memory_client: MemoryClient | None = None,
     backend: ChatBackend | None = None,
+    metrics_collectors: Iterable[Collector] = (),
     *,
     pool: Any | None = None,
     worker: int = 0,
 ) -> FastAPI:
     """The app; with ``ARONA_DATABASE_URL`` its conversations use ``pool``, or a pool the
-    lifespan opens (and closes)."""
+    lifespan opens (and closes). ``metrics_collectors`` are shown on its ``/metrics`` beside
+    its own (the gRPC service's, when it runs in the same process)."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
     owns_backend = backend is None
     chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
+    metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
     # Likewise an unreadable ARONA_GRPC_TLS_CA (read here to fail early, and again by the
     # lifespan when it opens the channel).
     if memory_client is None:
@@ -119,6 +204,7 @@ def create_app(
                 channel,
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
+                metrics=metrics,
                 metadata=memory_call_metadata(settings),
             )
         db_pool = pool
@@ -129,7 +215,12 @@ def create_app(
             Journal(journal_path(settings.data_dir, worker)) if settings.writeback_journal else None
         )
         pipeline = TurnPipeline(
-            memory, chat_backend, conversations, user_scoped=settings.user_scoped, journal=journal
+            memory,
+            chat_backend,
+            conversations,
+            user_scoped=settings.user_scoped,
+            journal=journal,
+            metrics=metrics,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
@@ -167,6 +258,8 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
     app.include_router(console.router)
+    if settings.metrics:
+        _add_metrics_route(app, metrics, settings)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

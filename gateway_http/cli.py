@@ -102,11 +102,10 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _configure_logging(settings: Settings) -> None:
+    from arona_grpc.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format, settings.secret_values)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -197,6 +196,7 @@ async def run_parts(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     running = Running(settings)
+    metrics_collectors = []
     grpc_server: GrpcServer | None = None
     http_server: _Uvicorn | None = None
     http_task: asyncio.Task[None] | None = None
@@ -209,6 +209,9 @@ async def run_parts(
                     f"cannot listen on {settings.grpc_host}:{settings.grpc_port}: {exc}"
                 ) from None
             running.grpc_target = grpc_server.target
+            if grpc_server.domain.metrics is not None:
+                # One process: its /metrics shows the gRPC service's metrics too.
+                metrics_collectors.append(grpc_server.domain.metrics.collector)
             if not settings.grpc_target:
                 # Port 0 asks for a free port: the HTTP layer must call the real one.
                 settings = dataclasses.replace(settings, grpc_port=grpc_server.port)
@@ -221,7 +224,9 @@ async def run_parts(
                 sock = _listen(settings.http_host, settings.http_port)
             port = sock.getsockname()[1]
             config = uvicorn.Config(
-                create_app(settings, pool=pool, worker=worker),
+                create_app(
+                    settings, metrics_collectors=metrics_collectors, pool=pool, worker=worker
+                ),
                 log_config=None,
                 # Access logs would print WebSocket URLs, which may carry a JWT.
                 access_log=False,
@@ -257,6 +262,23 @@ async def run_parts(
             await grpc_server.stop(GRPC_GRACE_S)
         if pool is not None:
             await pool.close()
+        forget_live_metrics()
+
+
+def forget_live_metrics() -> None:
+    """In multiprocess mode, drop this process's live gauges from the shared directory.
+
+    ``prometheus_client`` keeps each process's values in ``PROMETHEUS_MULTIPROC_DIR``;
+    counters and histograms of an ended process keep counting in the totals (as they must),
+    live gauges must not. A no-op in one process.
+    """
+    from arona_grpc.metrics import multiprocess_dir
+
+    directory = multiprocess_dir()
+    if directory is not None:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        mark_process_dead(os.getpid(), directory)  # type: ignore[no-untyped-call]
 
 
 @contextlib.asynccontextmanager
@@ -299,6 +321,10 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
         f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
         f"  console  {http}/console  (sign in with `arona-gateway token --sub ops --admin`)",
         f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
+    ]
+    if running.settings.metrics:
+        lines.append(f"  metrics  {http}/metrics  (Prometheus; ARONA_METRICS)")
+    lines += [
         f"  scope    {scope}  ({_SCOPE_WORDS[scope]}; ARONA_MEMORY_SCOPE)",
     ]
     if store_url is not None:
@@ -577,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefer_grpc_iomgr(env)
     try:
         settings = Settings.from_env(env)
-        _configure_logging(settings.log_level)
+        _configure_logging(settings)
         only = getattr(args, "only", None)  # `serve --only`; `up` runs every part
         if args.command == "up" or (args.command == "serve" and only != "http"):
             # Before any part starts: a gRPC listener it would refuse (beyond loopback

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
+from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, Principal, bearer
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
@@ -83,6 +84,8 @@ _Id = str | int | None
 class _Method:
     handler: Handler
     params: type[pydantic.BaseModel]
+    # Told when a call's params are refused (True over WebSocket).
+    on_invalid: Callable[[bool], None] | None = None
 
 
 class _NoResponse:
@@ -160,11 +163,21 @@ class Dispatcher:
         """The registered method names."""
         return tuple(self._methods)
 
-    def register(self, name: str, handler: Handler, params: type[pydantic.BaseModel]) -> None:
-        """Register ``handler`` under ``name``; its params are validated into ``params`` first."""
+    def register(
+        self,
+        name: str,
+        handler: Handler,
+        params: type[pydantic.BaseModel],
+        on_invalid: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Register ``handler`` under ``name``; its params are validated into ``params`` first.
+
+        ``on_invalid`` is called when a call's params are refused (with whether it came over
+        WebSocket), for the metrics of a method that counts its calls.
+        """
         if name in self._methods:
             raise ValueError(f"JSON-RPC method already registered: {name}")
-        self._methods[name] = _Method(handler, params)
+        self._methods[name] = _Method(handler, params, on_invalid)
 
     async def handle(
         self, body: bytes | str, token: str | None, notify: Notify | None = None
@@ -260,6 +273,8 @@ class Dispatcher:
         try:
             model = entry.params.model_validate(params)
         except pydantic.ValidationError as exc:
+            if entry.on_invalid is not None:
+                entry.on_invalid(notify is not None)
             message, fields = _params_message(exc)
             return _error(id_, INVALID_PARAMS, message, {"fields": fields})
         except Exception:
@@ -327,6 +342,8 @@ class _RpcSocket:
             task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, data: bytes) -> None:
+        # Each message is a request of its own (this task has its own context).
+        REQUEST_ID.set(new_request_id())
         try:
             # The token is re-verified for every message: one that expires while the socket is
             # open stops working.

@@ -25,9 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
+from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
 class Recall:
     state: str
     section: str
+    # Memories in the section.
+    count: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,9 +127,11 @@ class MemoryClient:
         *,
         recall_budget_s: float,
         rpc_timeout_s: float,
+        metrics: GatewayMetrics | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
+        self._metrics = metrics or NoMetrics()
         # Sent on every MemoryService call (the bearer token); the health check needs none.
         self._metadata = metadata
         self._stub = pb_grpc.MemoryServiceStub(channel)
@@ -141,7 +147,7 @@ class MemoryClient:
             reply = await self._stub.Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
-                metadata=self._metadata,
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             self._recall_log.failed(
@@ -153,7 +159,9 @@ class MemoryClient:
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
             state = DISABLED
-        return Recall(state, reply.section if state == ENABLED else "")
+        if state != ENABLED:
+            return Recall(state, "")
+        return Recall(state, reply.section, len(reply.memories))
 
     async def recall_detail(self, query: str, limit: int, scope: str = "") -> RecallDetail:
         """What :meth:`recall` gives a turn, plus the memories its section was made of.
@@ -193,17 +201,22 @@ class MemoryClient:
         call is logged (the service's own message says whether its outbox kept the episode).
         """
         try:
-            await self._stub.Writeback(
+            reply = await self._stub.Writeback(
                 pb.WritebackRequest(
                     user=user, assistant=assistant, scope=scope, episode_id=episode_id
                 ),
                 timeout=self._rpc_timeout_s,
-                metadata=self._metadata,
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
+            self._metrics.writeback("failed")
             self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
             return _trailer(exc, QUEUED_KEY) == "1"
         self._writeback_log.succeeded()
+        if reply.stored:
+            self._metrics.writeback("stored")
+        else:
+            self._metrics.writeback("not_stored")
         return True
 
     async def delete(self, node_id: str, scope: str = "") -> bool:
@@ -254,6 +267,13 @@ class MemoryClient:
         }
         return result
 
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: the bearer token, and the request id when there is one."""
+        request_id = REQUEST_ID.get()
+        if request_id is None:
+            return self._metadata
+        return (*self._metadata, (REQUEST_ID_HEADER, request_id))
+
     async def ready(self, timeout_s: float = 2.0) -> bool:
         """Whether the gRPC service answers its health check as SERVING."""
         try:
@@ -267,7 +287,9 @@ class MemoryClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._rpc_timeout_s, metadata=self._metadata)
+            return await method(
+                request, timeout=self._rpc_timeout_s, metadata=self._call_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)

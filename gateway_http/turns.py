@@ -11,6 +11,11 @@ recall -> persist -> forward -> writeback:
 4. forward the turn upstream (whole or streamed);
 5. once the reply is complete, persist it and write the turn back as an
    episode in a background task that never blocks or alters the response.
+
+On the way it notes what the metrics and the memory headers report: the memories
+injected, the recall's time, and when the upstream call started, answered and
+ended (:class:`PreparedTurn`); each surface reports how its turn ended through
+:meth:`TurnPipeline.finished`.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
 from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
+from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream import (
     MEMORY_SECTION_HEADER,
     ChatBackend,
@@ -48,6 +55,8 @@ class TurnRequest:
     conversation_id: str | None = None
     # Whose memory the turn uses (gateway_http.auth.memory_scope); None without a principal.
     scope: str | None = None
+    # time.perf_counter() when the request arrived.
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -57,6 +66,19 @@ class PreparedTurn:
     memory_state: str
     # The last user message of the assembled context ("" when there is none).
     user_text: str
+    # Memories injected, and the time the recall took (0 when there was none).
+    memory_count: int = 0
+    recall_s: float = 0.0
+    # time.perf_counter() when the upstream call started, answered (whole reply or first
+    # chunk) and ended; 0 until then.
+    upstream_start: float = 0.0
+    upstream_first: float = 0.0
+    upstream_end: float = 0.0
+
+    def overhead_s(self, now: float) -> float:
+        """The gateway's own time until ``now``, outside the wait for the upstream's answer."""
+        waited = self.upstream_first - self.upstream_start if self.upstream_first else 0.0
+        return now - self.request.started - waited
 
 
 @dataclass
@@ -80,8 +102,10 @@ class TurnPipeline:
         *,
         user_scoped: bool = False,
         journal: Journal | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._memory = memory
+        self.metrics = metrics or NoMetrics()
         # Episodes answered but not yet taken by the memory service (durable before answered).
         self._journal = journal
         self._journal_behind = False
@@ -107,16 +131,22 @@ class TurnPipeline:
         user_text = last_user_text(messages)
 
         state = DISABLED
+        count = 0
+        recall_s = 0.0
         if (
             request.memory is not False
             and self._has_memory(request)
             and user_text.strip()
             and not has_memory_section(messages)
         ):
+            started = time.perf_counter()
             recall = await self._memory.recall(user_text, RECALL_LIMIT, request.scope or "")
+            recall_s = time.perf_counter() - started
+            self.metrics.recall(recall.state, recall_s)
             state = recall.state
             if recall.section:
                 messages.insert(0, {"role": "system", "content": recall.section})
+                count = recall.count
 
         if request.conversation_id is not None:
             # Each message whole, as the client sent it (tool calls, tool call ids, parts).
@@ -124,11 +154,25 @@ class TurnPipeline:
                 await self._conversations.append(request.conversation_id, *new_messages)
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
-        return PreparedTurn(request, upstream_body, state, user_text)
+        return PreparedTurn(request, upstream_body, state, user_text, count, recall_s)
+
+    def finished(self, turn: PreparedTurn, surface: str, outcome: str) -> None:
+        """Record a turn that ended: its outcome, and for an answered one its timings."""
+        metrics = self.metrics
+        metrics.turn(surface, turn.memory_state, outcome)
+        if outcome == "ok" and turn.upstream_first:
+            end = turn.upstream_end or turn.upstream_first
+            metrics.first_byte(surface, turn.upstream_first - turn.upstream_start)
+            metrics.overhead(
+                surface,
+                time.perf_counter() - turn.request.started - (end - turn.upstream_start),
+            )
 
     async def complete(self, turn: PreparedTurn) -> TurnReply:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
+        turn.upstream_start = time.perf_counter()
         completion = await self._backend.complete(turn.upstream_body)
+        turn.upstream_first = turn.upstream_end = time.perf_counter()
         choice = first_choice(completion)
         returned = choice.get("message")
         message: dict[str, Any] = returned if isinstance(returned, dict) else {}
@@ -152,13 +196,17 @@ class TurnPipeline:
         request at once.
         """
         reply = StreamedReply()
+        turn.upstream_start = time.perf_counter()
         upstream = self._backend.stream(turn.upstream_body)
         try:
             async for chunk in upstream:
+                if not turn.upstream_first:
+                    turn.upstream_first = time.perf_counter()
                 reply.add(chunk)
                 yield chunk
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
+        turn.upstream_end = time.perf_counter()
         await self._finish(turn, reply.text, reply.message(), writeback=writeback)
 
     async def drain(self, grace_s: float) -> None:

@@ -148,3 +148,49 @@ def test_grpc_target_follows_the_listener_unless_set() -> None:
 )
 def test_redact_url_hides_tokens_and_credentials(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_observability_settings() -> None:
+    default = Settings.from_env({})
+    assert (default.log_format, default.metrics, default.metrics_token) == ("text", True, None)
+    assert default.grpc_metrics_port is None
+    s = Settings.from_env(
+        {
+            "ARONA_LOG_FORMAT": "JSON",
+            "ARONA_METRICS": "false",
+            "ARONA_METRICS_TOKEN": "scrape-me",
+            "ARONA_GRPC_METRICS_PORT": "9464",
+        }
+    )
+    assert (s.log_format, s.metrics, s.grpc_metrics_port) == ("json", False, 9464)
+    assert "scrape-me" not in repr(s)
+    assert Settings.from_env({"ARONA_GRPC_METRICS_PORT": "0"}).grpc_metrics_port == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("ARONA_LOG_FORMAT", "yaml"), ("ARONA_GRPC_METRICS_PORT", "70000")],
+)
+def test_bad_observability_values_stop_start_up(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        Settings.from_env({name: value})
+
+
+def test_secret_values_name_every_configured_secret() -> None:
+    s = Settings.from_env(
+        {
+            "ARONA_MEMORY_TOKEN": "mem-token",
+            "ARONA_JWT_SECRET": "j" * 40,
+            "ARONA_UPSTREAM_API_KEY": "up-key",
+            "ARONA_METRICS_TOKEN": "metrics-token",
+            "ARONA_API_KEYS": "team-a=sk-team-a,bare-key",
+        }
+    )
+    assert set(s.secret_values) >= {
+        "mem-token",
+        "j" * 40,
+        "up-key",
+        "metrics-token",
+        "sk-team-a",
+        "bare-key",
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from gateway_http.auth import ANONYMOUS, AuthError, Principal, memory_scope
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
+from gateway_http.memory_client import DISABLED
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.turns import PreparedTurn, TurnRequest
 from gateway_http.upstream import UpstreamError
@@ -26,6 +28,12 @@ logger = logging.getLogger(__name__)
 # Also dispatched directly by gateway_http.app.GatewayApp (the hot path).
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MEMORY_HEADER = "X-Arona-Memory"
+MEMORY_COUNT_HEADER = "X-Arona-Memory-Count"
+RECALL_MS_HEADER = "X-Arona-Recall-Ms"
+OVERHEAD_MS_HEADER = "X-Arona-Overhead-Ms"
+# The `surface` label of the turn metrics.
+REST = "rest"
+REST_STREAM = "rest_stream"
 _DONE = b"data: [DONE]\n\n"
 
 router = APIRouter()
@@ -67,6 +75,22 @@ def upstream_failure(exc: UpstreamError) -> GatewayError:
     return GatewayError(ErrorKind.UPSTREAM, str(exc), "upstream_error")
 
 
+def turn_outcome(exc: GatewayError) -> str:
+    """The ``outcome`` label of a turn that ended with ``exc``."""
+    return "upstream_error" if exc.kind is ErrorKind.UPSTREAM else "client_error"
+
+
+def memory_headers(turn: PreparedTurn) -> dict[str, str]:
+    """``X-Arona-Memory`` and its companions, the overhead measured up to now."""
+    overhead_s = turn.overhead_s(time.perf_counter())
+    return {
+        MEMORY_HEADER: turn.memory_state,
+        MEMORY_COUNT_HEADER: str(turn.memory_count),
+        RECALL_MS_HEADER: f"{turn.recall_s * 1000:.3f}",
+        OVERHEAD_MS_HEADER: f"{overhead_s * 1000:.3f}",
+    }
+
+
 def _json(payload: Any, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
 
@@ -77,31 +101,46 @@ def _event(payload: Any) -> bytes:
 
 @router.post(CHAT_COMPLETIONS_PATH)
 async def chat_completions(request: Request) -> Response:
+    started = time.perf_counter()
     gw = gateway_of(request)
-    principal = rest_caller(gw, request)
-    raw = await read_body(request)
+    pipeline = gw.pipeline
+    surface = REST
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise bad_input("the request body is not valid JSON") from None
-    upstream_body, memory, conversation_id = split_body(body)
-    turn = await gw.pipeline.prepare(
-        TurnRequest(
-            principal.id if principal is not None else ANONYMOUS,
-            upstream_body,
-            memory,
-            conversation_id,
-            memory_scope(principal, upstream_body.get("user")),
+        principal = rest_caller(gw, request)
+        raw = await read_body(request)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise bad_input("the request body is not valid JSON") from None
+        if isinstance(body, dict) and body.get("stream") is True:
+            surface = REST_STREAM
+        upstream_body, memory, conversation_id = split_body(body)
+        turn = await pipeline.prepare(
+            TurnRequest(
+                principal.id if principal is not None else ANONYMOUS,
+                upstream_body,
+                memory,
+                conversation_id,
+                memory_scope(principal, upstream_body.get("user")),
+                started,
+            )
         )
-    )
-    headers = {MEMORY_HEADER: turn.memory_state}
-    if upstream_body.get("stream"):
-        return await _stream(gw, turn, headers)
+    except GatewayError as exc:
+        pipeline.metrics.turn(surface, DISABLED, turn_outcome(exc))
+        raise
+    if surface == REST_STREAM:
+        return await _stream(gw, turn)
     try:
-        reply = await _unless_disconnected(request, gw.pipeline.complete(turn))
+        reply = await _unless_disconnected(request, pipeline.complete(turn))
     except UpstreamError as exc:
+        pipeline.finished(turn, REST, "upstream_error")
         raise upstream_failure(exc) from None
-    return _json(reply.completion, headers)
+    except ClientGone:
+        pipeline.finished(turn, REST, "cancelled")
+        raise
+    response = _json(reply.completion, memory_headers(turn))
+    pipeline.finished(turn, REST, "ok")
+    return response
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
@@ -129,9 +168,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(gw: Gateway, turn: PreparedTurn, headers: dict[str, str]) -> Response:
+async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
+    pipeline = gw.pipeline
     # On the REST streaming path a writeback also needs a conversation.
-    chunks = gw.pipeline.stream(turn, writeback=turn.request.conversation_id is not None)
+    chunks = pipeline.stream(turn, writeback=turn.request.conversation_id is not None)
     # Wait for the first chunk before answering, so that an upstream that fails
     # at once is a plain 502 rather than a 200 stream carrying an error.
     try:
@@ -139,19 +179,29 @@ async def _stream(gw: Gateway, turn: PreparedTurn, headers: dict[str, str]) -> R
     except StopAsyncIteration:
         first = None
     except UpstreamError as exc:
+        pipeline.finished(turn, REST_STREAM, "upstream_error")
         raise upstream_failure(exc) from None
+    except asyncio.CancelledError:
+        pipeline.finished(turn, REST_STREAM, "cancelled")
+        raise
+    headers = memory_headers(turn)
 
     async def events() -> AsyncIterator[bytes]:
+        # A client that leaves mid-stream ends this generator at a yield.
+        outcome = "cancelled"
         try:
             if first is not None:
                 yield _event(first)
                 async for chunk in chunks:
                     yield _event(chunk)
+            outcome = "ok"
         except UpstreamError as exc:
+            outcome = "upstream_error"
             logger.warning("upstream stream failed: %s", exc)
             yield _event(upstream_failure(exc).openai_body())
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
+            pipeline.finished(turn, REST_STREAM, outcome)
         yield _DONE
 
     return StreamingResponse(

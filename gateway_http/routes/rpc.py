@@ -8,6 +8,8 @@ the one error table (:mod:`gateway_http.errors`).
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -27,8 +29,16 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
+from gateway_http.memory_client import DISABLED
+from gateway_http.routes.rest import turn_outcome
 from gateway_http.state import Gateway
-from gateway_http.turns import RECALL_LIMIT, TurnRequest, delta_text, first_choice
+from gateway_http.turns import (
+    RECALL_LIMIT,
+    PreparedTurn,
+    TurnRequest,
+    delta_text,
+    first_choice,
+)
 from gateway_http.upstream import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
@@ -138,9 +148,13 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return requested
 
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
+        started = time.perf_counter()
+        surface = "rpc" if ctx.notify is None else "rpc_ws"
+        pipeline = gw.pipeline
         try:
             messages = validate_messages(params.messages)
         except GatewayError as exc:
+            pipeline.metrics.turn(surface, DISABLED, "client_error")
             raise RpcError(INVALID_PARAMS, exc.message) from None
         body: dict[str, Any] = {"model": params.model, "messages": messages}
         if params.temperature is not None:
@@ -150,9 +164,25 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         if params.user is not None:
             body["user"] = params.user
         scope = memory_scope(Principal(ctx.user), params.user)
-        turn = await gw.pipeline.prepare(
-            TurnRequest(ctx.user, body, params.memory, params.conversation_id, scope)
-        )
+        try:
+            turn = await pipeline.prepare(
+                TurnRequest(ctx.user, body, params.memory, params.conversation_id, scope, started)
+            )
+        except GatewayError as exc:
+            pipeline.metrics.turn(surface, DISABLED, turn_outcome(exc))
+            raise
+        try:
+            result = await _answer(turn, ctx)
+        except UpstreamError:
+            pipeline.finished(turn, surface, "upstream_error")
+            raise
+        except asyncio.CancelledError:
+            pipeline.finished(turn, surface, "cancelled")
+            raise
+        pipeline.finished(turn, surface, "ok")
+        return result
+
+    async def _answer(turn: PreparedTurn, ctx: RpcContext) -> dict[str, Any]:
         stream_id = f"stream-{uuid.uuid4().hex}"
         if ctx.notify is None:
             reply = await gw.pipeline.complete(turn)
@@ -181,6 +211,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return {
             "stream_id": stream_id,
             "memory": turn.memory_state,
+            "memory_count": turn.memory_count,
             "content": content,
             "finish_reason": finish_reason,
             "usage": usage,
@@ -241,7 +272,10 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         await gw.conversations.delete(params.conversation_id, ctx.user)
         return {"deleted": True}
 
-    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams)
+    def chat_send_refused(websocket: bool) -> None:
+        gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
+
+    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams, chat_send_refused)
     dispatcher.register("memory.status", _translated(memory_status), StatusParams)
     dispatcher.register("memory.recall", _translated(memory_recall), RecallParams)
     dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)

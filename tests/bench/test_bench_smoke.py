@@ -52,6 +52,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "3. gateway, memory enabled",
         "3h. gateway, memory enabled, hybrid-ranking store",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
+        "3m. gateway, memory enabled, ARONA_METRICS=false",
         "3j. gateway, memory enabled, no writeback journal",
         "3c. gateway, memory enabled, with a conversation_id (SQLite)",
         "3p. gateway, memory enabled, with a conversation_id (PostgreSQL)",

@@ -55,6 +55,11 @@ class Stack:
     base_url: str
     http: httpx.AsyncClient
     user: str = "alice"
+    app: Any = None
+
+    async def drain_writebacks(self) -> None:
+        """Wait for the turns' background writebacks to end."""
+        await self.app.state.gateway.pipeline.drain(10.0)
 
     @property
     def jwt(self) -> str:
@@ -196,11 +201,12 @@ async def running_stack(
             settings = dataclasses.replace(
                 settings, grpc_target=grpc_target, **(http_overrides or {})
             )
+            app = create_app(settings, pool=pool)
             async with (
-                serve_app(create_app(settings, pool=pool)) as base_url,
+                serve_app(app) as base_url,
                 httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
             ):
-                yield Stack(philia, upstream, grpc, settings, base_url, http)
+                yield Stack(philia, upstream, grpc, settings, base_url, http, app=app)
         finally:
             if grpc is not None:
                 await grpc.stop(0.5)

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -201,3 +202,27 @@ async def test_an_idle_client_connection_outlives_the_clients_own_keep_alive(
                         await asyncio.wait_for(reader.read(1), 6.0)
         finally:
             writer.close()
+
+
+async def test_up_shows_both_parts_metrics_on_one_listener(tmp_path: Path) -> None:
+    async with httpx.AsyncClient(timeout=30) as client, gateway_up(tmp_path / "data") as up:
+        assert f"metrics  {up.http_url}/metrics" in up.banner
+        turn = await client.post(
+            f"{up.http_url}/v1/chat/completions",
+            json={"model": "echo", "messages": [{"role": "user", "content": FACT}]},
+        )
+        assert turn.status_code == 200
+        text = (await client.get(f"{up.http_url}/metrics")).text
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        turns = (
+            "arona_turns_total",
+            (("memory", "disabled"), ("outcome", "ok"), ("surface", "rest")),
+        )
+        assert samples[turns] == 1
+        recalls = ("arona_philia_calls_total", (("method", "query"), ("outcome", "ok")))
+        assert samples[recalls] == 1
+        assert samples["arona_memory_breaker_state", (("state", "closed"),)] == 1

@@ -1,0 +1,153 @@
+"""Prometheus metrics of the HTTP layer: declared here, recorded where the event happens.
+
+- turns, by surface, memory state and outcome (recorded by each surface when its turn ends);
+- the gateway's own time per completed turn (total minus the upstream call), recall time
+  and upstream time to first byte (recorded by the turn pipeline);
+- writebacks by outcome (recorded by the memory client).
+
+Every label value is one of a few fixed words (no user text, ids or scopes), and every
+label combination is resolved once here, so recording costs a dictionary look-up and an
+addition. ``ARONA_METRICS=false`` gives :class:`NoMetrics`, whose methods do nothing.
+Exposition (``GET /metrics``) goes through :class:`~arona_grpc.metrics.OwnMetrics`, which
+also covers ``prometheus_client``'s multiprocess mode (several HTTP worker processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.registry import Collector
+
+from arona_grpc.metrics import LATENCY_BUCKETS, OwnMetrics
+
+logger = logging.getLogger(__name__)
+
+SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws")
+MEMORY_STATES = ("enabled", "disabled", "offline")
+OUTCOMES = ("ok", "upstream_error", "client_error", "cancelled")
+WRITEBACK_OUTCOMES = ("stored", "not_stored", "failed")
+# The gateway's own time per turn: tens of microseconds to tens of milliseconds.
+OVERHEAD_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+
+
+class GatewayMetrics:
+    """The HTTP layer's metrics; :meth:`registry` exposes them."""
+
+    def __init__(self, extra: Iterable[Collector] = ()) -> None:
+        """``extra``: other collectors shown on the same ``/metrics`` (the gRPC service's,
+        when it runs in this process)."""
+        self._extra = tuple(extra)
+        turns = Counter(
+            "arona_turns",
+            "Chat turns by surface (rest, rest_stream, rpc, rpc_ws), memory state "
+            "(enabled, disabled, offline) and outcome (ok, upstream_error, client_error, "
+            "cancelled).",
+            ("surface", "memory", "outcome"),
+            registry=None,
+        )
+        overhead = Histogram(
+            "arona_turn_overhead_seconds",
+            "The gateway's own time per completed turn: its whole time minus the upstream call.",
+            ("surface",),
+            buckets=OVERHEAD_BUCKETS,
+            registry=None,
+        )
+        recall = Histogram(
+            "arona_recall_seconds",
+            "Time a turn spent recalling memories, by the memory state it got.",
+            ("memory",),
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        first_byte = Histogram(
+            "arona_upstream_first_byte_seconds",
+            "Time from sending a turn upstream to its answer (whole reply) or first chunk "
+            "(streamed), for answered turns.",
+            ("surface",),
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        writebacks = Counter(
+            "arona_writebacks",
+            "Turns written back to memory by outcome (stored; not_stored: memory or writeback "
+            "off, or nothing to store; failed: the memory service refused or was unreachable, "
+            "the gRPC service keeps it in its outbox when it can).",
+            ("outcome",),
+            registry=None,
+        )
+        self._turns = {
+            (s, m, o): turns.labels(s, m, o)
+            for s in SURFACES
+            for m in MEMORY_STATES
+            for o in OUTCOMES
+        }
+        self._overhead = {s: overhead.labels(s) for s in SURFACES}
+        self._recall = {m: recall.labels(m) for m in MEMORY_STATES}
+        self._first_byte = {s: first_byte.labels(s) for s in SURFACES}
+        self._writebacks = {o: writebacks.labels(o) for o in WRITEBACK_OUTCOMES}
+        self.collector = OwnMetrics((turns, overhead, recall, first_byte, writebacks))
+
+    def registry(self) -> CollectorRegistry:
+        """A registry holding these metrics (and the extra collectors)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector)
+        for collector in self._extra:
+            registry.register(collector)
+        return registry
+
+    def turn(self, surface: str, memory: str, outcome: str) -> None:
+        self._turns[surface, memory, outcome].inc()
+        logger.debug("chat turn on %s: memory %s, %s", surface, memory, outcome)
+
+    def overhead(self, surface: str, seconds: float) -> None:
+        self._overhead[surface].observe(max(seconds, 0.0))
+
+    def recall(self, memory: str, seconds: float) -> None:
+        self._recall[memory].observe(seconds)
+
+    def first_byte(self, surface: str, seconds: float) -> None:
+        self._first_byte[surface].observe(seconds)
+
+    def writeback(self, outcome: str) -> None:
+        self._writebacks[outcome].inc()
+
+
+class NoMetrics(GatewayMetrics):
+    """``ARONA_METRICS=false``: nothing is recorded (the turn's debug line is still logged)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def registry(self) -> CollectorRegistry:
+        return CollectorRegistry(auto_describe=False)
+
+    def turn(self, surface: str, memory: str, outcome: str) -> None:
+        logger.debug("chat turn on %s: memory %s, %s", surface, memory, outcome)
+
+    def overhead(self, surface: str, seconds: float) -> None:
+        pass
+
+    def recall(self, memory: str, seconds: float) -> None:
+        pass
+
+    def first_byte(self, surface: str, seconds: float) -> None:
+        pass
+
+    def writeback(self, outcome: str) -> None:
+        pass

@@ -293,9 +293,9 @@ def start_postgres(run: Run) -> str | None:
     return cluster.create_database()
 
 
-def start_workers(run: Run, name: str, extra: dict[str, str], workers: int) -> None:
-    """``serve --workers N``: its HTTP port from the supervisor's line."""
-    env = clean_env(
+def _gateway_env(run: Run, name: str, extra: dict[str, str]) -> dict[str, str]:
+    """A gateway's environment: free ports, its own data directory, the bench upstream."""
+    return clean_env(
         {
             "ARONA_HTTP_PORT": "0",
             "ARONA_GRPC_PORT": "0",
@@ -305,6 +305,11 @@ def start_workers(run: Run, name: str, extra: dict[str, str], workers: int) -> N
             **extra,
         }
     )
+
+
+def start_workers(run: Run, name: str, extra: dict[str, str], workers: int) -> None:
+    """``serve --workers N``: its HTTP port from the supervisor's line."""
+    env = _gateway_env(run, name, extra)
     argv = [PY, "-m", "gateway_http.cli", "serve", "--workers", str(workers)]
     proc = run.start(name, argv, env)
     found = proc.wait_for(r"serving on http://\S+:(\d+) \(\d+ HTTP workers\), (\S+)", 90)
@@ -313,16 +318,7 @@ def start_workers(run: Run, name: str, extra: dict[str, str], workers: int) -> N
 
 
 def start_gateway(run: Run, name: str, extra: dict[str, str], only: str | None = None) -> None:
-    env = clean_env(
-        {
-            "ARONA_HTTP_PORT": "0",
-            "ARONA_GRPC_PORT": "0",
-            "ARONA_DATA_DIR": str(run.work / name),
-            "ARONA_UPSTREAM_URL": f"http://127.0.0.1:{run.ports['upstream']}/v1",
-            "ARONA_LOG_LEVEL": "info",
-            **extra,
-        }
-    )
+    env = _gateway_env(run, name, extra)
     argv = [PY, "-m", "gateway_http.cli", "serve"] + (["--only", only] if only else [])
     proc = run.start(name, argv, env)
     ready = r"serving on (.+)\n" + (

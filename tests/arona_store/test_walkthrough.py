@@ -3,13 +3,12 @@ semantic extra installed) remembers a fact and recalls it for a question in othe
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.test_up import Up, gateway_up
+from tests.e2e.test_up import gateway_up, wait_for_writebacks
 
 from .semantic import needs_semantic
 
@@ -17,16 +16,6 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
 FACT = "My daughter Mia is allergic to peanuts."
 PARAPHRASE = "Does my kid have any food allergy?"
-
-
-async def _wait_for_writebacks(up: Up, client: httpx.AsyncClient, count: int) -> None:
-    # Another process: there is no event to await, so ask memory.status, bounded.
-    for _ in range(200):
-        status = await up.rpc(client, "memory.status")
-        if sum(e["kind"] == "writeback" for e in status["events"]) >= count:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"fewer than {count} writebacks: {status}")
 
 
 @needs_semantic
@@ -37,7 +26,7 @@ async def test_make_run_recalls_a_fact_asked_about_in_other_words(tmp_path: Path
             json={"model": "echo", "messages": [{"role": "user", "content": FACT}]},
         )
         assert first.status_code == 200
-        await _wait_for_writebacks(up, client, 1)
+        await wait_for_writebacks(up, client, 1)
 
         second = await client.post(
             f"{up.http_url}/v1/chat/completions",

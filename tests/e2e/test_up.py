@@ -100,7 +100,7 @@ async def gateway_up(data_dir: Path, extra_env: dict[str, str] | None = None) ->
     assert "Traceback" not in stderr.decode()
 
 
-async def _wait_for_writebacks(up: Up, client: httpx.AsyncClient, count: int) -> None:
+async def wait_for_writebacks(up: Up, client: httpx.AsyncClient, count: int) -> None:
     # Another process: there is no event to await, so ask memory.status, bounded.
     for _ in range(200):
         status = await up.rpc(client, "memory.status")
@@ -131,7 +131,7 @@ async def test_up_remembers_and_survives_a_restart(tmp_path: Path) -> None:
                 },
             )
             assert first["memory"] == "disabled"
-            await _wait_for_writebacks(up, client, 1)
+            await wait_for_writebacks(up, client, 1)
 
             second = await client.post(
                 f"{up.http_url}/v1/chat/completions",

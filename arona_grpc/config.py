@@ -55,8 +55,11 @@ class Settings:
     http_port: int = 8080
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 50051
-    # None = the local gRPC listener.
+    # None = the local gRPC listener; several replicas: a comma-separated list.
     grpc_target: str | None = None
+    # Exchange streams the HTTP layer keeps to each gRPC replica for recall and writeback
+    # (0: a unary call each).
+    grpc_streams: int = 2
     # Every MemoryService call must carry `authorization: Bearer <token>` (None = open).
     grpc_token: str | None = field(default=None, repr=False)
     # PEM files: the service's certificate and key (TLS listener), the CA the HTTP layer trusts.
@@ -115,6 +118,12 @@ class Settings:
             host = f"[{host}]"
         return f"{host}:{self.grpc_port}"
 
+    @property
+    def grpc_targets(self) -> tuple[str, ...]:
+        """The gRPC replicas the HTTP layer spreads its calls over, one target each."""
+        parts = (part.strip() for part in self.effective_grpc_target.split(","))
+        return tuple(part for part in parts if part)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Build settings from an environment mapping (normally ``os.environ``)."""
@@ -135,6 +144,7 @@ class Settings:
             grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",
             grpc_port=_port(env, "ARONA_GRPC_PORT", 50051),
             grpc_target=_str(env, "ARONA_GRPC_TARGET"),
+            grpc_streams=_streams(env),
             grpc_token=_str(env, "ARONA_GRPC_TOKEN"),
             grpc_tls_cert=_path(env, "ARONA_GRPC_TLS_CERT"),
             grpc_tls_key=_path(env, "ARONA_GRPC_TLS_KEY"),
@@ -235,6 +245,22 @@ def _optional_positive_int(env: Mapping[str, str], name: str) -> int | None:
         return None
     if not raw.isdigit() or int(raw) <= 0:
         raise ConfigError(f"{name} must be a positive whole number, got {raw!r}")
+    return int(raw)
+
+
+# More streams per replica buy nothing: one stream carries thousands of calls a second.
+MAX_GRPC_STREAMS = 64
+
+
+def _streams(env: Mapping[str, str]) -> int:
+    raw = _str(env, "ARONA_GRPC_STREAMS")
+    if raw is None:
+        return 2
+    if not raw.isdigit() or int(raw) > MAX_GRPC_STREAMS:
+        raise ConfigError(
+            f"ARONA_GRPC_STREAMS must be a whole number from 0 (unary calls) to "
+            f"{MAX_GRPC_STREAMS}, got {raw!r}"
+        )
     return int(raw)
 
 

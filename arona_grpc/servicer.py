@@ -8,7 +8,9 @@ generic message while the traceback goes to the log.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
@@ -30,6 +32,7 @@ from arona_grpc.service import (
     MemoryTimeout,
     MemoryUnavailable,
     NotConfigured,
+    RecallOutcome,
     StatusSnapshot,
 )
 
@@ -92,13 +95,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
                 scope=request.scope,
                 deadline_s=context.time_remaining(),
             )
-            reply = pb.RecallResponse(state=_STATES[outcome.state], section=outcome.section)
-            # Added in place: building Memory messages first and passing the list copies
-            # each one again (about twice the cost, measured).
-            add = reply.memories.add
-            for m in outcome.memories:
-                add(text=m.text, score=m.score, node_type=m.node_type)
-            logger.debug("Recall: %s, %d memories", outcome.state.value, len(outcome.memories))
+            reply = pb.RecallResponse()
+            _fill_recall(reply, outcome)
             return reply
         except Exception as exc:
             await _abort(context, "Recall", exc)
@@ -146,6 +144,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         except Exception as exc:
             await _abort(context, "Forget", exc)
 
+    # A coroutine that writes its replies itself (grpc.aio's reader/writer style), not the
+    # generator the generated base class declares.
+    async def Exchange(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.ExchangeRequest], context: Context
+    ) -> None:
+        await _Exchange(self._domain, context).run(request_iterator)
+
 
 def _adopt_request_id(context: Context) -> None:
     """Log this RPC under the caller's ``x-request-id`` (the RPC runs in its own task)."""
@@ -157,10 +162,30 @@ def _adopt_request_id(context: Context) -> None:
             return
 
 
+def _fill_recall(reply: pb.RecallResponse, outcome: RecallOutcome) -> None:
+    reply.state = _STATES[outcome.state]
+    reply.section = outcome.section
+    # Added in place: building Memory messages first and passing the list copies
+    # each one again (about twice the cost, measured).
+    add = reply.memories.add
+    for m in outcome.memories:
+        add(text=m.text, score=m.score, node_type=m.node_type)
+    logger.debug("Recall: %s, %d memories", outcome.state.value, len(outcome.memories))
+
+
+def _status_of(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a failed call ends with: a domain error's own code and message, or
+    INTERNAL with a generic message (the traceback goes to the log)."""
+    if isinstance(exc, MemoryDomainError):
+        return STATUS_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc)
+    logger.error("MemoryService/%s failed", rpc, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
 async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:
     """End the RPC with the status of ``exc``: its own code and message, or INTERNAL."""
+    code, message = _status_of(rpc, exc)
     if isinstance(exc, MemoryDomainError):
-        code = STATUS_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
         trailers = []
         if exc.code:
             trailers.append((ERROR_CODE_KEY, exc.code))
@@ -168,9 +193,110 @@ async def _abort(context: Context, rpc: str, exc: Exception) -> NoReturn:
             trailers.append((QUEUED_KEY, "1"))
         if trailers:
             context.set_trailing_metadata(tuple(trailers))
-        await context.abort(code, str(exc))
-    logger.error("MemoryService/%s failed", rpc, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    await context.abort(code, message)
+
+
+class _Exchange:
+    """One ``Exchange`` stream: each call runs in a task of its own, so a slow call never
+    holds up another; replies are written, batched, by one flush task at a time (a gRPC
+    stream takes one write at a time, and a write must not be cancelled halfway)."""
+
+    def __init__(self, domain: MemoryDomain, context: Context) -> None:
+        self._domain = domain
+        self._context = context
+        self._calls: dict[int, asyncio.Task[None]] = {}
+        self._out: list[pb.Reply] = []
+        self._flush_task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+
+    async def run(self, requests: AsyncIterator[pb.ExchangeRequest]) -> None:
+        _adopt_request_id(self._context)
+        snapshot = self._domain.status(1)
+        await self._context.write(
+            pb.ExchangeResponse(
+                hello=pb.Hello(
+                    enabled=snapshot.enabled,
+                    writeback=snapshot.enabled and snapshot.writeback,
+                    scope_mode=_SCOPE_MODES[snapshot.scope_mode],
+                )
+            )
+        )
+        try:
+            async for batch in requests:
+                for call_id in batch.cancel:
+                    task = self._calls.pop(call_id, None)
+                    if task is not None:
+                        task.cancel()
+                for call in batch.calls:
+                    self._start(call)
+            # The caller closed its side: the calls under way still get their replies.
+            while self._calls:
+                await asyncio.wait(list(self._calls.values()))
+            if self._flush_task is not None:
+                await self._flush_task
+        finally:
+            for task in self._calls.values():
+                task.cancel()
+            if self._flush_task is not None and not self._flush_task.done():
+                self._flush_task.cancel()
+
+    def _start(self, call: pb.Call) -> None:
+        task = self._loop.create_task(self._run_call(call))
+        self._calls[call.id] = task
+        if call.timeout_ms and call.WhichOneof("request") != "recall":
+            # A recall ends before its deadline by itself (it gets deadline_s).
+            timer = self._loop.call_later(call.timeout_ms / 1000.0, task.cancel)
+            task.add_done_callback(lambda _: timer.cancel())
+
+    async def _run_call(self, call: pb.Call) -> None:
+        reply = pb.Reply(id=call.id)
+        kind = call.WhichOneof("request")
+        try:
+            if call.request_id:
+                request_id = sane_request_id(call.request_id)
+                if request_id is not None:
+                    REQUEST_ID.set(request_id)
+            if kind == "recall":
+                request = call.recall
+                outcome = await self._domain.recall(
+                    request.query,
+                    request.limit,
+                    scope=request.scope,
+                    deadline_s=call.timeout_ms / 1000.0 if call.timeout_ms else None,
+                )
+                _fill_recall(reply.recall, outcome)
+            elif kind == "writeback":
+                wb = call.writeback
+                done = await self._domain.writeback(wb.user, wb.assistant, wb.scope, wb.episode_id)
+                logger.debug("Writeback: %s", done.node_id if done.stored else "not stored")
+                reply.writeback.stored = done.stored
+                reply.writeback.node_id = done.node_id
+            else:
+                raise InvalidArgument("a call carries a recall or a writeback")
+        except asyncio.CancelledError:
+            # The caller gave up on it (or its deadline passed): nobody waits for a reply.
+            return
+        except Exception as exc:
+            code, message = _status_of((kind or "call").capitalize(), exc)
+            error = reply.error
+            error.code = code.value[0]
+            error.message = message
+            if isinstance(exc, MemoryDomainError):
+                error.error_code = exc.code
+                error.queued = exc.queued
+        finally:
+            self._calls.pop(call.id, None)
+        self._out.append(reply)
+        if self._flush_task is None:
+            self._flush_task = self._loop.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self._out:
+                batch, self._out = self._out, []
+                await self._context.write(pb.ExchangeResponse(replies=batch))
+        finally:
+            self._flush_task = None
 
 
 def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:

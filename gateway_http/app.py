@@ -38,10 +38,12 @@ from gateway_http.grpc_channel import (
     memory_call_metadata,
     memory_channel_credentials,
     open_memory_channel,
+    resolve_replicas,
 )
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
+from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
@@ -196,16 +198,24 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        channel: grpc.aio.Channel | None = None
+        channels: list[grpc.aio.Channel] = []
+        streams: StreamPool | None = None
         memory = memory_client
         if memory is None:
-            channel = open_memory_channel(settings)
+            metadata = memory_call_metadata(settings)
+            if settings.grpc_streams:
+                replicas = await resolve_replicas(settings.grpc_targets)
+                channels = [open_memory_channel(settings, replica) for replica in replicas]
+                streams = StreamPool(channels, settings.grpc_streams, metadata)
+            else:
+                channels = [open_memory_channel(settings)]
             memory = MemoryClient(
-                channel,
+                channels[0],
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
                 metrics=metrics,
-                metadata=memory_call_metadata(settings),
+                metadata=metadata,
+                streams=streams,
             )
         db_pool = pool
         if db_pool is None and settings.database_url:
@@ -246,7 +256,9 @@ def create_app(
             await conversations.aclose()
             if db_pool is not None and pool is None:
                 await db_pool.close()
-            if channel is not None:
+            if streams is not None:
+                streams.close()
+            for channel in channels:
                 await channel.close(grace=None)
 
     app = GatewayApp(

@@ -1,12 +1,21 @@
-"""The HTTP layer's one channel to ``MemoryService``: options, TLS and call credentials.
+"""The HTTP layer's channels to ``MemoryService``: replicas, options, TLS, call credentials.
 
-:func:`open_memory_channel` is the only place that creates that channel: plaintext, or TLS
-trusting ``ARONA_GRPC_TLS_CA`` when it is set. :func:`memory_call_metadata` is what every
-MemoryService call carries: ``authorization: Bearer <ARONA_GRPC_TOKEN>`` when a token is set.
-The health check needs neither token nor metadata.
+:func:`resolve_replicas` turns ``ARONA_GRPC_TARGET`` (one target or a comma-separated list)
+into the replicas to spread calls over: a name that resolves to several addresses is one
+replica per address. :func:`open_memory_channel` is the only place that creates a channel to
+one: plaintext, or TLS trusting ``ARONA_GRPC_TLS_CA`` when it is set.
+:func:`memory_call_metadata` is what every MemoryService call carries:
+``authorization: Bearer <ARONA_GRPC_TOKEN>`` when a token is set. The health check needs
+neither token nor metadata.
 """
 
 from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -54,17 +63,90 @@ def memory_channel_credentials(settings: Settings) -> grpc.ChannelCredentials | 
     )
 
 
-def open_memory_channel(settings: Settings) -> grpc.aio.Channel:
-    """The channel to ``settings.effective_grpc_target``; call from a running event loop.
+@dataclass(frozen=True)
+class Replica:
+    """One gRPC service replica: the target to dial, and the ``host:port`` it was named by
+    when that is not the target (an address a name resolved to)."""
+
+    target: str
+    authority: str | None = None
+
+
+Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
+
+# Targets in gRPC's own URI syntax are dialled as given.
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+async def _addresses(host: str, port: int) -> Sequence[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def _split(target: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` as (host, port); None for anything else."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host, int(port)) if host else None
+
+
+async def resolve_replicas(targets: Sequence[str], resolve: Resolve = _addresses) -> list[Replica]:
+    """The replicas ``targets`` name: each target, and a name that resolves to several
+    addresses as one replica per address (a name with one address stays a name, so gRPC
+    resolves it again when its address changes). A name that does not resolve now is
+    left to gRPC, which reports it when a call is made."""
+    replicas: list[Replica] = []
+    for target in targets:
+        parts = _split(target) if not target.startswith(_SCHEMES) else None
+        if parts is None:
+            replicas.append(Replica(target))
+            continue
+        host, port = parts
+        try:
+            ipaddress.ip_address(host)
+            replicas.append(Replica(target))
+            continue
+        except ValueError:
+            pass
+        try:
+            found = list(dict.fromkeys(await resolve(host, port)))
+        except OSError:
+            found = []
+        if len(found) < 2:
+            replicas.append(Replica(target))
+            continue
+        for address in found:
+            if ":" in address:
+                replicas.append(Replica(f"ipv6:[{address}]:{port}", target))
+            else:
+                replicas.append(Replica(f"ipv4:{address}:{port}", target))
+    return replicas
+
+
+def open_memory_channel(settings: Settings, replica: Replica | None = None) -> grpc.aio.Channel:
+    """The channel to ``replica`` (the first of ``ARONA_GRPC_TARGET`` by default); call
+    from a running event loop.
 
     With ``ARONA_GRPC_TLS_CA`` the service's certificate must be signed by that CA and
-    name the host dialled (``127.0.0.1`` for the local listener of ``up`` and ``serve``).
+    name the host dialled (``127.0.0.1`` for the local listener of ``up`` and ``serve``; the
+    name for an address a name resolved to).
     """
-    target = settings.effective_grpc_target
+    if replica is None:
+        replica = Replica(settings.grpc_targets[0])
+    options: list[tuple[str, int | str]] = [*channel_options()]
     credentials = memory_channel_credentials(settings)
+    if replica.authority is not None:
+        options.append(("grpc.default_authority", replica.authority))
+        if credentials is not None:
+            host = _split(replica.authority)
+            if host is not None:
+                options.append(("grpc.ssl_target_name_override", host[0]))
     if credentials is None:
-        return grpc.aio.insecure_channel(target, options=channel_options())
-    return grpc.aio.secure_channel(target, credentials, options=channel_options())
+        return grpc.aio.insecure_channel(replica.target, options=options)
+    return grpc.aio.secure_channel(replica.target, credentials, options=options)
 
 
 def memory_call_metadata(settings: Settings) -> tuple[tuple[str, str], ...]:

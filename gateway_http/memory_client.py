@@ -14,6 +14,7 @@ Recall and writeback run on every turn, so an outage would fail them on every tu
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
@@ -29,6 +30,7 @@ from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
+from gateway_http.memory_stream import CallFailed, StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
 
@@ -114,12 +116,17 @@ class RecallDetail:
     memories: tuple[RecalledMemory, ...]
 
 
+_Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
+
+
 def _rfc3339_ms(ts: Timestamp) -> str:
     return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
 
 
 class MemoryClient:
-    """Calls ``arona.memory.v1.MemoryService`` over one shared channel."""
+    """Calls ``arona.memory.v1.MemoryService``: recall and writeback over the ``Exchange``
+    streams of ``streams`` when given (unary calls otherwise), everything else unary, on
+    ``channel`` or, with streams, on a replica that has one open."""
 
     def __init__(
         self,
@@ -129,32 +136,54 @@ class MemoryClient:
         rpc_timeout_s: float,
         metrics: GatewayMetrics | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
+        streams: StreamPool | None = None,
     ) -> None:
         self._channel = channel
+        self._streams = streams
         self._metrics = metrics or NoMetrics()
         # Sent on every MemoryService call (the bearer token); the health check needs none.
         self._metadata = metadata
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
+        # Stubs of the other replicas' channels, made when first used.
+        self._stubs: dict[int, _Stubs] = {id(channel): (self._stub, self._health)}
         self._recall_budget_s = recall_budget_s
         # Writeback/Delete/Status wait for one Philia RPC plus the gRPC hop.
         self._rpc_timeout_s = rpc_timeout_s + 1.0
         self._recall_log = FailureLog(logger, "MemoryService/Recall")
         self._writeback_log = FailureLog(logger, "MemoryService/Writeback")
 
+    @property
+    def writeback_wanted(self) -> bool:
+        """False while the service says it stores no writebacks (memory or writeback off):
+        a turn then skips the call."""
+        return self._streams is None or not self._streams.writeback_off
+
     async def recall(self, query: str, limit: int = 5, scope: str = "") -> Recall:
-        try:
-            reply = await self._stub.Recall(
-                pb.RecallRequest(query=query, limit=limit, scope=scope),
-                timeout=self._recall_budget_s,
-                metadata=self._call_metadata(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            self._recall_log.failed(
-                f"memory recall failed ({exc.code().name}: {_quoted(exc)}); "
-                "going on without memories"
-            )
-            return Recall(OFFLINE, "")
+        streams = self._streams
+        if streams is not None and not streams.unimplemented:
+            budget_s = self._recall_budget_s
+            deadline = time.monotonic() + budget_s
+            try:
+                stream = await streams.stream(budget_s)
+                left_s = deadline - time.monotonic()
+                call_id, call = stream.start(left_s)
+                request = call.recall
+                request.query = query
+                request.limit = limit
+                request.scope = scope
+                reply = (await stream.reply(call_id, left_s)).recall
+            except CallFailed as exc:
+                return self._recall_failed(exc.code, exc.details)
+        else:
+            try:
+                reply = await self._stub.Recall(
+                    pb.RecallRequest(query=query, limit=limit, scope=scope),
+                    timeout=self._recall_budget_s,
+                    metadata=self._call_metadata(),
+                )
+            except grpc.aio.AioRpcError as exc:
+                return self._recall_failed(exc.code(), _quoted(exc))
         self._recall_log.succeeded()
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
@@ -162,6 +191,13 @@ class MemoryClient:
         if state != ENABLED:
             return Recall(state, "")
         return Recall(state, reply.section, len(reply.memories))
+
+    def _recall_failed(self, code: grpc.StatusCode, details: str) -> Recall:
+        self._recall_log.failed(
+            f"memory recall failed ({code.name}: {details[:_MAX_QUOTED] or 'no details'}); "
+            "going on without memories"
+        )
+        return Recall(OFFLINE, "")
 
     async def recall_detail(self, query: str, limit: int, scope: str = "") -> RecallDetail:
         """What :meth:`recall` gives a turn, plus the memories its section was made of.
@@ -171,10 +207,10 @@ class MemoryClient:
         a client mistake the service names (``INVALID_ARGUMENT``), which is raised.
         """
         try:
-            reply = await self._stub.Recall(
+            reply = await self._unary()[0].Recall(
                 pb.RecallRequest(query=query, limit=limit, scope=scope),
                 timeout=self._recall_budget_s,
-                metadata=self._metadata,
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details():
@@ -200,18 +236,35 @@ class MemoryClient:
         service was unreachable or failed otherwise, and the turn must be sent again. A failed
         call is logged (the service's own message says whether its outbox kept the episode).
         """
-        try:
-            reply = await self._stub.Writeback(
-                pb.WritebackRequest(
-                    user=user, assistant=assistant, scope=scope, episode_id=episode_id
-                ),
-                timeout=self._rpc_timeout_s,
-                metadata=self._call_metadata(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            self._metrics.writeback("failed")
-            self._writeback_log.failed(f"writeback failed ({exc.code().name}: {_quoted(exc)})")
-            return _trailer(exc, QUEUED_KEY) == "1"
+        streams = self._streams
+        if streams is not None and not streams.unimplemented:
+            timeout_s = self._rpc_timeout_s
+            deadline = time.monotonic() + timeout_s
+            try:
+                stream = await streams.stream(timeout_s)
+                left_s = deadline - time.monotonic()
+                call_id, call = stream.start(left_s)
+                request = call.writeback
+                request.user = user
+                request.assistant = assistant
+                request.scope = scope
+                request.episode_id = episode_id
+                reply = (await stream.reply(call_id, left_s)).writeback
+            except CallFailed as exc:
+                return self._writeback_failed(exc.code, exc.details, exc.queued)
+        else:
+            try:
+                reply = await self._stub.Writeback(
+                    pb.WritebackRequest(
+                        user=user, assistant=assistant, scope=scope, episode_id=episode_id
+                    ),
+                    timeout=self._rpc_timeout_s,
+                    metadata=self._call_metadata(),
+                )
+            except grpc.aio.AioRpcError as exc:
+                return self._writeback_failed(
+                    exc.code(), _quoted(exc), _trailer(exc, QUEUED_KEY) == "1"
+                )
         self._writeback_log.succeeded()
         if reply.stored:
             self._metrics.writeback("stored")
@@ -219,14 +272,22 @@ class MemoryClient:
             self._metrics.writeback("not_stored")
         return True
 
+    def _writeback_failed(self, code: grpc.StatusCode, details: str, queued: bool) -> bool:
+        self._metrics.writeback("failed")
+        self._writeback_log.failed(
+            f"writeback failed ({code.name}: {details[:_MAX_QUOTED] or 'no details'})"
+        )
+        return queued
+
     async def delete(self, node_id: str, scope: str = "") -> bool:
-        reply = await self._call(self._stub.Delete, pb.DeleteRequest(node_id=node_id, scope=scope))
+        request = pb.DeleteRequest(node_id=node_id, scope=scope)
+        reply = await self._call(self._unary()[0].Delete, request)
         return bool(reply.deleted)
 
     async def list_episodes(self, scope: str, limit: int, before: str = "") -> dict[str, Any]:
         """``{memories: [{node_id, preview, at}], next}``: a page of a scope's episodes."""
         reply = await self._call(
-            self._stub.List, pb.ListRequest(scope=scope, limit=limit, before=before)
+            self._unary()[0].List, pb.ListRequest(scope=scope, limit=limit, before=before)
         )
         return {
             "memories": [
@@ -238,11 +299,11 @@ class MemoryClient:
 
     async def forget(self, scope: str) -> int:
         """Delete every episode of ``scope``; how many were deleted."""
-        reply = await self._call(self._stub.Forget, pb.ForgetRequest(scope=scope))
+        reply = await self._call(self._unary()[0].Forget, pb.ForgetRequest(scope=scope))
         return int(reply.deleted)
 
     async def status(self, limit: int = 50) -> dict[str, Any]:
-        reply = await self._call(self._stub.Status, pb.StatusRequest(limit=limit))
+        reply = await self._call(self._unary()[0].Status, pb.StatusRequest(limit=limit))
         result: dict[str, Any] = {
             "enabled": reply.enabled,
             "writeback": reply.writeback,
@@ -267,6 +328,18 @@ class MemoryClient:
         }
         return result
 
+    def _unary(self) -> _Stubs:
+        """The stubs for a unary call: on a replica with an open stream, when there are
+        streams (so an operator's call goes where turns go)."""
+        if self._streams is None:
+            return self._stub, self._health
+        channel = self._streams.channel()
+        stubs = self._stubs.get(id(channel))
+        if stubs is None:
+            stubs = (pb_grpc.MemoryServiceStub(channel), health_pb2_grpc.HealthStub(channel))
+            self._stubs[id(channel)] = stubs
+        return stubs
+
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:
         """The call's metadata: the bearer token, and the request id when there is one."""
         request_id = REQUEST_ID.get()
@@ -277,7 +350,7 @@ class MemoryClient:
     async def ready(self, timeout_s: float = 2.0) -> bool:
         """Whether the gRPC service answers its health check as SERVING."""
         try:
-            reply = await self._health.Check(
+            reply = await self._unary()[1].Check(
                 health_pb2.HealthCheckRequest(service="arona.memory.v1.MemoryService"),
                 timeout=timeout_s,
             )

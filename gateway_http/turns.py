@@ -240,7 +240,12 @@ class TurnPipeline:
             except DatabaseUnavailable as exc:
                 # The answer exists; losing its copy in the history must not lose the answer.
                 logger.warning("the reply was not added to its conversation: %s", exc)
-        if writeback and (turn.user_text or content) and self._has_memory(turn.request):
+        if (
+            writeback
+            and (turn.user_text or content)
+            and self._has_memory(turn.request)
+            and self._memory.writeback_wanted
+        ):
             scope = turn.request.scope or ""
             # Journaled before the reply's last byte leaves: a hard kill from here on loses
             # nothing.

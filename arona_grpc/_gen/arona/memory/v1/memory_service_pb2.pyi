@@ -523,3 +523,203 @@ class ForgetResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ForgetResponse: _TypeAlias = ForgetResponse  # noqa: Y015
+
+@_typing.final
+class ExchangeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___Call]:
+        """Calls to start, in order."""
+
+    @_builtins.property
+    def cancel(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of calls the caller gave up on (its turn was cancelled, or its
+        deadline passed): the service stops them and sends no reply.
+        """
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___Call] | None = ...,
+        cancel: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "cancel", b"cancel"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExchangeRequest: _TypeAlias = ExchangeRequest  # noqa: Y015
+
+@_typing.final
+class Call(_message.Message):
+    """Call is one Recall or Writeback on an Exchange stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RECALL_FIELD_NUMBER: _builtins.int
+    WRITEBACK_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the caller, unique on its stream; the reply carries it."""
+    timeout_ms: _builtins.int
+    """How long the caller waits for the reply, in milliseconds, as a unary
+    call's deadline; 0 means no deadline.
+    """
+    request_id: _builtins.str
+    """The caller's request id (the x-request-id of a unary call), for the logs."""
+    @_builtins.property
+    def recall(self) -> Global___RecallRequest: ...
+    @_builtins.property
+    def writeback(self) -> Global___WritebackRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        timeout_ms: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        recall: Global___RecallRequest | None = ...,
+        writeback: Global___WritebackRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["recall", b"recall", "request", b"request", "writeback", b"writeback"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "recall", b"recall", "request", b"request", "request_id", b"request_id", "timeout_ms", b"timeout_ms", "writeback", b"writeback"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["recall", "writeback"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___Call: _TypeAlias = Call  # noqa: Y015
+
+@_typing.final
+class ExchangeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLIES_FIELD_NUMBER: _builtins.int
+    HELLO_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reply]:
+        """Replies to calls, as each one ends."""
+
+    @_builtins.property
+    def hello(self) -> Global___Hello:
+        """Sent once, first: what the service does with the calls it is given."""
+
+    def __init__(
+        self,
+        *,
+        replies: _abc.Iterable[Global___Reply] | None = ...,
+        hello: Global___Hello | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "replies", b"replies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExchangeResponse: _TypeAlias = ExchangeResponse  # noqa: Y015
+
+@_typing.final
+class Hello(_message.Message):
+    """Hello describes the service at the other end of an Exchange stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    WRITEBACK_FIELD_NUMBER: _builtins.int
+    SCOPE_MODE_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """Memory is configured (ARONA_MEMORY_URL)."""
+    writeback: _builtins.bool
+    """Writeback stores turns; when false, a Writeback call would store nothing
+    and a caller may skip it.
+    """
+    scope_mode: Global___ScopeMode.ValueType
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        writeback: _builtins.bool = ...,
+        scope_mode: Global___ScopeMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "scope_mode", b"scope_mode", "writeback", b"writeback"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Hello: _TypeAlias = Hello  # noqa: Y015
+
+@_typing.final
+class Reply(_message.Message):
+    """Reply is how one Call ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RECALL_FIELD_NUMBER: _builtins.int
+    WRITEBACK_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def recall(self) -> Global___RecallResponse: ...
+    @_builtins.property
+    def writeback(self) -> Global___WritebackResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        recall: Global___RecallResponse | None = ...,
+        writeback: Global___WritebackResponse | None = ...,
+        error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "recall", b"recall", "result", b"result", "writeback", b"writeback"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "recall", b"recall", "result", b"result", "writeback", b"writeback"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["recall", "writeback", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___Reply: _TypeAlias = Reply  # noqa: Y015
+
+@_typing.final
+class CallError(_message.Message):
+    """CallError is a call that failed, as a unary call fails with a status."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code (google.rpc.Code numbering: UNAVAILABLE is 14)."""
+    message: _builtins.str
+    """The status message."""
+    error_code: _builtins.str
+    """The arona-error-code trailer of a unary call ("database_unavailable")."""
+    queued: _builtins.bool
+    """The arona-queued trailer: the episode is kept in the service's outbox."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        error_code: _builtins.str = ...,
+        queued: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "error_code", b"error_code", "message", b"message", "queued", b"queued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallError: _TypeAlias = CallError  # noqa: Y015

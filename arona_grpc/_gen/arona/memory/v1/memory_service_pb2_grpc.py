@@ -67,6 +67,11 @@ class MemoryServiceStub:
                 request_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.SerializeToString,
                 response_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/arona.memory.v1.MemoryService/Exchange',
+                request_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -119,6 +124,18 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """Exchange carries many Recall and Writeback calls over one long-lived
+        stream, for high-rate callers (the gateway's HTTP layer). Each call has
+        its own id, deadline and request id; replies come back as they are ready,
+        in any order, matched by id. A call ends as its unary RPC would: the same
+        reply, or the same status code, message and trailers in a CallError. The
+        first message on the stream is the service's hello.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +168,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.Forget,
                     request_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.FromString,
                     response_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeRequest.FromString,
+                    response_serializer=arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +340,33 @@ class MemoryService:
             '/arona.memory.v1.MemoryService/Forget',
             arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetRequest.SerializeToString,
             arona_dot_memory_dot_v1_dot_memory__service__pb2.ForgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/arona.memory.v1.MemoryService/Exchange',
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeRequest.SerializeToString,
+            arona_dot_memory_dot_v1_dot_memory__service__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

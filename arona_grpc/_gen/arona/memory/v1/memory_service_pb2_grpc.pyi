@@ -52,6 +52,14 @@ class MemoryServiceStub:
     """
     Forget: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]
     """Forget deletes every episode this service stored for one scope."""
+    Exchange: _grpc.StreamStreamMultiCallable[_memory_service_pb2.ExchangeRequest, _memory_service_pb2.ExchangeResponse]
+    """Exchange carries many Recall and Writeback calls over one long-lived
+    stream, for high-rate callers (the gateway's HTTP layer). Each call has
+    its own id, deadline and request id; replies come back as they are ready,
+    in any order, matched by id. A call ends as its unary RPC would: the same
+    reply, or the same status code, message and trailers in a CallError. The
+    first message on the stream is the service's hello.
+    """
 
 @_typing.type_check_only
 class MemoryServiceAsyncStub(MemoryServiceStub):
@@ -77,6 +85,14 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     """
     Forget: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]  # type: ignore[assignment]
     """Forget deletes every episode this service stored for one scope."""
+    Exchange: _aio.StreamStreamMultiCallable[_memory_service_pb2.ExchangeRequest, _memory_service_pb2.ExchangeResponse]  # type: ignore[assignment]
+    """Exchange carries many Recall and Writeback calls over one long-lived
+    stream, for high-rate callers (the gateway's HTTP layer). Each call has
+    its own id, deadline and request id; replies come back as they are ready,
+    in any order, matched by id. A call ends as its unary RPC would: the same
+    reply, or the same status code, message and trailers in a CallError. The
+    first message on the stream is the service's hello.
+    """
 
 class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     """MemoryService gives chat turns long-term memory held by the Philia memory
@@ -135,5 +151,19 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_memory_service_pb2.ForgetResponse, _abc.Awaitable[_memory_service_pb2.ForgetResponse]]:
         """Forget deletes every episode this service stored for one scope."""
+
+    @_abc_1.abstractmethod
+    def Exchange(
+        self,
+        request_iterator: _MaybeAsyncIterator[_memory_service_pb2.ExchangeRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_memory_service_pb2.ExchangeResponse], _abc.AsyncIterator[_memory_service_pb2.ExchangeResponse]]:
+        """Exchange carries many Recall and Writeback calls over one long-lived
+        stream, for high-rate callers (the gateway's HTTP layer). Each call has
+        its own id, deadline and request id; replies come back as they are ready,
+        in any order, matched by id. A call ends as its unary RPC would: the same
+        reply, or the same status code, message and trailers in a CallError. The
+        first message on the stream is the service's hello.
+        """
 
 def add_MemoryServiceServicer_to_server(servicer: MemoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,351 @@
+"""Recall and Writeback carried over ``MemoryService/Exchange`` streams.
+
+A unary gRPC call per recall and per writeback costs more CPU than the rest of a memory
+turn's hop together; the same calls multiplexed over long-lived bidirectional streams cost
+a fraction of it. :class:`ExchangeStream` is one such stream: each call gets its own id,
+deadline and request id, replies are matched by id in whatever order they come, a call the
+caller gives up on (its turn was cancelled, its deadline passed) is cancelled on the
+service too, and a broken stream fails every call pending on it at once.
+
+:class:`StreamPool` keeps ``per_channel`` streams on each channel (one channel per gRPC
+replica) and spreads calls over the open ones. A stream that breaks is opened again in the
+background, with a backoff while its replica stays away; calls meanwhile go to the other
+replicas' streams. Only when no stream is open does a call wait, within its own deadline,
+for one to open.
+
+A failed call raises :class:`CallFailed`, which carries what a failed unary call would:
+its status code, message, and the ``arona-error-code``/``arona-queued`` trailers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.logs import REQUEST_ID
+
+logger = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# What read() returns at the end of a stream.
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+
+# How long a replica whose stream could not be opened is left alone before the next try
+# (doubling up to the most, as the channel's own reconnect backoff).
+MIN_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 1.0
+
+
+class CallFailed(Exception):
+    """A call that ended without a reply: the status a unary call would have ended with."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        error_code: str = "",
+        queued: bool = False,
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.error_code = error_code
+        self.queued = queued
+
+
+def _failed(error: pb.CallError) -> CallFailed:
+    return CallFailed(
+        _CODES.get(error.code, grpc.StatusCode.UNKNOWN),
+        error.message,
+        error.error_code,
+        error.queued,
+    )
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    """Mark a future's exception as retrieved (nobody may be waiting for it)."""
+    if not future.cancelled():
+        future.exception()
+
+
+class ExchangeStream:
+    """One ``Exchange`` stream; opens itself when made (call from a running loop)."""
+
+    def __init__(
+        self, stub: pb_grpc.MemoryServiceAsyncStub, metadata: tuple[tuple[str, str], ...]
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        # No request iterator: this object writes (grpc.aio's reader/writer style).
+        self._call = stub.Exchange(None, metadata=metadata)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[pb.Reply]] = {}
+        # Calls and cancellations not written yet: the next write takes them all.
+        self._batch = pb.ExchangeRequest()
+        # When each call of the batch must be answered by (monotonic seconds).
+        self._deadlines: list[float] = []
+        self._flush_task: asyncio.Task[None] | None = None
+        self.hello: pb.Hello | None = None
+        # Done when the service's hello arrives, or failed with CallFailed.
+        self.opened: asyncio.Future[None] = self._loop.create_future()
+        self.opened.add_done_callback(_seen)
+        self.dead = False
+        self.failure: CallFailed | None = None
+        self._reader = self._loop.create_task(self._read(), name="memory-stream-reader")
+
+    @property
+    def open(self) -> bool:
+        return self.hello is not None and not self.dead
+
+    def start(self, timeout_s: float) -> tuple[int, pb.Call]:
+        """A new call, to be filled in before the caller's next ``await``; then :meth:`reply`."""
+        call_id = next(self._ids)
+        call = self._batch.calls.add(id=call_id)
+        # Its timeout is what is left of it when it is written (see _flush).
+        self._deadlines.append(time.monotonic() + timeout_s)
+        request_id = REQUEST_ID.get()
+        if request_id is not None:
+            call.request_id = request_id
+        if not self.dead:
+            self._pending[call_id] = self._loop.create_future()
+            self._kick()
+        return call_id, call
+
+    async def reply(self, call_id: int, timeout_s: float) -> pb.Reply:
+        """The reply to a started call; raises :class:`CallFailed` as a unary call would."""
+        future = self._pending.get(call_id)
+        if future is None:
+            # The stream broke between start() and now.
+            raise self.failure or CallFailed(grpc.StatusCode.UNAVAILABLE, "stream closed")
+        timer = self._loop.call_later(timeout_s, self._expire, call_id)
+        try:
+            reply = await future
+        except asyncio.CancelledError:
+            if self._pending.pop(call_id, None) is not None:
+                self._cancel(call_id)
+            raise
+        finally:
+            timer.cancel()
+        if reply.WhichOneof("result") == "error":
+            raise _failed(reply.error)
+        return reply
+
+    def close(self) -> None:
+        self._fail_all(CallFailed(grpc.StatusCode.CANCELLED, "the gateway is stopping"))
+        self._call.cancel()
+        self._reader.cancel()
+
+    def _expire(self, call_id: int) -> None:
+        future = self._pending.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._cancel(call_id)
+
+    def _cancel(self, call_id: int) -> None:
+        if not self.dead:
+            self._batch.cancel.append(call_id)
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._flush_task is None and not self.dead:
+            self._flush_task = self._loop.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        # The only writer: a gRPC stream takes one write at a time, and a write cancelled
+        # halfway cancels the whole stream, so no caller ever writes itself.
+        try:
+            while self._batch.calls or self._batch.cancel:
+                batch, self._batch = self._batch, pb.ExchangeRequest()
+                deadlines, self._deadlines = self._deadlines, []
+                # The service's deadline for a call is the caller's, as a unary call's is:
+                # what is left when it leaves, not what was asked when it was made.
+                now = time.monotonic()
+                for call, deadline in zip(batch.calls, deadlines, strict=True):
+                    call.timeout_ms = max(1, int((deadline - now) * 1000))
+                await self._call.write(batch)
+        except grpc.aio.AioRpcError as exc:
+            self._fail_all(CallFailed(exc.code(), exc.details() or ""))
+        except asyncio.InvalidStateError:
+            self._fail_all(CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream has ended"))
+        finally:
+            self._flush_task = None
+
+    async def _read(self) -> None:
+        pending = self._pending
+        try:
+            while True:
+                message = await self._call.read()
+                if message is _EOF:
+                    self._fail_all(CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream ended"))
+                    return
+                assert isinstance(message, pb.ExchangeResponse)
+                for reply in message.replies:
+                    future = pending.pop(reply.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(reply)
+                if message.HasField("hello"):
+                    self.hello = message.hello
+                    if not self.opened.done():
+                        self.opened.set_result(None)
+        except grpc.aio.AioRpcError as exc:
+            self._fail_all(CallFailed(exc.code(), exc.details() or ""))
+        except asyncio.CancelledError:
+            self._fail_all(CallFailed(grpc.StatusCode.CANCELLED, "the stream was closed"))
+            raise
+
+    def _fail_all(self, failure: CallFailed) -> None:
+        """The stream is gone: every pending call fails with ``failure``, now."""
+        if self.dead:
+            return
+        self.dead = True
+        self.failure = failure
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(failure)
+        if not self.opened.done():
+            self.opened.set_exception(failure)
+        self._call.cancel()
+
+
+class _Slot:
+    """A place for one stream on one replica's channel."""
+
+    def __init__(self, index: int, stub: pb_grpc.MemoryServiceAsyncStub) -> None:
+        self.index = index
+        self.stub = stub
+        self.stream: ExchangeStream | None = None
+        self.retry_at = 0.0
+        self.backoff_s = MIN_BACKOFF_S
+
+
+class StreamPool:
+    """``per_channel`` Exchange streams on each channel, calls spread over the open ones."""
+
+    def __init__(
+        self,
+        channels: Sequence[grpc.aio.Channel],
+        per_channel: int,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        if not channels or per_channel < 1:
+            raise ValueError("a stream pool needs a channel and a stream per channel")
+        self._metadata = metadata
+        self._channels = list(channels)
+        stubs = [pb_grpc.MemoryServiceStub(channel) for channel in channels]
+        # Interleaved, so that consecutive calls go to different replicas.
+        self._slots = [
+            _Slot(index, stubs[index]) for _ in range(per_channel) for index in range(len(stubs))
+        ]
+        self._next = 0
+        # What the last hello said: skip writebacks while the service stores none.
+        self.writeback_off = False
+        # The service has no Exchange (an older version): use unary calls.
+        self.unimplemented = False
+        self._closed = False
+
+    @property
+    def open_streams(self) -> int:
+        return sum(1 for slot in self._slots if slot.stream is not None and slot.stream.open)
+
+    def channel(self) -> grpc.aio.Channel:
+        """A channel to a replica with an open stream (the first one when none has)."""
+        for slot in self._slots:
+            if slot.stream is not None and slot.stream.open:
+                return self._channels[slot.index]
+        return self._channels[0]
+
+    async def stream(self, timeout_s: float) -> ExchangeStream:
+        """The next open stream; waits (at most ``timeout_s``) only when none is open."""
+        found = self._next_open()
+        if found is not None:
+            return found
+        deadline = time.monotonic() + timeout_s
+        tried = False
+        while True:
+            opening = self._opening()
+            if not opening and not tried:
+                tried = True
+                # Nothing open and nothing opening: this call tries every replica now, as a
+                # unary call would (a refused connection fails it at once; the channels'
+                # own reconnect backoff keeps a dead replica from being dialled each time).
+                for slot in self._slots:
+                    self._reopen(slot, now=True)
+                opening = self._opening()
+            if not opening:
+                raise CallFailed(
+                    grpc.StatusCode.UNAVAILABLE, "no stream to the memory service is open"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            await asyncio.wait(opening, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            found = self._next_open()
+            if found is not None:
+                return found
+
+    async def wait_open(self, timeout_s: float) -> int:
+        """Open every stream that is not open and wait (at most ``timeout_s``) until each has
+        opened or failed; how many are open."""
+        for slot in self._slots:
+            self._reopen(slot, now=True)
+        opening = self._opening()
+        if opening:
+            await asyncio.wait(opening, timeout=timeout_s)
+        return self.open_streams
+
+    def _opening(self) -> list[asyncio.Future[None]]:
+        return [
+            slot.stream.opened
+            for slot in self._slots
+            if slot.stream is not None and not slot.stream.dead and slot.stream.hello is None
+        ]
+
+    def close(self) -> None:
+        self._closed = True
+        for slot in self._slots:
+            if slot.stream is not None:
+                slot.stream.close()
+                slot.stream = None
+
+    def _next_open(self) -> ExchangeStream | None:
+        slots = self._slots
+        count = len(slots)
+        for _ in range(count):
+            slot = slots[self._next]
+            self._next = (self._next + 1) % count
+            stream = slot.stream
+            if stream is not None and stream.hello is not None and not stream.dead:
+                return stream
+            self._reopen(slot)
+        return None
+
+    def _reopen(self, slot: _Slot, *, now: bool = False) -> None:
+        """Open the slot's stream if it has none or a dead one; unless ``now``, not while
+        its replica is in its backoff."""
+        if slot.stream is not None and not slot.stream.dead:
+            return
+        if self._closed or (not now and time.monotonic() < slot.retry_at):
+            return
+        stream = ExchangeStream(slot.stub, self._metadata)
+        slot.stream = stream
+        stream.opened.add_done_callback(lambda opened: self._opened(slot, stream, opened))
+
+    def _opened(self, slot: _Slot, stream: ExchangeStream, opened: asyncio.Future[None]) -> None:
+        if not opened.cancelled() and opened.exception() is None:
+            slot.backoff_s = MIN_BACKOFF_S
+            assert stream.hello is not None
+            self.writeback_off = not stream.hello.writeback
+            return
+        failure = stream.failure
+        if failure is not None and failure.code == grpc.StatusCode.UNIMPLEMENTED:
+            self.unimplemented = True
+        slot.retry_at = time.monotonic() + slot.backoff_s
+        slot.backoff_s = min(slot.backoff_s * 2, MAX_BACKOFF_S)
+        logger.debug("memory stream to replica %d did not open: %s", slot.index, failure)

@@ -1,0 +1,266 @@
+"""Recall and writeback over ``MemoryService/Exchange`` streams, against real services.
+
+Each replica is a real grpc.aio ``MemoryService`` on loopback talking to one scripted
+Philia; the HTTP layer's :class:`MemoryClient` reaches them through a :class:`StreamPool`.
+Budgets are long (60 s) wherever a test proves that something did *not* wait for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc.config import Settings
+from arona_grpc.server import GrpcServer
+from arona_grpc.service import EventKind
+from gateway_http.grpc_channel import Replica, open_memory_channel, resolve_replicas
+from gateway_http.memory_client import ENABLED, OFFLINE, MemoryClient
+from gateway_http.memory_stream import CallFailed, StreamPool
+from tests.support.fake_philia import QUERY, STORE, FakePhilia, Step
+
+pytestmark = pytest.mark.asyncio
+
+TOKEN = "philia-token"
+OOLONG = {"text": "I prefer oolong tea", "score": 0.83, "node_type": "entity"}
+# Far above anything a call takes here: a call that ends well before it did not wait for it.
+LONG_BUDGET_S = 60.0
+
+
+@dataclasses.dataclass
+class Pool:
+    philia: FakePhilia
+    servers: list[GrpcServer]
+    channels: list[grpc.aio.Channel]
+    streams: StreamPool
+    client: MemoryClient
+
+    def recalls_served(self, server: GrpcServer) -> list[str]:
+        """The queries ``server`` recalled, oldest first."""
+        events = server.domain.status(100).events
+        return [e.detail for e in reversed(events) if e.kind == EventKind.RECALL]
+
+
+def _settings(
+    philia: FakePhilia, data_dir: Path, host: str = "127.0.0.1", port: int = 0
+) -> Settings:
+    return Settings(
+        memory_url=philia.url,
+        memory_token=TOKEN,
+        memory_timeout_s=LONG_BUDGET_S,
+        grpc_host=host,
+        grpc_port=port,
+        data_dir=data_dir,
+    )
+
+
+@contextlib.asynccontextmanager
+async def pool_of(
+    tmp_path: Path,
+    replicas: int = 1,
+    per_channel: int = 1,
+    *,
+    targets: Sequence[Replica] | None = None,
+    servers: Sequence[tuple[str, int]] = (),
+) -> AsyncIterator[Pool]:
+    """``replicas`` services on 127.0.0.1 (or at ``servers``' host/port), one Philia, and a
+    client whose pool reaches them (through ``targets`` when given)."""
+    async with FakePhilia(token=TOKEN) as philia:
+        philia.memories = [dict(OOLONG)]
+        addresses = list(servers) or [("127.0.0.1", 0)] * replicas
+        started: list[GrpcServer] = []
+        channels: list[grpc.aio.Channel] = []
+        streams: StreamPool | None = None
+        try:
+            for index, (host, port) in enumerate(addresses):
+                settings = _settings(philia, tmp_path / f"replica-{index}", host, port)
+                started.append(await GrpcServer.start(settings))
+            settings = _settings(philia, tmp_path / "http")
+            chosen = targets or [Replica(server.target) for server in started]
+            channels = [open_memory_channel(settings, replica) for replica in chosen]
+            streams = StreamPool(channels, per_channel)
+            client = MemoryClient(
+                channels[0],
+                recall_budget_s=LONG_BUDGET_S,
+                rpc_timeout_s=LONG_BUDGET_S,
+                streams=streams,
+            )
+            yield Pool(philia, started, channels, streams, client)
+        finally:
+            if streams is not None:
+                streams.close()
+            for channel in channels:
+                await channel.close(grace=None)
+            for server in started:
+                await server.stop(0)
+
+
+async def test_each_call_has_its_own_deadline_and_a_slow_call_holds_up_no_other(
+    tmp_path: Path,
+) -> None:
+    async with pool_of(tmp_path) as p:
+        p.philia.script(QUERY, Step(action="hang"))
+        stream = await p.streams.stream(LONG_BUDGET_S)
+
+        slow_id, call = stream.start(1.0)
+        call.recall.query = "what did I say about tea?"
+        slow_started = time.monotonic()
+        slow = asyncio.create_task(stream.reply(slow_id, 1.0))
+        await p.philia.wait_frames(QUERY, 1)
+
+        # A second call on the same stream, Philia answering it at once.
+        fast_id, call = stream.start(LONG_BUDGET_S)
+        call.recall.query = "which tea do I like?"
+        fast = await stream.reply(fast_id, LONG_BUDGET_S)
+        assert fast.recall.state == pb.MEMORY_STATE_ENABLED
+        assert "oolong" in fast.recall.section
+        assert not slow.done()
+
+        # The slow one ends at its own deadline (the service answers OFFLINE just before
+        # it), not at the other call's.
+        reply = await slow
+        waited = time.monotonic() - slow_started
+        assert reply.recall.state == pb.MEMORY_STATE_OFFLINE
+        assert 0.5 <= waited < LONG_BUDGET_S / 2
+
+        # A writeback past its deadline fails as a unary call would: DEADLINE_EXCEEDED.
+        p.philia.script(STORE, Step(action="hang"))
+        late_id, call = stream.start(1.0)
+        call.writeback.user = "remember this"
+        call.writeback.assistant = "noted"
+        with pytest.raises(CallFailed) as failed:
+            await stream.reply(late_id, 1.0)
+        assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The stream is still good for the next call.
+        assert (await p.client.recall("tea again?")).state == ENABLED
+
+
+async def test_a_cancelled_turn_cancels_its_call_on_the_service(tmp_path: Path) -> None:
+    async with pool_of(tmp_path) as p:
+        release = asyncio.Event()
+        p.philia.script(QUERY, Step(hold=release))
+        turn = asyncio.create_task(p.client.recall("the cancelled question"))
+        await p.philia.wait_frames(QUERY, 1)
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+
+        # The cancellation travels on the stream ahead of the next call.
+        assert (await p.client.recall("the next question")).state == ENABLED
+        release.set()
+        await p.philia.wait_answered(2)  # the first query's late answer has gone out
+        assert (await p.client.recall("one more question")).state == ENABLED
+
+        # The service stopped the cancelled recall: its late answer was not recorded.
+        served = p.recalls_served(p.servers[0])
+        assert served == ["the next question", "one more question"]
+
+
+async def test_a_torn_down_stream_fails_its_calls_at_once_and_is_opened_again(
+    tmp_path: Path,
+) -> None:
+    async with pool_of(tmp_path) as p:
+        p.philia.script(QUERY, Step(action="hang"), Step(action="hang"))
+        started = time.monotonic()
+        pending = [asyncio.create_task(p.client.recall(f"question {i}")) for i in range(2)]
+        await p.philia.wait_frames(QUERY, 2)
+
+        server = p.servers[0]
+        await server.stop(0)
+        outcomes = await asyncio.gather(*pending)
+        assert [o.state for o in outcomes] == [OFFLINE, OFFLINE]
+        assert time.monotonic() - started < LONG_BUDGET_S / 2
+
+        # The service comes back on the same address: the next call opens a new stream.
+        settings = _settings(p.philia, tmp_path / "again", port=server.port)
+        p.servers[0] = await GrpcServer.start(settings)
+        await asyncio.wait_for(p.channels[0].channel_ready(), LONG_BUDGET_S)
+        assert (await p.client.recall("back again?")).state == ENABLED
+
+
+async def test_calls_are_spread_over_two_replicas(tmp_path: Path) -> None:
+    async with pool_of(tmp_path, replicas=2) as p:
+        assert await p.streams.wait_open(LONG_BUDGET_S) == 2
+        for i in range(20):
+            assert (await p.client.recall(f"question {i}")).state == ENABLED
+        first, second = (len(p.recalls_served(s)) for s in p.servers)
+        assert first + second == 20
+        assert first >= 5 and second >= 5, (first, second)
+
+
+async def test_a_lost_replica_fails_its_calls_and_the_next_ones_move(tmp_path: Path) -> None:
+    async with pool_of(tmp_path, replicas=2) as p:
+        assert await p.streams.wait_open(LONG_BUDGET_S) == 2
+        release = asyncio.Event()
+        p.philia.script(QUERY, *(Step(hold=release) for _ in range(4)))
+        started = time.monotonic()
+        in_flight = [asyncio.create_task(p.client.recall(f"question {i}")) for i in range(4)]
+        await p.philia.wait_frames(QUERY, 4)
+
+        lost, kept = p.servers
+        await lost.stop(0)
+        release.set()
+        states = sorted(o.state for o in await asyncio.gather(*in_flight))
+        # The lost replica's calls went offline at once; the other's were answered.
+        assert states == [ENABLED, ENABLED, OFFLINE, OFFLINE]
+        assert time.monotonic() - started < LONG_BUDGET_S / 2
+
+        for i in range(6):
+            assert (await p.client.recall(f"later question {i}")).state == ENABLED
+        assert p.recalls_served(kept)[-6:] == [f"later question {i}" for i in range(6)]
+
+
+async def test_a_name_with_two_addresses_is_two_replicas(tmp_path: Path) -> None:
+    # One port free on both loopbacks: the IPv4 replica picks it, the IPv6 one takes it too.
+    async with FakePhilia(token=TOKEN) as probe_philia:
+        probe = await GrpcServer.start(_settings(probe_philia, tmp_path / "probe"))
+        port = probe.port
+        await probe.stop(0)
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert host == "memory.internal"
+        return ["127.0.0.1", "::1", "127.0.0.1"]
+
+    replicas = await resolve_replicas([f"memory.internal:{port}"], resolve)
+    assert replicas == [
+        Replica(f"ipv4:127.0.0.1:{port}", f"memory.internal:{port}"),
+        Replica(f"ipv6:[::1]:{port}", f"memory.internal:{port}"),
+    ]
+    servers = [("127.0.0.1", port), ("::1", port)]
+    async with pool_of(tmp_path, targets=replicas, servers=servers) as p:
+        assert await p.streams.wait_open(LONG_BUDGET_S) == 2
+        for i in range(10):
+            assert (await p.client.recall(f"question {i}")).state == ENABLED
+        assert all(p.recalls_served(server) for server in p.servers)
+
+
+async def test_targets_that_are_addresses_or_single_names_are_dialled_as_given() -> None:
+    async def resolve(host: str, port: int) -> list[str]:
+        return {"one.internal": ["10.0.0.7"]}.get(host, [])
+
+    replicas = await resolve_replicas(
+        ["127.0.0.1:7000", "[::1]:7001", "one.internal:7002", "dns:///x.internal:7003"], resolve
+    )
+    assert [r.target for r in replicas] == [
+        "127.0.0.1:7000",
+        "[::1]:7001",
+        "one.internal:7002",
+        "dns:///x.internal:7003",
+    ]
+    assert all(r.authority is None for r in replicas)
+
+
+async def test_no_replica_up_fails_a_call_at_once(tmp_path: Path) -> None:
+    async with pool_of(tmp_path) as p:
+        await p.servers[0].stop(0)
+        started = time.monotonic()
+        for _ in range(3):
+            assert (await p.client.recall("anyone there?")).state == OFFLINE
+        assert time.monotonic() - started < LONG_BUDGET_S / 2

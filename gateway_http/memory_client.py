@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -116,7 +116,9 @@ class RecallDetail:
     memories: tuple[RecalledMemory, ...]
 
 
-_Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
+if TYPE_CHECKING:
+    # The async stub type exists only in the generated typing stubs.
+    _Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
 
 
 def _rfc3339_ms(ts: Timestamp) -> str:

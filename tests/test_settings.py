@@ -137,6 +137,22 @@ def test_grpc_target_follows_the_listener_unless_set() -> None:
     )
 
 
+def test_grpc_replicas_and_streams() -> None:
+    settings = Settings.from_env({"ARONA_GRPC_TARGET": " mem-a:50051, mem-b:50051 ,"})
+    assert settings.grpc_targets == ("mem-a:50051", "mem-b:50051")
+    assert settings.grpc_streams == 2
+    assert Settings.from_env({}).grpc_targets == ("127.0.0.1:50051",)
+    assert Settings.from_env({"ARONA_GRPC_STREAMS": "0"}).grpc_streams == 0
+    assert Settings.from_env({"ARONA_GRPC_STREAMS": "8"}).grpc_streams == 8
+    for bad in ("-1", "two", "65", "1.5"):
+        with pytest.raises(ConfigError) as raised:
+            Settings.from_env({"ARONA_GRPC_STREAMS": bad})
+        assert str(raised.value) == (
+            "ARONA_GRPC_STREAMS must be a whole number from 0 (unary calls) to 64, "
+            f"got {bad!r}"
+        )
+
+
 @pytest.mark.parametrize(
     ("url", "shown"),
     [

@@ -148,8 +148,7 @@ def test_grpc_replicas_and_streams() -> None:
         with pytest.raises(ConfigError) as raised:
             Settings.from_env({"ARONA_GRPC_STREAMS": bad})
         assert str(raised.value) == (
-            "ARONA_GRPC_STREAMS must be a whole number from 0 (unary calls) to 64, "
-            f"got {bad!r}"
+            f"ARONA_GRPC_STREAMS must be a whole number from 0 (unary calls) to 64, got {bad!r}"
         )
 
 

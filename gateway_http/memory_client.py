@@ -164,11 +164,14 @@ class MemoryClient:
     async def recall(self, query: str, limit: int = 5, scope: str = "") -> Recall:
         streams = self._streams
         if streams is not None and not streams.unimplemented:
-            budget_s = self._recall_budget_s
-            deadline = time.monotonic() + budget_s
+            left_s = self._recall_budget_s
             try:
-                stream = await streams.stream(budget_s)
-                left_s = deadline - time.monotonic()
+                stream = streams.next_open()
+                if stream is None:
+                    # None open: wait for one, within the same budget.
+                    deadline = time.monotonic() + left_s
+                    stream = await streams.stream(left_s)
+                    left_s = deadline - time.monotonic()
                 call_id, call = stream.start(left_s)
                 request = call.recall
                 request.query = query
@@ -240,11 +243,13 @@ class MemoryClient:
         """
         streams = self._streams
         if streams is not None and not streams.unimplemented:
-            timeout_s = self._rpc_timeout_s
-            deadline = time.monotonic() + timeout_s
+            left_s = self._rpc_timeout_s
             try:
-                stream = await streams.stream(timeout_s)
-                left_s = deadline - time.monotonic()
+                stream = streams.next_open()
+                if stream is None:
+                    deadline = time.monotonic() + left_s
+                    stream = await streams.stream(left_s)
+                    left_s = deadline - time.monotonic()
                 call_id, call = stream.start(left_s)
                 request = call.writeback
                 request.user = user

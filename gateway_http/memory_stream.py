@@ -261,9 +261,22 @@ class StreamPool:
                 return self._channels[slot.index]
         return self._channels[0]
 
+    def next_open(self) -> ExchangeStream | None:
+        """The next open stream, None when none is (then :meth:`stream` waits for one)."""
+        slots = self._slots
+        count = len(slots)
+        for _ in range(count):
+            slot = slots[self._next]
+            self._next = (self._next + 1) % count
+            stream = slot.stream
+            if stream is not None and stream.hello is not None and not stream.dead:
+                return stream
+            self._reopen(slot)
+        return None
+
     async def stream(self, timeout_s: float) -> ExchangeStream:
         """The next open stream; waits (at most ``timeout_s``) only when none is open."""
-        found = self._next_open()
+        found = self.next_open()
         if found is not None:
             return found
         deadline = time.monotonic() + timeout_s
@@ -286,7 +299,7 @@ class StreamPool:
             if left <= 0:
                 raise CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             await asyncio.wait(opening, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            found = self._next_open()
+            found = self.next_open()
             if found is not None:
                 return found
 
@@ -313,18 +326,6 @@ class StreamPool:
             if slot.stream is not None:
                 slot.stream.close()
                 slot.stream = None
-
-    def _next_open(self) -> ExchangeStream | None:
-        slots = self._slots
-        count = len(slots)
-        for _ in range(count):
-            slot = slots[self._next]
-            self._next = (self._next + 1) % count
-            stream = slot.stream
-            if stream is not None and stream.hello is not None and not stream.dead:
-                return stream
-            self._reopen(slot)
-        return None
 
     def _reopen(self, slot: _Slot, *, now: bool = False) -> None:
         """Open the slot's stream if it has none or a dead one; unless ``now``, not while

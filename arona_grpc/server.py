@@ -58,6 +58,7 @@ def build_server(
     health_servicer: health_aio.HealthServicer | None = None,
     *,
     token: str | None = None,
+    servicer: MemoryServicer | None = None,
 ) -> grpc.aio.Server:
     """A ``grpc.aio`` server with MemoryService, health and reflection; not yet bound.
 
@@ -67,7 +68,7 @@ def build_server(
     """
     interceptors = [BearerTokenInterceptor(token, SERVICE_NAME)] if token else None
     server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
-    pb_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(domain), server)
+    pb_grpc.add_MemoryServiceServicer_to_server(servicer or MemoryServicer(domain), server)
     health_pb2_grpc.add_HealthServicer_to_server(
         health_servicer or health_aio.HealthServicer(), server
     )
@@ -88,8 +89,10 @@ class GrpcServer:
         target: str,
         owned_pool: Any | None = None,
         metrics_server: WSGIServer | None = None,
+        servicer: MemoryServicer | None = None,
     ) -> None:
         self._server = server
+        self._servicer = servicer
         # A database pool the server opened itself (closed with it).
         self._owned_pool = owned_pool
         self._health = health_servicer
@@ -128,7 +131,8 @@ class GrpcServer:
                 pool = owned_pool = await open_pool(settings.database_url)
             domain = MemoryDomain(settings, pool=pool)
         health_servicer = health_aio.HealthServicer()
-        server = build_server(domain, health_servicer, token=settings.grpc_token)
+        servicer = MemoryServicer(domain)
+        server = build_server(domain, health_servicer, token=settings.grpc_token, servicer=servicer)
         address = _bind_address(settings.grpc_host, settings.grpc_port)
         try:
             if credentials is None:
@@ -179,7 +183,7 @@ class GrpcServer:
                 target.rsplit(":", 1)[0],
                 metrics_server.server_port,
             )
-        return cls(server, health_servicer, domain, target, owned_pool, metrics_server)
+        return cls(server, health_servicer, domain, target, owned_pool, metrics_server, servicer)
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING, finish in-flight calls within ``grace`` seconds, close Philia.
@@ -191,6 +195,11 @@ class GrpcServer:
             return
         self._stopped = True
         await self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            # Exchange streams never end by themselves: ask their callers to close them
+            # (and to send their next calls elsewhere), so the grace period is not spent
+            # waiting for them.
+            self._servicer.say_goodbye()
         await self._server.stop(grace)
         await self.domain.aclose(grace)
         if self._metrics_server is not None:

@@ -81,6 +81,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     def __init__(self, domain: MemoryDomain) -> None:
         self._domain = domain
+        # The Exchange streams open now.
+        self._exchanges: set[_Exchange] = set()
+        self._stopping = False
+
+    def say_goodbye(self) -> None:
+        """The service is stopping: every Exchange stream, now and from now on, is asked to
+        close (its calls already sent are still answered)."""
+        self._stopping = True
+        for exchange in self._exchanges:
+            exchange.goodbye()
 
     # Each RPC is one coroutine with its own try: no wrapper coroutine or closure per
     # call on the hot path (Recall and Writeback run on every chat turn).
@@ -149,7 +159,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Exchange(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.ExchangeRequest], context: Context
     ) -> None:
-        await _Exchange(self._domain, context).run(request_iterator)
+        exchange = _Exchange(self._domain, context)
+        self._exchanges.add(exchange)
+        if self._stopping:
+            exchange.goodbye()
+        try:
+            await exchange.run(request_iterator)
+        finally:
+            self._exchanges.discard(exchange)
 
 
 def _adopt_request_id(context: Context) -> None:
@@ -206,6 +223,9 @@ class _Exchange:
         self._context = context
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._out: list[pb.Reply] = []
+        # False, True (to be sent), None (sent).
+        self._goodbye: bool | None = False
+        self._hello_sent = asyncio.Event()
         self._flush_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -221,6 +241,7 @@ class _Exchange:
                 )
             )
         )
+        self._hello_sent.set()
         try:
             async for batch in requests:
                 for call_id in batch.cancel:
@@ -239,6 +260,16 @@ class _Exchange:
                 task.cancel()
             if self._flush_task is not None and not self._flush_task.done():
                 self._flush_task.cancel()
+
+    def goodbye(self) -> None:
+        """Ask the caller to send no more calls here and close its side."""
+        if self._goodbye is False:
+            self._goodbye = True
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._flush_task is None:
+            self._flush_task = self._loop.create_task(self._flush())
 
     def _start(self, call: pb.Call) -> None:
         task = self._loop.create_task(self._run_call(call))
@@ -287,14 +318,19 @@ class _Exchange:
         finally:
             self._calls.pop(call.id, None)
         self._out.append(reply)
-        if self._flush_task is None:
-            self._flush_task = self._loop.create_task(self._flush())
+        self._kick()
 
     async def _flush(self) -> None:
+        # The hello goes first, before any reply or goodbye.
+        await self._hello_sent.wait()
         try:
-            while self._out:
-                batch, self._out = self._out, []
-                await self._context.write(pb.ExchangeResponse(replies=batch))
+            while self._out or self._goodbye is True:
+                if self._out:
+                    batch, self._out = self._out, []
+                    await self._context.write(pb.ExchangeResponse(replies=batch))
+                else:
+                    self._goodbye = None  # sent
+                    await self._context.write(pb.ExchangeResponse(goodbye=True))
         finally:
             self._flush_task = None
 

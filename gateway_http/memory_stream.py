@@ -96,12 +96,20 @@ class ExchangeStream:
         self.opened: asyncio.Future[None] = self._loop.create_future()
         self.opened.add_done_callback(_seen)
         self.dead = False
+        # Open, and takes new calls: not dead, and the service has not said goodbye.
+        self.usable = False
+        self._closing = False
         self.failure: CallFailed | None = None
         self._reader = self._loop.create_task(self._read(), name="memory-stream-reader")
 
     @property
     def open(self) -> bool:
-        return self.hello is not None and not self.dead
+        return self.usable
+
+    @property
+    def closing(self) -> bool:
+        """The service said goodbye: the stream ends once its pending calls are answered."""
+        return self.hello is not None and not self.usable and not self.dead
 
     def start(self, timeout_s: float) -> tuple[int, pb.Call]:
         """A new call, to be filled in before the caller's next ``await``; then :meth:`reply`."""
@@ -160,7 +168,11 @@ class ExchangeStream:
         # The only writer: a gRPC stream takes one write at a time, and a write cancelled
         # halfway cancels the whole stream, so no caller ever writes itself.
         try:
-            while self._batch.calls or self._batch.cancel:
+            while self._batch.calls or self._batch.cancel or self._closing:
+                if not (self._batch.calls or self._batch.cancel):
+                    self._closing = False
+                    await self._call.done_writing()
+                    break
                 batch, self._batch = self._batch, pb.ExchangeRequest()
                 deadlines, self._deadlines = self._deadlines, []
                 # The service's deadline for a call is the caller's, as a unary call's is:
@@ -191,8 +203,15 @@ class ExchangeStream:
                         future.set_result(reply)
                 if message.HasField("hello"):
                     self.hello = message.hello
+                    self.usable = True
                     if not self.opened.done():
                         self.opened.set_result(None)
+                if message.goodbye:
+                    # The replica is stopping: no new calls here; the pending ones are
+                    # answered before the stream ends.
+                    self.usable = False
+                    self._closing = True
+                    self._kick()
         except grpc.aio.AioRpcError as exc:
             self._fail_all(CallFailed(exc.code(), exc.details() or ""))
         except asyncio.CancelledError:
@@ -204,6 +223,7 @@ class ExchangeStream:
         if self.dead:
             return
         self.dead = True
+        self.usable = False
         self.failure = failure
         pending, self._pending = self._pending, {}
         for future in pending.values():
@@ -269,7 +289,7 @@ class StreamPool:
             slot = slots[self._next]
             self._next = (self._next + 1) % count
             stream = slot.stream
-            if stream is not None and stream.hello is not None and not stream.dead:
+            if stream is not None and stream.usable:
                 return stream
             self._reopen(slot)
         return None
@@ -330,7 +350,7 @@ class StreamPool:
     def _reopen(self, slot: _Slot, *, now: bool = False) -> None:
         """Open the slot's stream if it has none or a dead one; unless ``now``, not while
         its replica is in its backoff."""
-        if slot.stream is not None and not slot.stream.dead:
+        if slot.stream is not None and not slot.stream.dead and not slot.stream.closing:
             return
         if self._closed or (not now and time.monotonic() < slot.retry_at):
             return

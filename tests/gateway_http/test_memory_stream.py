@@ -264,3 +264,31 @@ async def test_no_replica_up_fails_a_call_at_once(tmp_path: Path) -> None:
         for _ in range(3):
             assert (await p.client.recall("anyone there?")).state == OFFLINE
         assert time.monotonic() - started < LONG_BUDGET_S / 2
+
+
+async def test_a_replica_that_stops_answers_its_calls_and_the_next_ones_move(
+    tmp_path: Path,
+) -> None:
+    async with pool_of(tmp_path, replicas=2) as p:
+        assert await p.streams.wait_open(LONG_BUDGET_S) == 2
+        release = asyncio.Event()
+        p.philia.script(QUERY, Step(hold=release), Step(hold=release))
+        held = [asyncio.create_task(p.client.recall(f"held question {i}")) for i in range(2)]
+        await p.philia.wait_frames(QUERY, 2)
+
+        stopping, staying = p.servers
+        started = time.monotonic()
+        stop = asyncio.create_task(stopping.stop(grace=LONG_BUDGET_S))
+        # Meanwhile every call is answered: none goes offline.
+        for i in range(4):
+            assert (await p.client.recall(f"new question {i}")).state == ENABLED
+        # The calls it already had are answered, not dropped.
+        release.set()
+        assert [o.state for o in await asyncio.gather(*held)] == [ENABLED, ENABLED]
+        # It stops as soon as they are, not at the end of its grace period.
+        await stop
+        assert time.monotonic() - started < LONG_BUDGET_S / 2
+        # From then on the other replica takes every call.
+        for i in range(4):
+            assert (await p.client.recall(f"later question {i}")).state == ENABLED
+        assert p.recalls_served(staying)[-4:] == [f"later question {i}" for i in range(4)]

@@ -602,6 +602,11 @@ class ExchangeResponse(_message.Message):
 
     REPLIES_FIELD_NUMBER: _builtins.int
     HELLO_FIELD_NUMBER: _builtins.int
+    GOODBYE_FIELD_NUMBER: _builtins.int
+    goodbye: _builtins.bool
+    """The service is stopping: send no more calls on this stream and close your
+    side; the calls already sent are still answered, then the stream ends.
+    """
     @_builtins.property
     def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reply]:
         """Replies to calls, as each one ends."""
@@ -615,10 +620,11 @@ class ExchangeResponse(_message.Message):
         *,
         replies: _abc.Iterable[Global___Reply] | None = ...,
         hello: Global___Hello | None = ...,
+        goodbye: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "replies", b"replies"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["goodbye", b"goodbye", "hello", b"hello", "replies", b"replies"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,7 +31,7 @@ from typing import Any
 from arona_store.ranking import semantic_available
 from bench import corpus, recall_bench
 from bench.loadgen import Stats
-from bench.procs import Proc, ProcError, clean_env, free_port, wait_http
+from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, wait_http
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -209,34 +209,16 @@ class Run:
         """
         pids = [proc.popen.pid for proc in self.procs if proc.popen.poll() is None]
         started = time.monotonic()
-        before = _cpu_ns(pids)
+        before = cpu_ns(pids)
         if before is None:
             return 0.0
         while time.monotonic() - started < SETTLE_MAX_S:
             time.sleep(SETTLE_WINDOW_S)
-            after = _cpu_ns(pids) or 0
+            after = cpu_ns(pids) or 0
             if after - before < SETTLE_IDLE_SHARE * SETTLE_WINDOW_S * 1e9:
                 break
             before = after
         return time.monotonic() - started
-
-
-def _cpu_ns(pids: Sequence[int]) -> int | None:
-    """CPU time so far of every thread of ``pids``, in nanoseconds; None without ``/proc``."""
-    if not Path("/proc/self/task").is_dir():
-        return None
-    total = 0
-    for pid in pids:
-        try:
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        except OSError:
-            continue  # it has exited
-        for task in tasks:
-            try:
-                total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue  # a thread that ended meanwhile
-    return total
 
 
 def preload(db_path: Path, count: int, node_types: Sequence[str] = ("episode",)) -> int:

@@ -2,11 +2,14 @@
 
 Everything runs on 127.0.0.1 in separate processes: the zero-latency upstream
 (:mod:`bench.upstream`), the embedded memory store preloaded with a generated corpus
-(``arona-gateway store``), three gateways (``arona-gateway serve``: memory disabled, memory
-enabled, memory pointed at a blackholed Philia), the LiteLLM proxy as a peer when it is
-installed, and the load generator (:mod:`bench.loadgen`) once per measurement. Each
-configuration runs at concurrency 1 and 32 with a warm-up first; every loop is bounded in
-turns and in seconds. The table goes to stdout and, as Markdown, under ``bench/results/``.
+(``arona-gateway store``), one gateway (``arona-gateway serve``) per gateway row (memory
+disabled, memory enabled on gRPC streams or on unary calls, memory pointed at a blackholed
+Philia, ...), the LiteLLM proxy as a peer when it is installed, and the load generator
+(:mod:`bench.loadgen`) once per measurement, which also reads the CPU time the gateway's
+processes spend on the measured turns. Each configuration runs at concurrency 1 and 32 with a
+warm-up first; every loop is bounded in turns and in seconds. The table and the targets
+(ratios to references measured in the same run) go to stdout and, as Markdown, under
+``bench/results/``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 from arona_store.ranking import semantic_available
 from bench import corpus, recall_bench
 from bench.loadgen import Stats
-from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, wait_http
+from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -88,11 +91,22 @@ class Config:
     # Each turn carries a conversation_id, taking this many conversations in turn.
     conversations: int = 0
 
+    @property
+    def gateway(self) -> bool:
+        """Whether the target is one of the run's gateways (whose CPU time is measured)."""
+        return self.target.startswith("gw_")
+
 
 CONFIGS = (
     Config("direct", "1. direct to the upstream (no gateway)", "upstream"),
     Config("mem_off", "2. gateway, memory disabled", "gw_off", expect="disabled"),
     Config("mem_on", "3. gateway, memory enabled (recall + writeback)", "gw_on", expect="enabled"),
+    Config(
+        "mem_unary",
+        "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
+        "gw_unary",
+        expect="enabled",
+    ),
     Config(
         "mem_user",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user (API key)",
@@ -182,12 +196,21 @@ class Run:
     results: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     # Each round's turns/s, per (configuration, concurrency), in round order.
     rounds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    # Each round's gateway CPU per turn (µs), per (configuration, concurrency), in round order;
+    # only for gateway rows, and only where /proc could be read.
+    cpu_rounds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     recall: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     store_recall: list[recall_bench.RecallRow] = field(default_factory=list)
     # Run at the end whatever happened (a PostgreSQL cluster's removal).
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     litellm_version: str | None = None
+
+    def gateway_pids(self, name: str) -> list[int]:
+        """The processes of the gateway ``name`` right now: the one ``serve`` started and all
+        below it (``--workers``: its gRPC service and HTTP workers)."""
+        [proc] = [proc for proc in self.procs if proc.name == name]
+        return process_tree(proc.popen.pid)
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         proc = Proc(name, argv, self.work, env=env or clean_env({}), cwd=ROOT)
@@ -415,17 +438,34 @@ def measure(
         argv += ["--api-key", config.api_key]
     if config.conversations:
         argv += ["--conversations", str(config.conversations)]
+    if config.gateway:
+        argv += ["--cpu-pids", ",".join(map(str, run.gateway_pids(config.target)))]
     waited = run.settle()
     if waited > 2 * SETTLE_WINDOW_S:
         log(f"waited {waited:.1f} s for the processes to go idle")
     result = loadgen(run, argv, turns, warmup)
+    cpu = cpu_per_turn_us(result)
     log(
         f"{config.key:>14} c={concurrency:<2} {label} p50 {result['p50_ms']:.3f} ms  "
         f"p99 {result['p99_ms']:.3f} ms  ttft p50 {result['ttft_p50_ms']:.3f} ms  "
         f"{result['turns_per_s']:.0f}/s  errors {result['errors']}  "
         f"wrong header {result['wrong_header']}{'  (time cap hit)' if result['capped'] else ''}"
+        + (f"  gateway CPU {cpu:.0f} µs/turn" if cpu is not None else "")
     )
     return result
+
+
+def served(result: dict[str, Any]) -> int:
+    """Every turn a measurement sent and got an answer to, failures included."""
+    return int(result["ok"]) + int(result["errors"]) + int(result["wrong_header"])
+
+
+def cpu_per_turn_us(result: dict[str, Any]) -> float | None:
+    """The gateway's CPU time per turn of a measurement or pooled rounds, in µs: its
+    processes' CPU time over the measured turns ÷ those turns; None where not measured."""
+    cpu = result.get("cpu_ns")
+    turns = served(result)
+    return cpu / turns / 1000 if cpu is not None and turns > 0 else None
 
 
 def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -439,7 +479,11 @@ def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         error_samples=[x for part in parts for x in part["error_samples"]][:5],
     )
     elapsed = sum(part["elapsed_s"] for part in parts)
-    return pooled.summary(elapsed, any(part["capped"] for part in parts))
+    result = pooled.summary(elapsed, any(part["capped"] for part in parts))
+    cpus = [part.get("cpu_ns") for part in parts]
+    if cpus and all(cpu is not None for cpu in cpus):
+        result["cpu_ns"] = sum(cpu for cpu in cpus if cpu is not None)
+    return result
 
 
 def round_sizes(turns: int, rounds: int) -> list[int]:
@@ -465,9 +509,13 @@ def measure_interleaved(run: Run, concurrency: int, configs: Sequence[Config]) -
         result = pool(parts[config.key])
         run.results[(config.key, concurrency)] = result
         run.rounds[(config.key, concurrency)] = [part["turns_per_s"] for part in parts[config.key]]
+        cpus = [cpu_per_turn_us(part) for part in parts[config.key]]
+        if cpus and all(cpu is not None for cpu in cpus):
+            run.cpu_rounds[(config.key, concurrency)] = [cpu for cpu in cpus if cpu is not None]
         log(
             f"{config.key:>14} c={concurrency:<2} all rounds: p50 {result['p50_ms']:.3f} ms  "
             f"{result['turns_per_s']:.0f}/s"
+            + (f"  gateway CPU {cpu:.0f} µs/turn" if (cpu := cpu_per_turn_us(result)) else "")
         )
 
 
@@ -530,6 +578,8 @@ def execute(run: Run) -> None:
     start_gateway(run, "gw_off", {})
     memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
     start_gateway(run, "gw_on", memory)
+    # The same gateway on the unary Recall and Writeback calls instead of the streams.
+    start_gateway(run, "gw_unary", {**memory, "ARONA_GRPC_STREAMS": "0"})
     if hybrid:
         start_gateway(
             run, "gw_hybrid", {"ARONA_MEMORY_URL": hybrid_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
@@ -630,6 +680,7 @@ def _row_cells(run: Run, config: Config, concurrency: int) -> list[str] | None:
     failures = f"{result['errors']} / {result['wrong_header']}"
     if result["capped"]:
         failures += " (time cap)"
+    cpu = cpu_per_turn_us(result) if config.gateway else None
     return [
         config.label,
         str(concurrency),
@@ -640,6 +691,7 @@ def _row_cells(run: Run, config: Config, concurrency: int) -> list[str] | None:
         ratio_p50,
         ratio_tps,
         added,
+        "—" if cpu is None else f"{cpu:.0f}",
         failures,
     ]
 
@@ -762,7 +814,13 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         "Latency in ms. For streaming rows (5a, 5b) p50/p99 are the time to the first event "
         "and 5b is compared with 5a; every other row is compared with row 1 (direct). "
         "`× direct` is the p50 ratio, `÷ direct` the throughput ratio, `added` the p50 "
-        "difference. Failures = non-200 or broken / missing or wrong `X-Arona-Memory` header.",
+        "difference. `gateway CPU per turn` is the CPU time of the gateway's processes (every "
+        "thread; with `--workers` the supervisor and all its children) while the measured turns "
+        "ran, divided by those turns, pooled over the rounds: the store, upstream and load "
+        "generator are not counted. Row 3 and the other memory rows call the gRPC "
+        "`MemoryService` on its streams (`ARONA_GRPC_STREAMS` unset: the default); row 3g is "
+        "row 3's gateway on the unary calls (`ARONA_GRPC_STREAMS=0`). "
+        "Failures = non-200 or broken / missing or wrong `X-Arona-Memory` header.",
         "",
     ]
     header = [
@@ -775,6 +833,7 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         "p50 × direct",
         "turns/s ÷ direct",
         "added p50",
+        "gateway CPU per turn (µs)",
         "failures",
     ]
     rows = [

@@ -50,6 +50,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "1. direct to the upstream",
         "2. gateway, memory disabled",
         "3. gateway, memory enabled",
+        "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
         "3h. gateway, memory enabled, hybrid-ranking store",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
@@ -65,6 +66,12 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         # One row per concurrency, every turn answered 200 with the expected memory header.
         assert len(measured) == 2, (label, table)
         assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
+        # The gateway's CPU per turn (the column before the failures), for gateway rows only.
+        cpu_cells = [row.split(" | ")[-2] for row in measured]
+        if label.startswith(("1.", "5a.")):
+            assert cpu_cells == ["—", "—"], measured
+        else:
+            assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
     recall = [
         row for row in rows if row.startswith(("| 500 |", "| 1,000 |")) and row.count("|") == 8
     ]

@@ -26,6 +26,7 @@ import httptools
 import orjson
 
 from bench.corpus import QUERIES
+from bench.procs import cpu_ns
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -194,9 +195,13 @@ async def _drive(
     max_seconds: float,
     one_turn: Callable[[int, int, Stats], Awaitable[None]],
     raw: bool = False,
+    cpu_pids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Warm up, then run up to ``turns`` turns on ``concurrency`` workers, bounded in time;
-    ``raw`` adds every latency (seconds) to the summary, for pooling several runs."""
+    ``raw`` adds every latency (seconds) to the summary, for pooling several runs.
+
+    With ``cpu_pids``, the summary's ``cpu_ns`` is the CPU time those processes spent while
+    the measured turns ran (warm-up and connecting left out; None without ``/proc``)."""
 
     async def run(count: int, stats: Stats, deadline: float) -> bool:
         counter = itertools.count()
@@ -217,9 +222,17 @@ async def _drive(
 
     await run(warmup, Stats(), time.perf_counter() + max_seconds)
     stats = Stats()
+    cpu_before = cpu_ns(cpu_pids) if cpu_pids else None
     started = time.perf_counter()
     capped = await run(turns, stats, started + max_seconds)
-    return stats.summary(time.perf_counter() - started, capped, raw)
+    elapsed = time.perf_counter() - started
+    cpu_after = cpu_ns(cpu_pids) if cpu_pids else None
+    summary = stats.summary(elapsed, capped, raw)
+    if cpu_pids:
+        summary["cpu_ns"] = (
+            cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+        )
+    return summary
 
 
 async def http_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,7 +268,13 @@ async def http_main(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         return await _drive(
-            args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn, args.raw
+            args.concurrency,
+            args.warmup,
+            args.turns,
+            args.max_seconds,
+            one_turn,
+            args.raw,
+            args.cpu_pids,
         )
     finally:
         for conn in conns:
@@ -287,7 +306,13 @@ async def recall_main(args: argparse.Namespace) -> dict[str, Any]:
             stats.firsts.append(done - started)
 
         return await _drive(
-            args.concurrency, args.warmup, args.turns, args.max_seconds, one_turn, args.raw
+            args.concurrency,
+            args.warmup,
+            args.turns,
+            args.max_seconds,
+            one_turn,
+            args.raw,
+            args.cpu_pids,
         )
 
 
@@ -301,6 +326,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--warmup", type=int, default=200)
         p.add_argument("--max-seconds", type=float, default=60.0)
         p.add_argument("--raw", action="store_true", help="include every latency")
+        p.add_argument(
+            "--cpu-pids",
+            type=lambda text: [int(pid) for pid in text.split(",") if pid],
+            default=[],
+            help="comma-separated pids whose CPU time over the measured turns to report",
+        )
     http = sub.choices["http"]
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, required=True)

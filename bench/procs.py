@@ -1,5 +1,6 @@
 """Child processes of a benchmark run: started with their output in log files, waited on for a
-readiness line with a deadline, and stopped with SIGTERM (then SIGKILL) by their own pid."""
+readiness line with a deadline, and stopped with SIGTERM (then SIGKILL) by their own pid; and
+the CPU time of a set of processes, read from ``/proc``."""
 
 from __future__ import annotations
 
@@ -104,3 +105,63 @@ def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
     env.update(extra)
     return env
+
+
+def cpu_ns(pids: Sequence[int]) -> int | None:
+    """CPU time so far of every thread of ``pids``, in nanoseconds; None without ``/proc``.
+
+    Read from ``/proc/<pid>/task/<tid>/schedstat`` (its first field: time on a CPU), so a
+    thread that has exited no longer counts: take two readings of the same long-lived
+    threads and use the difference.
+    """
+    if not Path("/proc/self/task").is_dir():
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue  # it has exited
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid``: from ``/proc/<pid>/task/*/children`` where the kernel
+    has it, else from the parent pid of every process in ``/proc``."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        files = [task / "children" for task in tasks.iterdir()]
+    except OSError:
+        return []  # it has exited
+    if files and files[0].exists():
+        found: list[int] = []
+        for file in files:
+            try:
+                found += [int(word) for word in file.read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return found
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The parent pid is the second field after the command name, which may hold
+            # spaces and parentheses itself: split after its last ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (children, their children, ...), ``pid`` first."""
+    tree = [pid]
+    for parent in tree:  # grows while it is walked: breadth first
+        tree += [child for child in _children(parent) if child not in tree]
+    return tree

@@ -50,6 +50,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "1. direct to the upstream",
         "2. gateway, memory disabled",
         "3. gateway, memory enabled",
+        "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
         "3h. gateway, memory enabled, hybrid-ranking store",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
@@ -65,6 +66,12 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         # One row per concurrency, every turn answered 200 with the expected memory header.
         assert len(measured) == 2, (label, table)
         assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
+        # The gateway's CPU per turn (the column before the failures), for gateway rows only.
+        cpu_cells = [row.split(" | ")[-2] for row in measured]
+        if label.startswith(("1.", "5a.")):
+            assert cpu_cells == ["—", "—"], measured
+        else:
+            assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
     recall = [
         row for row in rows if row.startswith(("| 500 |", "| 1,000 |")) and row.count("|") == 8
     ]
@@ -73,10 +80,21 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     store_rows = [row for row in rows if re.match(r"\| [\d,]+ \| (lexical|hybrid) \|", row)]
     assert [("hybrid" in row) for row in store_rows] == [False, True, False, True], table
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
-    assert "memory-enabled p50 over direct" in table
+    assert "| LiteLLM comparisons | LiteLLM not measured in this run | — |" in table
+    assert "memory's own cost: p50 (3 − 2) ≤ 0.5 × the gateway's (2 − 1), c=1" in table
+    assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table
     assert "serve --workers 2 turns/s ÷ --workers 1, c=32" in table
-    # The throughput target's row also says how far apart its rounds were.
-    [share] = [row for row in rows if row.startswith("| memory-enabled turns/s ≥ 75%")]
-    assert re.search(r"\| \d+% \(rounds: \d+%–\d+%\) \|", share), share
+    # The throughput line also says how far apart its rounds were.
+    [share] = [row for row in rows if row.startswith("| memory-enabled turns/s ÷ memory-disabled")]
+    assert re.search(r"\| \d+% \(rounds: \d+%–\d+%\) \| — \|$", share), share
+    # The CPU target at c=32 (a verdict) and the same figure at c=1 (information), each with
+    # both µs figures and the rounds' own ratios.
+    [cpu32, cpu1] = [row for row in rows if row.startswith("| gateway CPU per memory turn")]
+    assert "≤ 0.70 × unary calls (3g), c=32" in cpu32, cpu32
+    assert cpu32.endswith(("| met |", "| **not met** |")), cpu32
+    assert "c=1 (information)" in cpu1 and cpu1.endswith("| — |"), cpu1
+    for row in (cpu32, cpu1):
+        figures = r"\| \d+\.\d\d× \(\d+ µs vs \d+ µs\) \(rounds: \d+\.\d\d–\d+\.\d\d×\) \|"
+        assert re.search(figures, row), row

@@ -222,10 +222,11 @@ class _Exchange:
         self._domain = domain
         self._context = context
         self._calls: dict[int, asyncio.Task[None]] = {}
-        self._out: list[pb.Reply] = []
+        # Replies not written yet: the next write takes them all.
+        self._out = pb.ExchangeResponse()
         # False, True (to be sent), None (sent).
         self._goodbye: bool | None = False
-        self._hello_sent = asyncio.Event()
+        self._ready = False
         self._flush_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -241,7 +242,9 @@ class _Exchange:
                 )
             )
         )
-        self._hello_sent.set()
+        # Replies and the goodbye go out only after the hello.
+        self._ready = True
+        self._kick()
         try:
             async for batch in requests:
                 for call_id in batch.cancel:
@@ -268,20 +271,24 @@ class _Exchange:
             self._kick()
 
     def _kick(self) -> None:
-        if self._flush_task is None:
+        if (
+            self._flush_task is None
+            and self._ready
+            and (self._out.replies or self._goodbye is True)
+        ):
             self._flush_task = self._loop.create_task(self._flush())
 
     def _start(self, call: pb.Call) -> None:
-        task = self._loop.create_task(self._run_call(call))
+        kind = call.WhichOneof("request")
+        task = self._loop.create_task(self._run_call(call, kind))
         self._calls[call.id] = task
-        if call.timeout_ms and call.WhichOneof("request") != "recall":
+        if call.timeout_ms and kind != "recall":
             # A recall ends before its deadline by itself (it gets deadline_s).
             timer = self._loop.call_later(call.timeout_ms / 1000.0, task.cancel)
             task.add_done_callback(lambda _: timer.cancel())
 
-    async def _run_call(self, call: pb.Call) -> None:
-        reply = pb.Reply(id=call.id)
-        kind = call.WhichOneof("request")
+    async def _run_call(self, call: pb.Call, kind: str | None) -> None:
+        # The reply is added to the next write only once it is whole (no await after).
         try:
             if call.request_id:
                 request_id = sane_request_id(call.request_id)
@@ -295,13 +302,14 @@ class _Exchange:
                     scope=request.scope,
                     deadline_s=call.timeout_ms / 1000.0 if call.timeout_ms else None,
                 )
-                _fill_recall(reply.recall, outcome)
+                _fill_recall(self._out.replies.add(id=call.id).recall, outcome)
             elif kind == "writeback":
                 wb = call.writeback
                 done = await self._domain.writeback(wb.user, wb.assistant, wb.scope, wb.episode_id)
                 logger.debug("Writeback: %s", done.node_id if done.stored else "not stored")
-                reply.writeback.stored = done.stored
-                reply.writeback.node_id = done.node_id
+                reply = self._out.replies.add(id=call.id).writeback
+                reply.stored = done.stored
+                reply.node_id = done.node_id
             else:
                 raise InvalidArgument("a call carries a recall or a writeback")
         except asyncio.CancelledError:
@@ -309,7 +317,7 @@ class _Exchange:
             return
         except Exception as exc:
             code, message = _status_of((kind or "call").capitalize(), exc)
-            error = reply.error
+            error = self._out.replies.add(id=call.id).error
             error.code = code.value[0]
             error.message = message
             if isinstance(exc, MemoryDomainError):
@@ -317,20 +325,16 @@ class _Exchange:
                 error.queued = exc.queued
         finally:
             self._calls.pop(call.id, None)
-        self._out.append(reply)
         self._kick()
 
     async def _flush(self) -> None:
-        # The hello goes first, before any reply or goodbye.
-        await self._hello_sent.wait()
         try:
-            while self._out or self._goodbye is True:
-                if self._out:
-                    batch, self._out = self._out, []
-                    await self._context.write(pb.ExchangeResponse(replies=batch))
-                else:
-                    self._goodbye = None  # sent
-                    await self._context.write(pb.ExchangeResponse(goodbye=True))
+            while self._out.replies or self._goodbye is True:
+                if self._goodbye is True:
+                    self._goodbye = None  # sent, with whatever replies are ready
+                    self._out.goodbye = True
+                batch, self._out = self._out, pb.ExchangeResponse()
+                await self._context.write(batch)
         finally:
             self._flush_task = None
 

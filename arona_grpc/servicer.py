@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[object, object]
 
+# How long a writeback's reply waits to go out with the next reply (usually a recall's,
+# which a turn waits for) instead of in a write of its own.
+REPLY_LINGER_S = 0.005
+
 # Trailing metadata of a failed call: the cause for machines, and "the episode is queued".
 ERROR_CODE_KEY = "arona-error-code"
 QUEUED_KEY = "arona-queued"
@@ -227,6 +231,8 @@ class _Exchange:
         # False, True (to be sent), None (sent).
         self._goodbye: bool | None = False
         self._ready = False
+        # The timer that writes lingering replies when no other reply comes.
+        self._lingering: asyncio.TimerHandle | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -251,7 +257,14 @@ class _Exchange:
                     task = self._calls.pop(call_id, None)
                     if task is not None:
                         task.cancel()
+                # Recalls first: a turn waits for its recall, nobody for a writeback.
+                later = []
                 for call in batch.calls:
+                    if call.HasField("writeback"):
+                        later.append(call)
+                    else:
+                        self._start(call)
+                for call in later:
                     self._start(call)
             # The caller closed its side: the calls under way still get their replies.
             while self._calls:
@@ -277,6 +290,11 @@ class _Exchange:
             and (self._out.replies or self._goodbye is True)
         ):
             self._flush_task = self._loop.create_task(self._flush())
+
+    def _linger(self) -> None:
+        """Write the replies within :data:`REPLY_LINGER_S`, or sooner with another's."""
+        if self._flush_task is None and self._lingering is None:
+            self._lingering = self._loop.call_later(REPLY_LINGER_S, self._kick)
 
     def _start(self, call: pb.Call) -> None:
         kind = call.WhichOneof("request")
@@ -310,6 +328,9 @@ class _Exchange:
                 reply = self._out.replies.add(id=call.id).writeback
                 reply.stored = done.stored
                 reply.node_id = done.node_id
+                # Nobody waits for it: it goes out with the next recall's reply.
+                self._linger()
+                return
             else:
                 raise InvalidArgument("a call carries a recall or a writeback")
         except asyncio.CancelledError:
@@ -328,6 +349,9 @@ class _Exchange:
         self._kick()
 
     async def _flush(self) -> None:
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
         try:
             while self._out.replies or self._goodbye is True:
                 if self._goodbye is True:

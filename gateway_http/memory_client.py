@@ -250,7 +250,7 @@ class MemoryClient:
                     deadline = time.monotonic() + left_s
                     stream = await streams.stream(left_s)
                     left_s = deadline - time.monotonic()
-                call_id, call = stream.start(left_s)
+                call_id, call = stream.start(left_s, linger=True)
                 request = call.writeback
                 request.user = user
                 request.assistant = assistant

@@ -42,7 +42,7 @@ Context = grpc.aio.ServicerContext[object, object]
 
 # How long a writeback's reply waits to go out with the next reply (usually a recall's,
 # which a turn waits for) instead of in a write of its own.
-REPLY_LINGER_S = 0.005
+REPLY_LINGER_S = 0.01
 
 # Trailing metadata of a failed call: the cause for machines, and "the episode is queued".
 ERROR_CODE_KEY = "arona-error-code"
@@ -233,6 +233,8 @@ class _Exchange:
         self._ready = False
         # The timer that writes lingering replies when no other reply comes.
         self._lingering: asyncio.TimerHandle | None = None
+        # A reply waiting must be written now, not only with the next one.
+        self._urgent = False
         self._flush_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -269,7 +271,8 @@ class _Exchange:
             # The caller closed its side: the calls under way still get their replies.
             while self._calls:
                 await asyncio.wait(list(self._calls.values()))
-            if self._flush_task is not None:
+            self._kick()
+            while self._flush_task is not None:
                 await self._flush_task
         finally:
             for task in self._calls.values():
@@ -284,15 +287,13 @@ class _Exchange:
             self._kick()
 
     def _kick(self) -> None:
-        if (
-            self._flush_task is None
-            and self._ready
-            and (self._out.replies or self._goodbye is True)
-        ):
+        """Write the replies ready now (lingering ones with them)."""
+        self._urgent = True
+        if self._flush_task is None and self._ready:
             self._flush_task = self._loop.create_task(self._flush())
 
     def _linger(self) -> None:
-        """Write the replies within :data:`REPLY_LINGER_S`, or sooner with another's."""
+        """Write the replies with the next urgent one, or within :data:`REPLY_LINGER_S`."""
         if self._flush_task is None and self._lingering is None:
             self._lingering = self._loop.call_later(REPLY_LINGER_S, self._kick)
 
@@ -353,14 +354,20 @@ class _Exchange:
             self._lingering.cancel()
             self._lingering = None
         try:
-            while self._out.replies or self._goodbye is True:
+            while self._urgent:
+                self._urgent = False
                 if self._goodbye is True:
                     self._goodbye = None  # sent, with whatever replies are ready
                     self._out.goodbye = True
+                elif not self._out.replies:
+                    break
                 batch, self._out = self._out, pb.ExchangeResponse()
                 await self._context.write(batch)
         finally:
             self._flush_task = None
+        if self._out.replies:
+            # Lingering replies that came during the write: they wait for the next one.
+            self._linger()
 
 
 def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:

@@ -245,7 +245,8 @@ class MemoryClient:
         if streams is not None and not streams.unimplemented:
             left_s = self._rpc_timeout_s
             try:
-                stream = streams.next_open()
+                # On the stream the next call takes, to go out with it.
+                stream = streams.next_open(stay=True)
                 if stream is None:
                     deadline = time.monotonic() + left_s
                     stream = await streams.stream(left_s)

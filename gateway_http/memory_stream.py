@@ -40,7 +40,7 @@ _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 # How long a writeback waits to go out with the next call (a turn's recall, usually) instead
 # of in a write of its own. Nobody waits for a writeback: going out with the next recall it
 # costs one gRPC write less, and its work is done while the recall waits for Philia.
-WRITEBACK_LINGER_S = 0.005
+WRITEBACK_LINGER_S = 0.01
 
 # How long a replica whose stream could not be opened is left alone before the next try
 # (doubling up to the most, as the channel's own reconnect backoff).
@@ -98,6 +98,8 @@ class ExchangeStream:
         self._flush_task: asyncio.Task[None] | None = None
         # The timer that writes lingering calls when no other call comes.
         self._lingering: asyncio.TimerHandle | None = None
+        # Something waiting must be written now, not only with the next call.
+        self._urgent = False
         self.hello: pb.Hello | None = None
         # Done when the service's hello arrives, or failed with CallFailed.
         self.opened: asyncio.Future[None] = self._loop.create_future()
@@ -174,24 +176,29 @@ class ExchangeStream:
             self._kick()
 
     def _kick(self) -> None:
+        """Write what is waiting now (and whatever lingers, with it)."""
+        self._urgent = True
         if self._flush_task is None and not self.dead:
             self._flush_task = self._loop.create_task(self._flush())
 
     def _linger(self) -> None:
-        if self._flush_task is None and self._lingering is None:
+        """Write what is waiting with the next call, or within the linger time."""
+        if self._flush_task is None and self._lingering is None and not self.dead:
             self._lingering = self._loop.call_later(WRITEBACK_LINGER_S, self._kick)
 
     async def _flush(self) -> None:
         # The only writer: a gRPC stream takes one write at a time, and a write cancelled
         # halfway cancels the whole stream, so no caller ever writes itself.
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
         try:
-            if self._lingering is not None:
-                self._lingering.cancel()
-                self._lingering = None
-            while self._batch.calls or self._batch.cancel or self._closing:
+            while self._urgent or self._closing:
+                self._urgent = False
                 if not (self._batch.calls or self._batch.cancel):
-                    self._closing = False
-                    await self._call.done_writing()
+                    if self._closing:
+                        self._closing = False
+                        await self._call.done_writing()
                     break
                 batch, self._batch = self._batch, pb.ExchangeRequest()
                 deadlines, self._deadlines = self._deadlines, []
@@ -207,6 +214,9 @@ class ExchangeStream:
             self._fail_all(CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream has ended"))
         finally:
             self._flush_task = None
+        if self._batch.calls:
+            # Lingering calls that came during the write: they wait for the next call.
+            self._linger()
 
     async def _read(self) -> None:
         pending = self._pending
@@ -301,16 +311,21 @@ class StreamPool:
                 return self._channels[slot.index]
         return self._channels[0]
 
-    def next_open(self) -> ExchangeStream | None:
-        """The next open stream, None when none is (then :meth:`stream` waits for one)."""
+    def next_open(self, *, stay: bool = False) -> ExchangeStream | None:
+        """The next open stream, None when none is (then :meth:`stream` waits for one).
+
+        ``stay``: the next call gets the same stream (a lingering call then goes out with
+        it)."""
         slots = self._slots
         count = len(slots)
         for _ in range(count):
             slot = slots[self._next]
-            self._next = (self._next + 1) % count
             stream = slot.stream
             if stream is not None and stream.usable:
+                if not stay:
+                    self._next = (self._next + 1) % count
                 return stream
+            self._next = (self._next + 1) % count
             self._reopen(slot)
         return None
 

@@ -148,13 +148,18 @@ async def test_frames_keep_a_connection_alive_past_the_idle_timeout(tmp_path: Pa
         assert ws.close_code is None
 
 
+# A heartbeat every tenth of the store's idle timeout: only a 0.9 s stall of the event loop
+# (both ends run on it) could let the store close the link; 0.1 s against 0.3 s left 0.2 s.
+IDLE_S = 1.0
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("heartbeat_s", [0.1, None], ids=["heartbeats", "no-heartbeats"])
+@pytest.mark.parametrize("heartbeat_s", [IDLE_S / 10, None], ids=["heartbeats", "no-heartbeats"])
 async def test_the_gateways_heartbeats_keep_its_idle_link_open(
     tmp_path: Path, heartbeat_s: float | None
 ) -> None:
     async with await StoreServer.start(
-        db_path=tmp_path / "s.db", token=TOKEN, idle_timeout_s=0.3
+        db_path=tmp_path / "s.db", token=TOKEN, idle_timeout_s=IDLE_S
     ) as server:
         client = PhiliaClient(server.url, TOKEN, timeout_s=WAIT_S, heartbeat_s=heartbeat_s)
         try:
@@ -163,11 +168,11 @@ async def test_the_gateways_heartbeats_keep_its_idle_link_open(
             assert link is not None
             if heartbeat_s is None:
                 # Without them the store closes the quiet link after its idle timeout.
-                await asyncio.wait_for(asyncio.shield(link.reader), WAIT_S)
+                await asyncio.wait_for(asyncio.shield(link.reader), IDLE_S * 10)
             else:
-                # With them the link outlives three idle timeouts with no call at all.
+                # With them the link outlives two and a half idle timeouts with no call at all.
                 with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(link.reader), 1.0)
+                    await asyncio.wait_for(asyncio.shield(link.reader), IDLE_S * 2.5)
             await client.query("tea", 5)
             assert (client._conn is link) is (heartbeat_s is not None)
         finally:

@@ -40,8 +40,14 @@ HEADER = "## Relevant Long-Term Memories"
 SURFACES = ("rest", "sse", "rpc", "rpc_ws")
 
 
+# Test modules mint their tokens when they are imported, at collection: a token must outlive
+# the whole suite, which took 18 minutes on a loaded 2-core box (600 s tokens had expired by
+# the time the last end-to-end tests ran).
+TOKEN_TTL_S = 24 * 3600
+
+
 def jwt(sub: str, *, admin: bool = False) -> str:
-    return mint_token(JWT_SECRET, sub, 600, admin=admin)
+    return mint_token(JWT_SECRET, sub, TOKEN_TTL_S, admin=admin)
 
 
 @dataclass

@@ -32,6 +32,7 @@ OTHER = "I keep a spare zebra key in the kitchen drawer"
 ASK = "Which zebra locker is mine, and its code?"
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 WAIT_MS = 10_000
+SHORT_TTL_S = 7
 BREAKER_FAILURES = 2
 
 
@@ -314,11 +315,15 @@ async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:
         context = await browser.new_context()
         watched = await open_console(stack, context, artifact_dir("console"))
         page = watched.page
-        short = mint_token(JWT_SECRET, "ops", 3, admin=True)
+        # Signing in takes about 0.5 s (idle or loaded 2-core box); the token is good for at
+        # least SHORT_TTL_S - 1 s (its exp is in whole seconds), over ten times that.
+        short = mint_token(JWT_SECRET, "ops", SHORT_TTL_S, admin=True)
         await sign_in(page, short)
         await expect(page.locator("#breaker")).to_have_text("closed")
-        # The next refresh after the token's exp is refused: back to the sign-in form.
-        await expect(page.get_by_role("alert")).to_contain_text("Token refused", timeout=15_000)
+        # The next refresh after the token's exp (every 2 s) is refused: back to sign-in.
+        await expect(page.get_by_role("alert")).to_contain_text(
+            "Token refused", timeout=(SHORT_TTL_S + 20) * 1000
+        )
         await expect(page.locator("#console")).to_be_hidden()
         await expect(page.get_by_label("Admin JWT")).to_be_focused()
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from gateway_http.auth import mint_token
+from tests.e2e.scoped import TOKEN_TTL_S
 from tests.support.fake_philia import FakePhilia
 from tests.support.raw_philia import RawPhilia
 
@@ -32,9 +33,10 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 TOKEN = "replica-philia-token"
 SECRET = "a-jwt-secret-for-the-replica-tests-0123456789"
-ALICE = mint_token(SECRET, "alice", 600)
-BOB = mint_token(SECRET, "bob", 600)
-ADMIN = mint_token(SECRET, "ops", 600, admin=True)
+# Minted at collection: valid for the whole suite however long it takes (scoped.TOKEN_TTL_S).
+ALICE = mint_token(SECRET, "alice", TOKEN_TTL_S)
+BOB = mint_token(SECRET, "bob", TOKEN_TTL_S)
+ADMIN = mint_token(SECRET, "ops", TOKEN_TTL_S, admin=True)
 OUTAGE_TURNS = 100
 
 
@@ -225,7 +227,7 @@ async def test_replicas_share_conversations_scopes_and_the_outbox(
 
         # Per-user scopes hold across replicas.
         assert (await _turn(client, one, ALICE, "my zebra is called Lou")).status_code == 200
-        await c.philia.wait_stored(3)
+        await asyncio.wait_for(c.philia.wait_stored(3), 60)
         bob = await _turn(client, two, BOB, "what is the name of my zebra?")
         assert bob.headers["x-arona-memory"] == "disabled"
         alice = await _turn(client, two, ALICE, "what is my zebra called?")

@@ -19,6 +19,7 @@ from tests.faults.harness import (
     FaultStack,
     Resources,
     assert_nothing_left,
+    caller_headroom,
     fault_stack,
 )
 from tests.support.fake_philia import GREETING, HEARTBEAT_ACK, QUERY, Step
@@ -203,6 +204,7 @@ async def test_breaker_opens_answers_at_once_then_one_probe_closes_it(tmp_path: 
         memory_breaker_cooldown_s=30.0,
         timeout_s=OPEN_BUDGET_S,
         memory_recall_budget_ms=int(OPEN_BUDGET_S * 1000),
+        **caller_headroom(int(OPEN_BUDGET_S * 1000)),
     ) as fs:
         await fs.turn()
         fs.raw.mode = "silent"

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from tests.faults.harness import FaultStack, fault_stack
+from tests.faults.harness import FaultStack, caller_headroom, fault_stack
 
 pytestmark = pytest.mark.asyncio
 
@@ -46,6 +46,9 @@ async def fs(tmp_path: Path) -> AsyncIterator[FaultStack]:
         timeout_s=BUDGET_S,
         memory_recall_budget_ms=BUDGET_MS,
         memory_breaker_cooldown_s=COOLDOWN_S,
+        # The probe's recall must fail by the service's budget (and re-open the breaker),
+        # not be cut off by the turn's deadline: 200 turns on one loop made that race lose.
+        **caller_headroom(BUDGET_MS),
     ) as stack:
         yield stack
 

@@ -224,7 +224,8 @@ def _b64(obj: dict[str, Any]) -> str:
 
 
 def _bad_tokens() -> list[tuple[str, str | None]]:
-    future = int(time.time()) + 600
+    # Made at collection: a day, so each is refused for its own fault, never for expiry.
+    future = int(time.time()) + 24 * 3600
     return [
         ("missing", None),
         ("malformed", "this.is-not.a-jwt"),

@@ -49,8 +49,11 @@ async def test_grpcurl_calls_status_over_tls_and_plaintext_fails(
     assert answered.returncode == 0, answered.stderr
     assert json.loads(answered.stdout)["breaker"] == "BREAKER_STATE_CLOSED"
 
-    plaintext = await run_grpcurl("-plaintext", server.target, STATUS)
+    # It can only fail, at the latest at its connect timeout (grpcurl's default, 10 s, is a
+    # third of what run_grpcurl allows); a plaintext service would answer within 3 s.
+    plaintext = await run_grpcurl("-plaintext", "-connect-timeout", "3", server.target, STATUS)
     assert plaintext.returncode != 0
+    assert "Failed to dial" in plaintext.stderr  # refused at connecting, not over its flags
 
     other_ca = make_tls_files(tmp_path / "other", "another test CA").ca
     untrusted = await run_grpcurl("-cacert", str(other_ca), server.target, STATUS)

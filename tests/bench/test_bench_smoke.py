@@ -16,7 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(180)
+# The quick run took 44 s on an idle 2-core box, 83 s with two busy loops beside it and 136 s
+# inside a full test run on such a box: its limit is over ten times the 83 s.
+RUN_LIMIT_S = 900
+
+
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
 def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path) -> None:
     out = tmp_path / "result.md"
     done = subprocess.run(
@@ -40,7 +45,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=RUN_LIMIT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()

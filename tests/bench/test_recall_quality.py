@@ -24,6 +24,7 @@ def test_the_evaluation_has_enough_facts_each_asked_in_other_words() -> None:
 
 
 @needs_semantic
+@pytest.mark.timeout(180)  # 2 s idle, up to 7 s on a loaded 2-core box; the run may take 120 s
 def test_hybrid_meets_the_recall_targets_and_lexical_does_not(tmp_path: Path) -> None:
     out = tmp_path / "quality.md"
     done = subprocess.run(
@@ -51,6 +52,7 @@ def test_hybrid_meets_the_recall_targets_and_lexical_does_not(tmp_path: Path) ->
 
 
 @needs_semantic
+@pytest.mark.timeout(180)  # 3 s idle, up to 12 s on a loaded 2-core box
 def test_the_store_recall_benchmark_measures_both_rankings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,7 +23,8 @@ from gateway_http.auth import mint_token
 from tests.e2e.scoped import HEADER, JWT_SECRET, ScopedStack, jwt, scoped_stack
 from tests.support.browser import artifact_dir, chromium
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+# Up to 12 s a test on a loaded 2-core box.
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 ADMIN = jwt("ops", admin=True)
 ALICE = jwt("alice")

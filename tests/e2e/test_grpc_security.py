@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.e2e.stack import ASK_TEXT, SURFACES, running_stack
-from tests.e2e.test_up import gateway_up
+from tests.e2e.test_up import gateway_up, wait_for_writebacks
 from tests.support.fake_philia import QUERY, STORE
 from tests.support.grpcurl import run_grpcurl
 from tests.support.tls import make_tls_files
@@ -240,11 +240,7 @@ async def test_up_serves_grpc_over_tls_with_a_token_and_still_remembers(tmp_path
         fact = {"model": "echo", "messages": [{"role": "user", "content": "I live in Lyon"}]}
         first = await client.post(f"{up.http_url}/v1/chat/completions", json=fact)
         assert first.status_code == 200
-        for _ in range(200):  # another process: poll memory.status, bounded
-            status = await up.rpc(client, "memory.status")
-            if any(e["kind"] == "writeback" for e in status["events"]):
-                break
-            await asyncio.sleep(0.05)
+        await wait_for_writebacks(up, client, 1)
         ask = {"model": "echo", "messages": [{"role": "user", "content": "Where do I live?"}]}
         second = await client.post(f"{up.http_url}/v1/chat/completions", json=ask)
         assert second.headers["X-Arona-Memory"] == "enabled"
@@ -262,9 +258,18 @@ async def test_up_serves_grpc_over_tls_with_a_token_and_still_remembers(tmp_path
         )
         assert answered.returncode == 0, answered.stderr
         assert json.loads(answered.stdout)["enabled"] is True
+        # It can only fail, at the latest at its connect timeout (grpcurl's default, 10 s, is a
+        # third of what run_grpcurl allows); a plaintext service would answer within 3 s.
         plaintext = await run_grpcurl(
-            "-plaintext", "-H", f"authorization: Bearer {GRPC_TOKEN}", target.group(1), status_rpc
+            "-plaintext",
+            "-connect-timeout",
+            "3",
+            "-H",
+            f"authorization: Bearer {GRPC_TOKEN}",
+            target.group(1),
+            status_rpc,
         )
         assert plaintext.returncode != 0
+        assert "Failed to dial" in plaintext.stderr
     assert "TLS, bearer token required" in up.stderr
     assert GRPC_TOKEN not in up.stderr

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+# Up to 17 s a test on a loaded 2-core box.
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 BANNER_END = "Ctrl-C stops everything."
 FACT = "My favourite tea is oolong"

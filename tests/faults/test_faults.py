@@ -196,6 +196,7 @@ async def test_flapping_philia_each_turn_tells_the_truth(tmp_path: Path) -> None
         await assert_nothing_left(before, fs.client)
 
 
+@pytest.mark.timeout(120)  # three 2 s budgets waited out: 7 s, idle or loaded
 async def test_breaker_opens_answers_at_once_then_one_probe_closes_it(tmp_path: Path) -> None:
     # A recall budget far above an open-breaker turn's time (about 10 ms; 50 ms on a loaded
     # 2-core box), so "did not wait for the budget" holds with a wide margin.

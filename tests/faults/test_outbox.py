@@ -180,6 +180,7 @@ async def test_restart_with_a_non_empty_outbox_stores_the_rest(
             await conn.close()
 
 
+@pytest.mark.timeout(120)  # the shutdown grace is waited out: 6 s, idle or loaded
 async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
     tmp_path: Path, backend: str | None
 ) -> None:

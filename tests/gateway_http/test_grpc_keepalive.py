@@ -21,9 +21,11 @@ from arona_grpc.server import GrpcServer
 from gateway_http.grpc_channel import channel_options
 from gateway_http.memory_client import MemoryClient
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
-WAIT_S = 15.0
+# Each wait below covers two to four keepalive periods, 3 to 4 s in all (gRPC's own timers,
+# so about as long on a loaded box): ten times that before giving up.
+WAIT_S = 40.0
 
 
 # An HTTP/2 PING frame with the ACK flag: length 8, type 6, flags 1, stream 0.

@@ -188,6 +188,21 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
     return requests
 
 
+async def _drive_with(
+    args: argparse.Namespace, one_turn: Callable[[int, int, Stats], Awaitable[None]]
+) -> dict[str, Any]:
+    """:func:`_drive` with the command line's numbers."""
+    return await _drive(
+        args.concurrency,
+        args.warmup,
+        args.turns,
+        args.max_seconds,
+        one_turn,
+        args.raw,
+        args.cpu_pids,
+    )
+
+
 async def _drive(
     concurrency: int,
     warmup: int,
@@ -267,15 +282,7 @@ async def http_main(args: argparse.Namespace) -> dict[str, Any]:
         stats.firsts.append(reply.first_body - started)
 
     try:
-        return await _drive(
-            args.concurrency,
-            args.warmup,
-            args.turns,
-            args.max_seconds,
-            one_turn,
-            args.raw,
-            args.cpu_pids,
-        )
+        return await _drive_with(args, one_turn)
     finally:
         for conn in conns:
             conn.close()
@@ -305,15 +312,7 @@ async def recall_main(args: argparse.Namespace) -> dict[str, Any]:
             stats.latencies.append(done - started)
             stats.firsts.append(done - started)
 
-        return await _drive(
-            args.concurrency,
-            args.warmup,
-            args.turns,
-            args.max_seconds,
-            one_turn,
-            args.raw,
-            args.cpu_pids,
-        )
+        return await _drive_with(args, one_turn)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -275,6 +275,10 @@ class _Exchange:
             while self._flush_task is not None:
                 await self._flush_task
         finally:
+            # The stream is over: nothing more is written on it.
+            self._ready = False
+            if self._lingering is not None:
+                self._lingering.cancel()
             for task in self._calls.values():
                 task.cancel()
             if self._flush_task is not None and not self._flush_task.done():
@@ -294,7 +298,7 @@ class _Exchange:
 
     def _linger(self) -> None:
         """Write the replies with the next urgent one, or within :data:`REPLY_LINGER_S`."""
-        if self._flush_task is None and self._lingering is None:
+        if self._flush_task is None and self._lingering is None and self._ready:
             self._lingering = self._loop.call_later(REPLY_LINGER_S, self._kick)
 
     def _start(self, call: pb.Call) -> None:

@@ -133,7 +133,7 @@ def test_a_question_repeating_a_rare_word_still_finds_its_fact_first(hybrid: Mem
 
 
 @needs_semantic
-@pytest.mark.timeout(300)  # 7 s idle, up to 27 s on a loaded 2-core box
+@pytest.mark.timeout(600)  # 7 s idle, up to 34 s on a loaded 2-core box
 def test_a_store_past_a_thousand_memories_still_finds_the_paraphrased_fact(
     hybrid: MemoryStore,
 ) -> None:
@@ -305,7 +305,7 @@ async def test_an_older_database_gets_its_vectors_filled_in_and_answers_meanwhil
 
 @needs_semantic
 @pytest.mark.asyncio
-@pytest.mark.timeout(120)  # 2 s idle, up to 7 s on a loaded 2-core box
+@pytest.mark.timeout(180)  # 2 s idle, up to 10 s on a loaded 2-core box
 async def test_stopping_while_older_memories_are_embedded_neither_hangs_nor_loses_them(
     tmp_path: Path,
 ) -> None:

@@ -216,7 +216,7 @@ def test_unusable_tls_settings_are_one_line(
 
 
 @pytest.mark.asyncio
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)  # up to 13 s on a loaded 2-core box
 async def test_up_serves_grpc_over_tls_with_a_token_and_still_remembers(tmp_path: Path) -> None:
     tls = make_tls_files(tmp_path / "tls")
     extra = {

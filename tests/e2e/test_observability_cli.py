@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-# Up to 15 s a test on a loaded 2-core box.
-pytestmark = pytest.mark.timeout(180)
+# Up to 17 s a test on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(240)
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 JWT_SECRET = "a-jwt-secret-for-the-observability-tests-0123456789"

@@ -367,6 +367,11 @@ class _Exchange:
                     break
                 batch, self._out = self._out, pb.ExchangeResponse()
                 await self._context.write(batch)
+        except Exception as exc:
+            # The stream ended under the write (the caller left, the server is stopping):
+            # there is nobody to reply to.
+            logger.debug("Exchange: a write failed, the stream is gone: %s", exc)
+            self._ready = False
         finally:
             self._flush_task = None
         if self._out.replies:

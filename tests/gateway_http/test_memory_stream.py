@@ -123,11 +123,15 @@ async def test_each_call_has_its_own_deadline_and_a_slow_call_holds_up_no_other(
         assert "oolong" in fast.recall.section
         assert not slow.done()
 
-        # The slow one ends at its own deadline (the service answers OFFLINE just before
-        # it), not at the other call's.
-        reply = await slow
+        # The slow one ends at its own deadline, not at the other call's: the service answers
+        # OFFLINE just before it, or (on a loaded machine) the caller's own timer fires first,
+        # as a unary call's deadline would.
+        try:
+            reply = await slow
+            assert reply.recall.state == pb.MEMORY_STATE_OFFLINE
+        except CallFailed as failed:
+            assert failed.code == grpc.StatusCode.DEADLINE_EXCEEDED
         waited = time.monotonic() - slow_started
-        assert reply.recall.state == pb.MEMORY_STATE_OFFLINE
         assert 0.5 <= waited < LONG_BUDGET_S / 2
 
         # A writeback past its deadline fails as a unary call would: DEADLINE_EXCEEDED.

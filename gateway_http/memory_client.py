@@ -30,7 +30,7 @@ from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
-from gateway_http.memory_stream import CallFailed, StreamPool
+from gateway_http.memory_stream import CallFailed, ExchangeStream, StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
 
@@ -121,6 +121,13 @@ if TYPE_CHECKING:
     _Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
 
 
+async def _wait_for_stream(streams: StreamPool, left_s: float) -> tuple[ExchangeStream, float]:
+    """None was open: wait for a stream within the call's budget; it and what is left."""
+    deadline = time.monotonic() + left_s
+    stream = await streams.stream(left_s)
+    return stream, deadline - time.monotonic()
+
+
 def _rfc3339_ms(ts: Timestamp) -> str:
     return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
 
@@ -168,10 +175,7 @@ class MemoryClient:
             try:
                 stream = streams.next_open()
                 if stream is None:
-                    # None open: wait for one, within the same budget.
-                    deadline = time.monotonic() + left_s
-                    stream = await streams.stream(left_s)
-                    left_s = deadline - time.monotonic()
+                    stream, left_s = await _wait_for_stream(streams, left_s)
                 call_id, call = stream.start(left_s)
                 request = call.recall
                 request.query = query
@@ -248,9 +252,7 @@ class MemoryClient:
                 # On the stream the next call takes, to go out with it.
                 stream = streams.next_open(stay=True)
                 if stream is None:
-                    deadline = time.monotonic() + left_s
-                    stream = await streams.stream(left_s)
-                    left_s = deadline - time.monotonic()
+                    stream, left_s = await _wait_for_stream(streams, left_s)
                 call_id, call = stream.start(left_s, linger=True)
                 request = call.writeback
                 request.user = user

@@ -80,6 +80,11 @@ ELLIPSIS = "\u2026"
 # The service answers a little before its caller's deadline, so the answer (OFFLINE)
 # still reaches the caller instead of a DEADLINE_EXCEEDED.
 DEADLINE_MARGIN_S = 0.05
+# A recall its caller cancels once this share of its budget is spent was cut off by the
+# caller's deadline (on a loaded loop the caller's timer can fire before the service's own):
+# Philia did not answer in time, which counts against the breaker like a timeout. A recall
+# cancelled earlier was abandoned (the client left) and counts for nothing.
+CUT_OFF_SHARE = 0.75
 # Replay gives up after this many failed stores in a row, until kicked again.
 MAX_REPLAY_FAILURES = 5
 MAX_REPLAY_BACKOFF_S = 60.0
@@ -423,6 +428,7 @@ class MemoryDomain:
             # No event per refused turn: the opening itself was recorded.
             logger.debug("memory breaker open: recall skipped")
             return RecallOutcome(MemoryState.OFFLINE, (), "")
+        started = time.monotonic()
         try:
             found = await self._client.query(
                 query,
@@ -437,7 +443,16 @@ class MemoryDomain:
             self._breaker.failure(permit)
             return RecallOutcome(MemoryState.OFFLINE, (), "")
         except asyncio.CancelledError:
-            self._breaker.abandon(permit)
+            if time.monotonic() - started < CUT_OFF_SHARE * budget_s:
+                self._breaker.abandon(permit)
+                raise
+            message = (
+                "recall failed: no answer from Philia within "
+                f"{budget_s:.3g} s (the caller's deadline ended it)"
+            )
+            logger.warning("%s; the turn goes on without memories", message)
+            self._record(EventKind.ERROR, message, sid)
+            self._breaker.failure(permit)
             raise
         self._succeeded(permit)
         self._record(EventKind.RECALL, query, sid)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from arona_grpc.breaker import BreakerState
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.philia import PhiliaMemory
 from arona_grpc.service import (
@@ -104,6 +105,54 @@ async def test_recall_gives_up_before_the_callers_deadline(fake: FakePhilia) -> 
     assert elapsed < DEADLINE_BOUND_S  # the caller's deadline, not the 60 s budget
     [error] = [e for e in domain.status().events if e.kind is EventKind.ERROR]
     assert "no answer from Philia within 0.25 s" in error.detail
+
+
+@pytest.mark.asyncio
+async def test_a_recall_cut_off_at_its_callers_deadline_counts_against_the_breaker(
+    fake: FakePhilia,
+) -> None:
+    fake.script(QUERY, Step(action="hang"), Step(action="hang"))
+    settings = Settings(
+        memory_url=fake.url,
+        memory_token=TOKEN,
+        memory_timeout_s=BUDGET_S,
+        memory_recall_budget_ms=BUDGET_S * 1000,
+        memory_breaker_failures=1,
+        memory_breaker_cooldown_s=BUDGET_S,
+    )
+    domain = MemoryDomain(settings)
+    try:
+        # A client that leaves mid-recall says nothing about Philia: the breaker stays closed.
+        left = asyncio.create_task(domain.recall("q", deadline_s=BUDGET_S))
+        await fake.wait_frames(QUERY)
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        assert domain.status().breaker is BreakerState.CLOSED
+
+        # A loaded loop: it is busy past the recall's 0.3 s deadline, and the caller's
+        # cancellation is handled before the service's own timer. Philia did not answer in
+        # time, so this is a failure, and one failure opens this breaker.
+        cut_off = asyncio.create_task(domain.recall("q", deadline_s=0.3))
+        await fake.wait_frames(QUERY, 2)
+        # Blocks the loop on purpose: the load that lets the caller win.
+        time.sleep(0.3)  # noqa: ASYNC251
+        cut_off.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut_off
+        status = domain.status()
+        # The next turn does not wait for Philia at all.
+        skipped = await asyncio.wait_for(domain.recall("q", deadline_s=BUDGET_S), BUDGET_S / 2)
+    finally:
+        await domain.aclose()
+    assert status.breaker is BreakerState.OPEN
+    errors = [e.detail for e in status.events if e.kind is EventKind.ERROR]
+    assert errors == [
+        "memory breaker opened after 1 consecutive failures",
+        "recall failed: no answer from Philia within 0.25 s (the caller's deadline ended it)",
+    ]
+    assert skipped.state is MemoryState.OFFLINE
+    assert len(fake.frames_of(QUERY)) == 2
 
 
 @pytest.mark.asyncio

@@ -35,10 +35,10 @@ from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, bearer
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import (
+    ReplicaWatch,
     memory_call_metadata,
     memory_channel_credentials,
     open_memory_channel,
-    resolve_replicas,
 )
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
@@ -199,18 +199,18 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         channels: list[grpc.aio.Channel] = []
+        watch: ReplicaWatch | None = None
         streams: StreamPool | None = None
         memory = memory_client
         if memory is None:
             metadata = memory_call_metadata(settings)
             if settings.grpc_streams:
-                replicas = await resolve_replicas(settings.grpc_targets)
-                channels = [open_memory_channel(settings, replica) for replica in replicas]
-                streams = StreamPool(channels, settings.grpc_streams, metadata)
+                watch = ReplicaWatch(settings)
+                streams = await watch.start(settings.grpc_streams, metadata)
             else:
                 channels = [open_memory_channel(settings)]
             memory = MemoryClient(
-                channels[0],
+                streams.channels[0] if streams is not None else channels[0],
                 recall_budget_s=settings.recall_budget_s,
                 rpc_timeout_s=settings.memory_timeout_s,
                 metrics=metrics,
@@ -256,8 +256,8 @@ def create_app(
             await conversations.aclose()
             if db_pool is not None and pool is None:
                 await db_pool.close()
-            if streams is not None:
-                streams.close()
+            if watch is not None:
+                await watch.aclose()
             for channel in channels:
                 await channel.close(grace=None)
 

@@ -1,9 +1,12 @@
 """The HTTP layer's channels to ``MemoryService``: replicas, options, TLS, call credentials.
 
 :func:`resolve_replicas` turns ``ARONA_GRPC_TARGET`` (one target or a comma-separated list)
-into the replicas to spread calls over: a name that resolves to several addresses is one
-replica per address. :func:`open_memory_channel` is the only place that creates a channel to
-one: plaintext, or TLS trusting ``ARONA_GRPC_TLS_CA`` when it is set.
+into the replicas to spread calls over: a name is one replica per address it resolves to.
+:class:`ReplicaWatch` resolves the names again every :data:`RESOLVE_EVERY_S` seconds and
+whenever a replica cannot be reached, and moves the stream pool onto the replicas found, so
+replicas that are replaced or added (a rolling update behind a DNS name) are followed without
+a restart. :func:`open_memory_channel` is the only place that creates a channel to one:
+plaintext, or TLS trusting ``ARONA_GRPC_TLS_CA`` when it is set.
 :func:`memory_call_metadata` is what every MemoryService call carries:
 ``authorization: Bearer <ARONA_GRPC_TOKEN>`` when a token is set. The health check needs
 neither token nor metadata.
@@ -12,8 +15,11 @@ neither token nor metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +27,9 @@ import grpc
 
 from arona_grpc.config import Settings
 from arona_grpc.security import read_pem
+from gateway_http.memory_stream import StreamPool
+
+logger = logging.getLogger(__name__)
 
 # In a split deployment the connection to the gRPC service crosses machines, and a NAT or
 # firewall may drop it while idle without a word: the next turn's recall would then wait out
@@ -29,6 +38,13 @@ from arona_grpc.security import read_pem
 # The service accepts pings this often (arona_grpc.server.MIN_PING_INTERVAL_MS).
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+
+# How often the names in ARONA_GRPC_TARGET are resolved again, and the least time between two
+# resolutions when a replica cannot be reached.
+RESOLVE_EVERY_S = 30.0
+RESOLVE_MIN_GAP_S = 1.0
+# How long a replica that left the resolution keeps its channel for the calls it still has.
+GONE_GRACE_S = 10.0
 
 
 def channel_options(
@@ -93,11 +109,13 @@ def _split(target: str) -> tuple[str, int] | None:
     return (host, int(port)) if host else None
 
 
-async def resolve_replicas(targets: Sequence[str], resolve: Resolve = _addresses) -> list[Replica]:
-    """The replicas ``targets`` name: each target, and a name that resolves to several
-    addresses as one replica per address (a name with one address stays a name, so gRPC
-    resolves it again when its address changes). A name that does not resolve now is
-    left to gRPC, which reports it when a call is made."""
+async def resolve_replicas(
+    targets: Sequence[str], resolve: Resolve = _addresses, previous: Sequence[Replica] = ()
+) -> list[Replica]:
+    """The replicas ``targets`` name: an address as it is, and a name as one replica per
+    address it resolves to. A name that does not resolve now keeps the replicas it had in
+    ``previous``, or (none) is left to gRPC, which reports it when a call is made. Targets in
+    gRPC's own syntax (``dns:///…``) are left to gRPC."""
     replicas: list[Replica] = []
     for target in targets:
         parts = _split(target) if not target.startswith(_SCHEMES) else None
@@ -115,8 +133,9 @@ async def resolve_replicas(targets: Sequence[str], resolve: Resolve = _addresses
             found = list(dict.fromkeys(await resolve(host, port)))
         except OSError:
             found = []
-        if len(found) < 2:
-            replicas.append(Replica(target))
+        if not found:
+            had = [r for r in previous if target in (r.authority, r.target)]
+            replicas.extend(had or [Replica(target)])
             continue
         for address in found:
             if ":" in address:
@@ -147,6 +166,95 @@ def open_memory_channel(settings: Settings, replica: Replica | None = None) -> g
     if credentials is None:
         return grpc.aio.insecure_channel(replica.target, options=options)
     return grpc.aio.secure_channel(replica.target, credentials, options=options)
+
+
+class ReplicaWatch:
+    """The stream pool's channels, kept on the replicas ``ARONA_GRPC_TARGET`` names now."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        resolve: Resolve = _addresses,
+        *,
+        every_s: float = RESOLVE_EVERY_S,
+        min_gap_s: float = RESOLVE_MIN_GAP_S,
+    ) -> None:
+        self._settings = settings
+        self._resolve = resolve
+        self._every_s = every_s
+        self._min_gap_s = min_gap_s
+        self.channels: dict[Replica, grpc.aio.Channel] = {}
+        self.pool: StreamPool | None = None
+        self._resolved_at = 0.0
+        self._resolving: asyncio.Task[None] | None = None
+        self._timer: asyncio.Task[None] | None = None
+        # Channels of replicas that left, closing once their calls are answered.
+        self._leaving: dict[asyncio.Task[None], grpc.aio.Channel] = {}
+
+    async def start(self, per_channel: int, metadata: tuple[tuple[str, str], ...]) -> StreamPool:
+        """Resolve the targets, open a channel per replica and a pool of streams over them."""
+        replicas = await resolve_replicas(self._settings.grpc_targets, self._resolve)
+        self._resolved_at = time.monotonic()
+        self.channels = {r: open_memory_channel(self._settings, r) for r in replicas}
+        self.pool = StreamPool(list(self.channels.values()), per_channel, metadata)
+        self.pool.refresh = self.refresh
+        self._timer = asyncio.get_running_loop().create_task(self._every())
+        return self.pool
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self.channels)
+
+    async def refresh(self) -> None:
+        """Resolve again now, unless that was done less than ``min_gap_s`` ago; callers at
+        the same time share one resolution."""
+        if self._resolving is None or self._resolving.done():
+            if time.monotonic() - self._resolved_at < self._min_gap_s:
+                return
+            self._resolving = asyncio.get_running_loop().create_task(self._refresh())
+        await asyncio.shield(self._resolving)
+
+    async def _refresh(self) -> None:
+        self._resolved_at = time.monotonic()
+        previous = list(self.channels)
+        replicas = await resolve_replicas(self._settings.grpc_targets, self._resolve, previous)
+        if self.pool is None or set(replicas) == set(previous):
+            return
+        channels = {
+            r: self.channels.get(r) or open_memory_channel(self._settings, r) for r in replicas
+        }
+        gone = [channel for r, channel in self.channels.items() if r not in channels]
+        self.channels = channels
+        self.pool.replace(list(channels.values()))
+        logger.info("memory service replicas are now %s", ", ".join(r.target for r in replicas))
+        for channel in gone:
+            # Its streams answer what they have, then the channel closes.
+            task = asyncio.get_running_loop().create_task(channel.close(grace=GONE_GRACE_S))
+            self._leaving[task] = channel
+            task.add_done_callback(lambda done: self._leaving.pop(done, None))
+
+    async def _every(self) -> None:
+        while True:
+            await asyncio.sleep(self._every_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # never the end of the watch
+                logger.debug("resolving the memory service replicas failed: %r", exc)
+
+    async def aclose(self) -> None:
+        """Stop watching, close the streams and every channel."""
+        for task in (self._timer, self._resolving):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self.pool is not None:
+            self.pool.close()
+        for channel in self.channels.values():
+            await channel.close(grace=None)
+        for task, channel in list(self._leaving.items()):
+            task.cancel()
+            await channel.close(grace=None)
 
 
 def memory_call_metadata(settings: Settings) -> tuple[tuple[str, str], ...]:

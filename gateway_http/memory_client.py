@@ -155,7 +155,7 @@ class MemoryClient:
         self._stub = pb_grpc.MemoryServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         # Stubs of the other replicas' channels, made when first used.
-        self._stubs: dict[int, _Stubs] = {id(channel): (self._stub, self._health)}
+        self._stubs: dict[grpc.aio.Channel, _Stubs] = {channel: (self._stub, self._health)}
         self._recall_budget_s = recall_budget_s
         # Writeback/Delete/Status wait for one Philia RPC plus the gRPC hop.
         self._rpc_timeout_s = rpc_timeout_s + 1.0
@@ -344,10 +344,14 @@ class MemoryClient:
         if self._streams is None:
             return self._stub, self._health
         channel = self._streams.channel()
-        stubs = self._stubs.get(id(channel))
+        stubs = self._stubs.get(channel)
         if stubs is None:
+            # The replicas changed: forget the stubs of channels that are gone.
+            current = self._streams.channels
+            for gone in [c for c in self._stubs if c not in current]:
+                del self._stubs[gone]
             stubs = (pb_grpc.MemoryServiceStub(channel), health_pb2_grpc.HealthStub(channel))
-            self._stubs[id(channel)] = stubs
+            self._stubs[channel] = stubs
         return stubs
 
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:

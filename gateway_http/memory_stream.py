@@ -20,10 +20,12 @@ its status code, message, and the ``arona-error-code``/``arona-queued`` trailers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 
@@ -107,13 +109,16 @@ class ExchangeStream:
         self.dead = False
         # Open, and takes new calls: not dead, and the service has not said goodbye.
         self.usable = False
+        # Said goodbye, or retired: takes no new call, ends once the pending ones are answered.
+        self._retired = False
         self._closing = False
         self.failure: CallFailed | None = None
         self._reader = self._loop.create_task(self._read(), name="memory-stream-reader")
 
     @property
-    def open(self) -> bool:
-        return self.usable
+    def ended(self) -> asyncio.Future[None]:
+        """Done once the stream is over (its reader has stopped)."""
+        return self._reader
 
     @property
     def closing(self) -> bool:
@@ -158,6 +163,15 @@ class ExchangeStream:
         if reply.WhichOneof("result") == "error":
             raise _failed(reply.error)
         return reply
+
+    def retire(self) -> None:
+        """Take no new calls, and end the stream once the pending ones are answered."""
+        if self.dead or self._retired:
+            return
+        self._retired = True
+        self.usable = False
+        self._closing = True
+        self._kick()
 
     def close(self) -> None:
         self._fail_all(CallFailed(grpc.StatusCode.CANCELLED, "the gateway is stopping"))
@@ -233,15 +247,13 @@ class ExchangeStream:
                         future.set_result(reply)
                 if message.HasField("hello"):
                     self.hello = message.hello
-                    self.usable = True
+                    self.usable = not self._retired
                     if not self.opened.done():
                         self.opened.set_result(None)
                 if message.goodbye:
                     # The replica is stopping: no new calls here; the pending ones are
                     # answered before the stream ends.
-                    self.usable = False
-                    self._closing = True
-                    self._kick()
+                    self.retire()
         except grpc.aio.AioRpcError as exc:
             self._fail_all(CallFailed(exc.code(), exc.details() or ""))
         except asyncio.CancelledError:
@@ -267,9 +279,9 @@ class ExchangeStream:
 class _Slot:
     """A place for one stream on one replica's channel."""
 
-    def __init__(self, index: int, stub: pb_grpc.MemoryServiceAsyncStub) -> None:
-        self.index = index
-        self.stub = stub
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.MemoryServiceStub(channel)
         self.stream: ExchangeStream | None = None
         self.retry_at = 0.0
         self.backoff_s = MIN_BACKOFF_S
@@ -287,13 +299,15 @@ class StreamPool:
         if not channels or per_channel < 1:
             raise ValueError("a stream pool needs a channel and a stream per channel")
         self._metadata = metadata
-        self._channels = list(channels)
-        stubs = [pb_grpc.MemoryServiceStub(channel) for channel in channels]
-        # Interleaved, so that consecutive calls go to different replicas.
-        self._slots = [
-            _Slot(index, stubs[index]) for _ in range(per_channel) for index in range(len(stubs))
-        ]
+        self._per_channel = per_channel
+        self._channels: list[grpc.aio.Channel] = []
+        self._slots: list[_Slot] = []
         self._next = 0
+        self.replace(channels)
+        # Resolves the replicas again (set by the replica watch): awaited when a call finds no
+        # stream open, started when a replica's stream does not open.
+        self.refresh: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._refreshing: set[asyncio.Task[None]] = set()
         # What the last hello said: skip writebacks while the service stores none.
         self.writeback_off = False
         # The service has no Exchange (an older version): use unary calls.
@@ -302,14 +316,44 @@ class StreamPool:
 
     @property
     def open_streams(self) -> int:
-        return sum(1 for slot in self._slots if slot.stream is not None and slot.stream.open)
+        return sum(1 for slot in self._slots if slot.stream is not None and slot.stream.usable)
+
+    @property
+    def channels(self) -> list[grpc.aio.Channel]:
+        """The channels calls are spread over, one per replica."""
+        return list(self._channels)
 
     def channel(self) -> grpc.aio.Channel:
         """A channel to a replica with an open stream (the first one when none has)."""
         for slot in self._slots:
-            if slot.stream is not None and slot.stream.open:
-                return self._channels[slot.index]
+            if slot.stream is not None and slot.stream.usable:
+                return slot.channel
         return self._channels[0]
+
+    def replace(self, channels: Sequence[grpc.aio.Channel]) -> None:
+        """Spread calls over ``channels`` from now on. A channel that stays keeps its streams;
+        a new one gets its own; the streams of one that is gone take no new calls and end
+        once their pending calls are answered."""
+        if not channels:
+            raise ValueError("a stream pool needs a channel")
+        had: dict[int, list[_Slot]] = {}
+        for slot in self._slots:
+            had.setdefault(id(slot.channel), []).append(slot)
+        # Interleaved, so that consecutive calls go to different replicas.
+        slots = []
+        for turn in range(self._per_channel):
+            for channel in channels:
+                kept = had.get(id(channel))
+                slots.append(kept[turn] if kept else _Slot(channel))
+        staying = {id(channel) for channel in channels}
+        for key, gone in had.items():
+            if key not in staying:
+                for slot in gone:
+                    if slot.stream is not None:
+                        slot.stream.retire()
+        self._channels = list(channels)
+        self._slots = slots
+        self._next = 0
 
     def next_open(self, *, stay: bool = False) -> ExchangeStream | None:
         """The next open stream, None when none is (then :meth:`stream` waits for one).
@@ -340,6 +384,12 @@ class StreamPool:
             opening = self._opening()
             if not opening and not tried:
                 tried = True
+                if self.refresh is not None:
+                    # The replicas may have moved (a name's addresses changed): resolve
+                    # again first, within this call's time (others keep the result).
+                    left = deadline - time.monotonic()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(self.refresh()), max(left, 0))
                 # Nothing open and nothing opening: this call tries every replica now, as a
                 # unary call would (a refused connection fails it at once; the channels'
                 # own reconnect backoff keeps a dead replica from being dialled each time).
@@ -394,6 +444,8 @@ class StreamPool:
         stream.opened.add_done_callback(lambda opened: self._opened(slot, stream, opened))
 
     def _opened(self, slot: _Slot, stream: ExchangeStream, opened: asyncio.Future[None]) -> None:
+        if slot not in self._slots:
+            return  # its replica is gone
         if not opened.cancelled() and opened.exception() is None:
             slot.backoff_s = MIN_BACKOFF_S
             assert stream.hello is not None
@@ -404,4 +456,9 @@ class StreamPool:
             self.unimplemented = True
         slot.retry_at = time.monotonic() + slot.backoff_s
         slot.backoff_s = min(slot.backoff_s * 2, MAX_BACKOFF_S)
-        logger.debug("memory stream to replica %d did not open: %s", slot.index, failure)
+        logger.debug("a memory stream did not open: %s", failure)
+        if self.refresh is not None and not self._closed and not self._refreshing:
+            # Perhaps that replica moved: look again (the watch does it at most once a second).
+            task = asyncio.get_running_loop().create_task(self.refresh())
+            self._refreshing.add(task)
+            task.add_done_callback(self._refreshing.discard)

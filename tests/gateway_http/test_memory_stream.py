@@ -21,7 +21,12 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc.config import Settings
 from arona_grpc.server import GrpcServer
 from arona_grpc.service import EventKind
-from gateway_http.grpc_channel import Replica, open_memory_channel, resolve_replicas
+from gateway_http.grpc_channel import (
+    Replica,
+    ReplicaWatch,
+    open_memory_channel,
+    resolve_replicas,
+)
 from gateway_http.memory_client import ENABLED, OFFLINE, MemoryClient
 from gateway_http.memory_stream import CallFailed, StreamPool
 from tests.support.fake_philia import QUERY, STORE, FakePhilia, Step
@@ -43,9 +48,13 @@ class Pool:
     client: MemoryClient
 
     def recalls_served(self, server: GrpcServer) -> list[str]:
-        """The queries ``server`` recalled, oldest first."""
-        events = server.domain.status(100).events
-        return [e.detail for e in reversed(events) if e.kind == EventKind.RECALL]
+        return _recalls(server)
+
+
+def _recalls(server: GrpcServer) -> list[str]:
+    """The queries ``server`` recalled, oldest first."""
+    events = server.domain.status(100).events
+    return [e.detail for e in reversed(events) if e.kind == EventKind.RECALL]
 
 
 def _settings(
@@ -221,12 +230,17 @@ async def test_a_lost_replica_fails_its_calls_and_the_next_ones_move(tmp_path: P
         assert p.recalls_served(kept)[-6:] == [f"later question {i}" for i in range(6)]
 
 
-async def test_a_name_with_two_addresses_is_two_replicas(tmp_path: Path) -> None:
-    # One port free on both loopbacks: the IPv4 replica picks it, the IPv6 one takes it too.
+async def _free_port(tmp_path: Path) -> int:
+    """A port free on 127.0.0.1 (a replica picks it), for replicas on both loopbacks."""
     async with FakePhilia(token=TOKEN) as probe_philia:
         probe = await GrpcServer.start(_settings(probe_philia, tmp_path / "probe"))
         port = probe.port
         await probe.stop(0)
+    return port
+
+
+async def test_a_name_with_two_addresses_is_two_replicas(tmp_path: Path) -> None:
+    port = await _free_port(tmp_path)
 
     async def resolve(host: str, port: int) -> list[str]:
         assert host == "memory.internal"
@@ -245,20 +259,89 @@ async def test_a_name_with_two_addresses_is_two_replicas(tmp_path: Path) -> None
         assert all(p.recalls_served(server) for server in p.servers)
 
 
-async def test_targets_that_are_addresses_or_single_names_are_dialled_as_given() -> None:
+async def test_addresses_are_dialled_as_given_and_names_by_their_addresses() -> None:
     async def resolve(host: str, port: int) -> list[str]:
-        return {"one.internal": ["10.0.0.7"]}.get(host, [])
+        if host == "down.internal":
+            raise OSError("Name or service not known")
+        return {"one.internal": ["127.0.0.1"]}.get(host, [])
 
-    replicas = await resolve_replicas(
-        ["127.0.0.1:7000", "[::1]:7001", "one.internal:7002", "dns:///x.internal:7003"], resolve
-    )
-    assert [r.target for r in replicas] == [
+    targets = [
         "127.0.0.1:7000",
         "[::1]:7001",
         "one.internal:7002",
         "dns:///x.internal:7003",
+        "down.internal:7004",
     ]
-    assert all(r.authority is None for r in replicas)
+    assert await resolve_replicas(targets, resolve) == [
+        Replica("127.0.0.1:7000"),
+        Replica("[::1]:7001"),
+        Replica("ipv4:127.0.0.1:7002", "one.internal:7002"),
+        Replica("dns:///x.internal:7003"),
+        # Not resolvable now: left to gRPC, which says so when a call is made.
+        Replica("down.internal:7004"),
+    ]
+    # A name that stops resolving for a while keeps the addresses it had.
+    had = [Replica("ipv6:[::1]:7004", "down.internal:7004")]
+    assert await resolve_replicas(["down.internal:7004"], resolve, had) == had
+
+
+async def test_replicas_that_move_behind_a_name_are_followed_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    port = await _free_port(tmp_path)
+    name = f"memory.internal:{port}"
+    addresses = ["127.0.0.1", "::1"]
+
+    async def resolve(host: str, _port: int) -> list[str]:
+        assert host == "memory.internal"
+        return list(addresses)
+
+    async with FakePhilia(token=TOKEN) as philia:
+        philia.memories = [dict(OOLONG)]
+        first = await GrpcServer.start(_settings(philia, tmp_path / "first", "127.0.0.1", port))
+        second = await GrpcServer.start(_settings(philia, tmp_path / "second", "::1", port))
+        servers = [first, second]
+        http = dataclasses.replace(_settings(philia, tmp_path / "http"), grpc_target=name)
+        watch = ReplicaWatch(http, resolve, min_gap_s=0)
+        try:
+            streams = await watch.start(1, ())
+            client = MemoryClient(
+                streams.channels[0],
+                recall_budget_s=LONG_BUDGET_S,
+                rpc_timeout_s=LONG_BUDGET_S,
+                streams=streams,
+            )
+            assert await streams.wait_open(LONG_BUDGET_S) == 2
+            for i in range(4):
+                assert (await client.recall(f"question {i}")).state == ENABLED
+            assert all(_recalls(server) for server in servers)
+
+            # A rolling update. First the IPv4 replica leaves the name and stops.
+            addresses[:] = ["::1"]
+            await first.stop(0)
+            await watch.refresh()
+            assert watch.replicas == [Replica(f"ipv6:[::1]:{port}", name)]
+            for i in range(3):
+                assert (await client.recall(f"during the update {i}")).state == ENABLED
+            assert _recalls(second)[-3:] == [f"during the update {i}" for i in range(3)]
+
+            # Then a new replica comes up at another address and the last old one goes: no
+            # replica the gateway started with is left.
+            third = await GrpcServer.start(_settings(philia, tmp_path / "third", "127.0.0.1", port))
+            servers.append(third)
+            addresses[:] = ["127.0.0.1"]
+            last_stream = streams.next_open()
+            assert last_stream is not None
+            await second.stop(0)
+            await asyncio.wait_for(last_stream.ended, LONG_BUDGET_S)
+            # The next turn finds no stream open, resolves the name again and is answered.
+            assert (await client.recall("after the update")).state == ENABLED
+            assert _recalls(third) == ["after the update"]
+            assert watch.replicas == [Replica(f"ipv4:127.0.0.1:{port}", name)]
+        finally:
+            await watch.aclose()
+            for server in servers:
+                await server.stop(0)
 
 
 async def test_no_replica_up_fails_a_call_at_once(tmp_path: Path) -> None:

@@ -777,6 +777,20 @@ def targets(run: Run) -> list[list[str]]:
             f"{ratio(ours, theirs):.2f}× ({ours:.3f} ms vs {theirs:.3f} ms)",
             ratio(ours, theirs) <= MEMORY_SHARE,
         )
+        lexical = [
+            row
+            for row in run.store_recall
+            if row.ranking == "lexical" and row.nodes == run.options.nodes
+        ]
+        if lexical:
+            # What the store's own recall leaves of that allowance, before any hop.
+            store_ms, allowance = lexical[0].cpu_p50_ms, MEMORY_SHARE * theirs
+            add(
+                f"the store's recall alone (CPU p50, {lexical[0].nodes:,} nodes, lexical) ÷ "
+                f"that target's allowance ({MEMORY_SHARE} × (2 − 1)) (information)",
+                f"{ratio(store_ms, allowance):.2f}× ({store_ms:.3f} ms vs {allowance:.3f} ms)",
+                None,
+            )
     for concurrency in (32, 1):
         stream = r.get(("mem_on", concurrency))
         unary = r.get(("mem_unary", concurrency))

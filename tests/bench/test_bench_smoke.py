@@ -87,6 +87,11 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "| LiteLLM comparisons | LiteLLM not measured in this run | — |" in table
     assert "memory's own cost: p50 (3 − 2) ≤ 0.5 × the gateway's (2 − 1), c=1" in table
+    # Beside it, what the store's own recall leaves of that target's allowance.
+    [store_share] = [row for row in rows if row.startswith("| the store's recall alone")]
+    assert re.search(r"\| \d+\.\d\d× \(\d\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", store_share), (
+        store_share
+    )
     assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table

@@ -121,10 +121,19 @@ if TYPE_CHECKING:
     _Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
 
 
-async def _wait_for_stream(streams: StreamPool, left_s: float) -> tuple[ExchangeStream, float]:
-    """None was open: wait for a stream within the call's budget; it and what is left."""
+async def _wait_for_stream(
+    streams: StreamPool, left_s: float
+) -> tuple[ExchangeStream | None, float]:
+    """None was open: wait for a stream within the call's budget; it and what is left. No
+    stream (None) when the service turned out to have no Exchange (an older version): this
+    call and every later one go unary."""
     deadline = time.monotonic() + left_s
-    stream = await streams.stream(left_s)
+    try:
+        stream = await streams.stream(left_s)
+    except CallFailed:
+        if not streams.unimplemented:
+            raise
+        return None, deadline - time.monotonic()
     return stream, deadline - time.monotonic()
 
 
@@ -170,25 +179,27 @@ class MemoryClient:
 
     async def recall(self, query: str, limit: int = 5, scope: str = "") -> Recall:
         streams = self._streams
+        reply: pb.RecallResponse | None = None
+        left_s = self._recall_budget_s
         if streams is not None and not streams.unimplemented:
-            left_s = self._recall_budget_s
             try:
                 stream = streams.next_open()
                 if stream is None:
                     stream, left_s = await _wait_for_stream(streams, left_s)
-                call_id, call = stream.start(left_s)
-                request = call.recall
-                request.query = query
-                request.limit = limit
-                request.scope = scope
-                reply = (await stream.reply(call_id, left_s)).recall
+                if stream is not None:
+                    call_id, call = stream.start(left_s)
+                    request = call.recall
+                    request.query = query
+                    request.limit = limit
+                    request.scope = scope
+                    reply = (await stream.reply(call_id, left_s)).recall
             except CallFailed as exc:
                 return self._recall_failed(exc.code, exc.details)
-        else:
+        if reply is None:
             try:
-                reply = await self._stub.Recall(
+                reply = await self._unary()[0].Recall(
                     pb.RecallRequest(query=query, limit=limit, scope=scope),
-                    timeout=self._recall_budget_s,
+                    timeout=left_s,
                     metadata=self._call_metadata(),
                 )
             except grpc.aio.AioRpcError as exc:
@@ -246,29 +257,31 @@ class MemoryClient:
         call is logged (the service's own message says whether its outbox kept the episode).
         """
         streams = self._streams
+        reply: pb.WritebackResponse | None = None
+        left_s = self._rpc_timeout_s
         if streams is not None and not streams.unimplemented:
-            left_s = self._rpc_timeout_s
             try:
                 # On the stream the next call takes, to go out with it.
                 stream = streams.next_open(stay=True)
                 if stream is None:
                     stream, left_s = await _wait_for_stream(streams, left_s)
-                call_id, call = stream.start(left_s, linger=True)
-                request = call.writeback
-                request.user = user
-                request.assistant = assistant
-                request.scope = scope
-                request.episode_id = episode_id
-                reply = (await stream.reply(call_id, left_s)).writeback
+                if stream is not None:
+                    call_id, call = stream.start(left_s, linger=True)
+                    request = call.writeback
+                    request.user = user
+                    request.assistant = assistant
+                    request.scope = scope
+                    request.episode_id = episode_id
+                    reply = (await stream.reply(call_id, left_s)).writeback
             except CallFailed as exc:
                 return self._writeback_failed(exc.code, exc.details, exc.queued)
-        else:
+        if reply is None:
             try:
-                reply = await self._stub.Writeback(
+                reply = await self._unary()[0].Writeback(
                     pb.WritebackRequest(
                         user=user, assistant=assistant, scope=scope, episode_id=episode_id
                     ),
-                    timeout=self._rpc_timeout_s,
+                    timeout=left_s,
                     metadata=self._call_metadata(),
                 )
             except grpc.aio.AioRpcError as exc:

@@ -19,8 +19,9 @@ import pytest
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc.config import Settings
-from arona_grpc.server import GrpcServer
-from arona_grpc.service import EventKind
+from arona_grpc.server import GrpcServer, build_server
+from arona_grpc.service import EventKind, MemoryDomain
+from arona_grpc.servicer import MemoryServicer
 from gateway_http.grpc_channel import (
     Replica,
     ReplicaWatch,
@@ -379,3 +380,42 @@ async def test_a_replica_that_stops_answers_its_calls_and_the_next_ones_move(
         for i in range(4):
             assert (await p.client.recall(f"later question {i}")).state == ENABLED
         assert p.recalls_served(staying)[-4:] == [f"later question {i}" for i in range(4)]
+
+
+class _OlderServicer(MemoryServicer):
+    """A MemoryService of a version without ``Exchange``."""
+
+    async def Exchange(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.ExchangeRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+async def test_a_replica_without_exchange_gets_unary_calls(tmp_path: Path) -> None:
+    async with FakePhilia(token=TOKEN) as philia:
+        philia.memories = [dict(OOLONG)]
+        domain = MemoryDomain(_settings(philia, tmp_path / "older"))
+        server = build_server(domain, servicer=_OlderServicer(domain))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = open_memory_channel(
+            _settings(philia, tmp_path / "http"), Replica(f"127.0.0.1:{port}")
+        )
+        streams = StreamPool([channel], 2)
+        client = MemoryClient(
+            channel, recall_budget_s=LONG_BUDGET_S, rpc_timeout_s=LONG_BUDGET_S, streams=streams
+        )
+        try:
+            # The first recall finds out and still gets its memories, as every later call does.
+            for i in range(3):
+                recalled = await client.recall(f"question {i}")
+                assert (recalled.state, recalled.section.count("oolong")) == (ENABLED, 1)
+            assert streams.unimplemented
+            assert await client.writeback("I like oolong", "Noted.")
+            [stored] = await philia.wait_frames(STORE)
+            assert stored["params"]["text"] == "User: I like oolong\nAssistant: Noted."
+        finally:
+            streams.close()
+            await channel.close(grace=None)
+            await server.stop(0)
+            await domain.aclose()

@@ -212,7 +212,10 @@ class ReplicaWatch:
             if time.monotonic() - self._resolved_at < self._min_gap_s:
                 return
             self._resolving = asyncio.get_running_loop().create_task(self._refresh())
-        await asyncio.shield(self._resolving)
+        try:
+            await asyncio.shield(self._resolving)
+        except Exception as exc:  # a turn never fails for it: the replicas stay as they were
+            logger.warning("resolving the memory service replicas failed: %r", exc)
 
     async def _refresh(self) -> None:
         self._resolved_at = time.monotonic()
@@ -236,10 +239,7 @@ class ReplicaWatch:
     async def _every(self) -> None:
         while True:
             await asyncio.sleep(self._every_s)
-            try:
-                await self.refresh()
-            except Exception as exc:  # never the end of the watch
-                logger.debug("resolving the memory service replicas failed: %r", exc)
+            await self.refresh()
 
     async def aclose(self) -> None:
         """Stop watching, close the streams and every channel."""

@@ -2,64 +2,60 @@
 
 A turn's writeback runs in the background after the reply, so a process killed hard (SIGKILL,
 the OOM killer) a few milliseconds after answering would lose the episodes still in flight.
-Each episode is therefore written to a local SQLite journal (WAL, no fsync per turn: a
-process crash loses nothing, a power cut at most the last moments) before the reply's last
-byte leaves, and dropped once the ``MemoryService`` has stored it or queued it in its outbox.
-What is left at start (or after the gRPC service was unreachable) is sent again.
+Each episode is therefore appended to a local file before the reply's last byte leaves, and
+dropped once the ``MemoryService`` has stored it or queued it in its outbox. What is left at
+start (or after the gRPC service was unreachable) is sent again.
 
-The journal is written on the event loop's thread: an insert and its commit take tens of
-microseconds, less than a hop to a worker thread. An episode taken by the service is dropped
-in the next insert's transaction (one commit a turn, not two), or within
-:data:`DROP_DELAY_S` when no insert comes; a process killed meanwhile sends those episodes
-again (the service knows them by their ids while they wait in its outbox; one it has stored
-already may be stored twice, as after any crash between storing and dropping). WAL checkpoints,
-which do sync the disk, run on a thread of their own every :data:`CHECKPOINT_EVERY` writes.
+The file is a log of JSON lines, one ``write()`` each: an episode, or the ids of episodes
+dropped. A process crash loses nothing (the kernel has the bytes once ``write()`` returns),
+a power cut at most the last moments, as with a database that does not sync every commit;
+a line cut short by a crash is skipped when the file is read. One write a turn on the event
+loop's thread costs a few microseconds, where a SQLite transaction cost tens (and several
+system calls). Drops go out with the next episode's write, or within :data:`DROP_DELAY_S`
+when no episode comes; a process killed meanwhile sends those episodes again (the service
+knows them by their ids while they wait in its outbox; one it has stored already may be
+stored twice, as after any crash between storing and dropping). The episodes still waiting
+live in memory too: once the file passes :data:`COMPACT_BYTES` it is emptied as soon as none
+is waiting, and past :data:`REWRITE_BYTES` rewritten with only them.
+
+Each HTTP process holds its own file, locked while it runs (``serve --workers``: one per
+worker; a second process given the same file takes one named after its pid). At start a
+process also takes over the episodes of any journal file no running process holds (a
+process that died; the SQLite ``journal*.db`` of earlier versions), so nothing is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import json
 import logging
+import os
 import sqlite3
-import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from arona_grpc.database import sqlite_migrate
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_EVERY = 500
 # The longest an episode the service took stays in the journal when no turn comes.
 DROP_DELAY_S = 0.5
-# Drops written together at most (SQLite's host parameters).
+# Drops written together at most.
 MAX_DROPS = 256
-_STEPS = (
-    """
-    CREATE TABLE IF NOT EXISTS episodes (
-        id         INTEGER PRIMARY KEY AUTOINCREMENT,
-        user_text  TEXT NOT NULL,
-        assistant  TEXT NOT NULL,
-        scope      TEXT NOT NULL,
-        -- Sent with the episode, so the service knows it again if it was already queued.
-        episode_id TEXT NOT NULL,
-        added_us   INTEGER NOT NULL
-    );
-    """,
-)
-
-
-_INSERT = (
-    "INSERT INTO episodes (user_text, assistant, scope, episode_id, added_us)"
-    " VALUES (?, ?, ?, ?, ?)"
-)
+# Past this size the file is emptied as soon as no episode is waiting...
+COMPACT_BYTES = 4 << 20
+# ...and past this one rewritten with only the episodes waiting (they are synced first).
+REWRITE_BYTES = 16 << 20
+_PREFIX = "journal"
 
 
 def journal_path(data_dir: Path, worker: int) -> Path:
     """Each HTTP process has its own journal (``serve --workers``: one per worker)."""
-    return data_dir / ("journal.db" if worker == 0 else f"journal-{worker}.db")
+    return data_dir / (f"{_PREFIX}.log" if worker == 0 else f"{_PREFIX}-{worker}.log")
 
 
 @dataclass(frozen=True)
@@ -71,51 +67,156 @@ class Journaled:
     episode_id: str
 
 
+def _line(entry: Journaled) -> bytes:
+    record = {
+        "id": entry.id,
+        "user": entry.user,
+        "assistant": entry.assistant,
+        "scope": entry.scope,
+        "episode_id": entry.episode_id,
+        "at_us": int(time.time() * 1_000_000),
+    }
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _records(data: bytes) -> Iterator[dict[str, Any]]:
+    """The whole JSON objects of a journal file; a line cut short by a crash is skipped."""
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            logger.warning("skipped a journal line cut short (a crash while it was written)")
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def read_journal(path: Path) -> list[Journaled]:
+    """The episodes a journal file still holds, oldest first (without taking it over)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    live: dict[int, Journaled] = {}
+    for record in _records(data):
+        dropped = record.get("drop")
+        if isinstance(dropped, list):
+            for entry_id in dropped:
+                live.pop(entry_id, None)
+            continue
+        try:
+            entry = Journaled(
+                int(record["id"]),
+                str(record["user"]),
+                str(record["assistant"]),
+                str(record["scope"]),
+                str(record["episode_id"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            logger.warning("skipped a journal line that is not an episode")
+            continue
+        live[entry.id] = entry
+    return list(live.values())
+
+
+def _read_legacy(path: Path) -> list[tuple[str, str, str, str]]:
+    """The episodes of an earlier version's SQLite journal (empty when it has none)."""
+    try:
+        db = sqlite3.connect(path, timeout=5.0)
+        try:
+            rows = db.execute(
+                "SELECT user_text, assistant, scope, episode_id FROM episodes ORDER BY id"
+            ).fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        logger.warning("could not read the earlier journal %s: %s", path, exc)
+        return []
+    return [(str(a), str(b), str(c), str(d)) for a, b, c, d in rows]
+
+
+def _lock(path: Path) -> int | None:
+    """``path`` opened for appending and locked, or None when a running process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        # Another process may have taken the file over and removed it meanwhile: then this
+        # is a file nobody will read; start again with the one at the path now.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
 class Journal:
     """Episodes answered but not yet taken by the memory service; see the module docstring."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        # Checkpoints run on their own thread (below), never inside a turn's commit.
-        self._db.execute("PRAGMA wal_autocheckpoint=0")
-        sqlite_migrate(self._db, _STEPS, f"the journal {path}")
-        self._writes = 0
-        # Taken by the service, to be deleted with the next write.
+        fd = _lock(path)
+        if fd is None:
+            # Another running process journals there: a file of this process's own.
+            path = path.with_name(f"{path.stem}-p{os.getpid()}{path.suffix}")
+            fd = _lock(path)
+            if fd is None:  # pragma: no cover - a pid is one process at a time
+                raise OSError(f"the journal {path} is in use")
+        self.path = path
+        self._fd = fd
+        self._live: dict[int, Journaled] = {entry.id: entry for entry in read_journal(path)}
+        self._next = max(self._live, default=0) + 1
         self._dropped: list[int] = []
         self._drop_timer: asyncio.TimerHandle | None = None
-        self._checkpointing = threading.Lock()
+        # A write failed halfway: the next one starts on a new line.
+        self._torn = False
         self._closed = False
+        self._size = 0
+        orphans = self._take_over_orphans()
+        try:
+            # A clean file to append to: what is still waiting, nothing cut short at its end
+            # (and the orphans' episodes, in this file before theirs are removed).
+            self._rewrite()
+        finally:
+            for other, fd in orphans:
+                other.unlink(missing_ok=True)
+                os.close(fd)
 
     def add(self, user: str, assistant: str, scope: str) -> Journaled:
-        """Keep one episode (committed when this returns)."""
-        episode_id = uuid.uuid4().hex
-        row = (user, assistant, scope, episode_id, int(time.time() * 1_000_000))
+        """Keep one episode (in the file when this returns)."""
+        entry = Journaled(self._next, user, assistant, scope, uuid.uuid4().hex)
+        self._next += 1
+        line = _line(entry)
         if self._dropped:
-            db = self._db
             dropped = self._dropped
-            db.execute("BEGIN")
+            self._dropped = []
+            self._cancel_drop_timer()
             try:
-                self._delete_dropped()
-                cursor = db.execute(_INSERT, row)
-                db.execute("COMMIT")
+                self._write(_drop_line(dropped) + line)
             except BaseException:
-                db.execute("ROLLBACK")
                 self._dropped = dropped + self._dropped
                 raise
         else:
-            cursor = self._db.execute(_INSERT, row)
-        self._wrote()
-        return Journaled(int(cursor.lastrowid or 0), user, assistant, scope, episode_id)
+            self._write(line)
+        self._live[entry.id] = entry
+        if self._size >= REWRITE_BYTES:
+            self._rewrite()
+        return entry
 
     def drop(self, entry_id: int) -> None:
         """The memory service has the episode: forget it here (with the next write, or
         within :data:`DROP_DELAY_S`)."""
-        if self._closed:
+        if self._closed or self._live.pop(entry_id, None) is None:
             return
         self._dropped.append(entry_id)
         if len(self._dropped) >= MAX_DROPS:
@@ -129,52 +230,118 @@ class Journal:
             self._drop_timer = loop.call_later(DROP_DELAY_S, self.flush_drops)
 
     def flush_drops(self) -> None:
-        """Delete the dropped episodes now."""
-        if self._drop_timer is not None:
-            self._drop_timer.cancel()
-            self._drop_timer = None
-        if self._dropped and not self._closed:
-            self._delete_dropped()
-            self._wrote()
-
-    def _delete_dropped(self) -> None:
+        """Write the drops now."""
+        self._cancel_drop_timer()
+        if not self._dropped or self._closed:
+            return
         dropped, self._dropped = self._dropped, []
-        marks = ",".join("?" * len(dropped))
-        self._db.execute(f"DELETE FROM episodes WHERE id IN ({marks})", dropped)
+        try:
+            self._write(_drop_line(dropped))
+            if self._size >= COMPACT_BYTES and not self._live:
+                self._rewrite()
+        except OSError as exc:
+            # Sent again after a restart, and known by its id while it waits in the outbox.
+            logger.warning("could not write %d journal drop(s): %s", len(dropped), exc)
 
     def pending(self) -> list[Journaled]:
         """Every episode still journaled, oldest first."""
-        self.flush_drops()
-        rows = self._db.execute(
-            "SELECT id, user_text, assistant, scope, episode_id FROM episodes ORDER BY id"
-        ).fetchall()
-        return [Journaled(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4])) for r in rows]
+        return list(self._live.values())
 
     def close(self) -> None:
         if self._closed:
             return
         self.flush_drops()
+        if not self._live:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
         self._closed = True
-        with self._checkpointing:
-            try:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                self._db.close()
+        os.close(self._fd)
 
-    def _wrote(self) -> None:
-        self._writes += 1
-        if self._writes % CHECKPOINT_EVERY == 0:
-            threading.Thread(target=self._checkpoint, name="journal-checkpoint").start()
+    def _cancel_drop_timer(self) -> None:
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+            self._drop_timer = None
 
-    def _checkpoint(self) -> None:
-        with self._checkpointing:
-            if self._closed:
-                return
-            try:
-                checkpoint = sqlite3.connect(self.path, timeout=5.0)
-                try:
-                    checkpoint.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                finally:
-                    checkpoint.close()
-            except sqlite3.Error as exc:
-                logger.debug("journal checkpoint failed: %s", exc)
+    def _write(self, data: bytes) -> None:
+        if self._torn:
+            data = b"\n" + data
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            self._torn = True
+            self._size = os.fstat(self._fd).st_size
+            raise
+        self._torn = False
+        self._size += len(data)
+
+    def _rewrite(self) -> None:
+        """Leave only the episodes still waiting in the file (none: empty it)."""
+        if not self._live:
+            os.ftruncate(self._fd, 0)
+            self._torn = False
+            self._size = 0
+            return
+        data = b"".join(_line(entry) for entry in self._live.values())
+        fresh = self.path.with_name(self.path.name + ".new")
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(fresh, flags, 0o600)
+        try:
+            # Locked before it takes the journal's name, so no starting process takes it over.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            # On disk before it replaces the file that holds them now.
+            os.fsync(fd)
+            os.replace(fresh, self.path)
+        except BaseException:
+            os.close(fd)
+            fresh.unlink(missing_ok=True)
+            raise
+        # Appended to from now on.
+        os.close(self._fd)
+        self._fd = fd
+        self._torn = False
+        self._size = len(data)
+
+    def _take_over_orphans(self) -> list[tuple[Path, int]]:
+        """Take the episodes of the journal files no running process holds; those files,
+        locked, to remove once their episodes are in this one (the SQLite journals of
+        earlier versions are removed here)."""
+        taken = 0
+        orphans: list[tuple[Path, int]] = []
+        for other in sorted(self.path.parent.glob(f"{_PREFIX}*.log")):
+            if other == self.path:
+                continue
+            fd = _lock(other)
+            if fd is None:
+                continue  # a running process's
+            orphans.append((other, fd))
+            for entry in read_journal(other):
+                self._keep(entry.user, entry.assistant, entry.scope, entry.episode_id)
+                taken += 1
+        legacies = sorted(self.path.parent.glob(f"{_PREFIX}*.db"))
+        for legacy in sorted(self.path.parent.glob(f"{_PREFIX}*.db")):
+            for user, assistant, scope, episode_id in _read_legacy(legacy):
+                self._keep(user, assistant, scope, episode_id)
+                taken += 1
+        if legacies:
+            # Theirs are in this file first: a crash before that leaves them where they were.
+            self._rewrite()
+            for legacy in legacies:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{legacy}{suffix}").unlink(missing_ok=True)
+        if taken:
+            logger.info("took over %d journaled episode(s) of a stopped process", taken)
+        return orphans
+
+    def _keep(self, user: str, assistant: str, scope: str, episode_id: str) -> None:
+        entry = Journaled(self._next, user, assistant, scope, episode_id)
+        self._next += 1
+        self._live[entry.id] = entry
+
+
+def _drop_line(ids: list[int]) -> bytes:
+    return json.dumps({"drop": ids}, separators=(",", ":")).encode() + b"\n"

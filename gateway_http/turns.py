@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -284,7 +283,7 @@ class TurnPipeline:
             return None
         try:
             return self._journal.add(user, assistant, scope)
-        except sqlite3.Error as exc:
+        except OSError as exc:
             logger.error("could not journal an episode: %s", exc)
             return None
 
@@ -292,7 +291,7 @@ class TurnPipeline:
         assert self._journal is not None
         try:
             self._journal.drop(entry)
-        except sqlite3.Error as exc:
+        except OSError as exc:
             logger.warning("could not drop a journaled episode (it will be sent again): %s", exc)
 
     def replay_journal(self) -> None:

@@ -206,7 +206,9 @@ async def test_two_http_processes_share_their_metrics(tmp_path: Path) -> None:
         # The first worker has stopped: what it counted still counts.
         async with httpx.AsyncClient(base_url=second, timeout=30) as b:
             _check_worker_totals(_totals((await b.get("/metrics")).text))
-    assert _sum(grpc_totals, "arona_philia_calls_total", method="query", outcome="ok") == 5
+    # One Philia query per turn, whatever its outcome (a first connection that a loaded machine
+    # holds up past its timeout is an error, and still one call).
+    assert _sum(grpc_totals, "arona_philia_calls_total", method="query") == 5
     assert _sum(grpc_totals, "arona_philia_call_seconds_count", method="query") == 5
     assert not [n for n in grpc_totals if n.startswith("arona_turn")]
     assert _sum(grpc_totals, "arona_memory_breaker_state", state="closed") == 1

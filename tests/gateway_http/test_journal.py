@@ -3,42 +3,156 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import sqlite3
 from pathlib import Path
 
 import pytest
 
-from gateway_http.journal import Journal
+from gateway_http import journal as journal_module
+from gateway_http.journal import Journal, journal_path, read_journal
 
 
-def _texts(journal: Journal) -> list[str]:
-    return [entry.user for entry in journal.pending()]
+def _texts(entries: list[journal_module.Journaled]) -> list[str]:
+    return [entry.user for entry in entries]
 
 
 def test_a_dropped_episode_is_not_sent_again_after_a_restart(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "journal.db")
+    journal = Journal(tmp_path / "journal.log")
     first = journal.add("one", "1", "")
-    journal.add("two", "2", "")
+    second = journal.add("two", "2", "")
     # Outside an event loop a drop is written at once.
     journal.drop(first.id)
-    assert _texts(journal) == ["two"]
+    assert _texts(journal.pending()) == ["two"]
     journal.close()
-    assert _texts(Journal(tmp_path / "journal.db")) == ["two"]
+    again = Journal(tmp_path / "journal.log")
+    assert again.pending() == [second]
+    # Ids go on after the ones the file holds.
+    assert again.add("three", "3", "").id > second.id
+    again.close()
 
 
 @pytest.mark.asyncio
 async def test_drops_go_with_the_next_episode_or_soon_after(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
+    path = tmp_path / "journal.log"
     journal = Journal(path)
     first = journal.add("one", "1", "")
     second = journal.add("two", "2", "")
     journal.drop(first.id)
-    # Written with the next episode, in its transaction: a second connection sees it.
+    assert _texts(read_journal(path)) == ["one", "two"]
+    # Written with the next episode, in the same write.
     journal.add("three", "3", "")
-    assert _texts(Journal(path)) == ["two", "three"]
+    assert _texts(read_journal(path)) == ["two", "three"]
     # With no next episode, within the drop delay.
     journal.drop(second.id)
     written = asyncio.Event()
     asyncio.get_running_loop().call_later(0.6, written.set)
     await written.wait()
-    assert _texts(Journal(path)) == ["three"]
+    assert _texts(read_journal(path)) == ["three"]
     journal.close()
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped_and_nothing_after_it_is_lost(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.log"
+    journal = Journal(path)
+    journal.add("kept", "1", "scope-a")
+    journal.close()
+    # A crash in the middle of the next write.
+    with path.open("ab") as file:
+        file.write(b'{"id":2,"user":"half of it')
+    again = Journal(path)
+    assert [(e.user, e.scope) for e in again.pending()] == [("kept", "scope-a")]
+    again.add("after", "2", "")
+    again.close()
+    assert _texts(read_journal(path)) == ["kept", "after"]
+
+
+def test_the_file_is_emptied_once_nothing_waits_and_rewritten_when_it_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "COMPACT_BYTES", 2_000)
+    monkeypatch.setattr(journal_module, "REWRITE_BYTES", 8_000)
+    path = tmp_path / "journal.log"
+    journal = Journal(path)
+    for i in range(20):
+        journal.drop(journal.add(f"turn {i}", "x" * 100, "").id)
+    # Everything was taken: the file never grew past the first limit.
+    assert path.stat().st_size < 2_000
+    waiting = journal.add("still waiting", "x", "")
+    for i in range(100):
+        journal.drop(journal.add(f"turn {i}", "x" * 100, "").id)
+    # The one still waiting kept the file from being emptied; the rewrite kept it and bounded
+    # the file.
+    assert path.stat().st_size < 8_000 + 1_000
+    assert journal.pending() == [waiting]
+    journal.close()
+    assert read_journal(path) == [waiting]
+
+
+def _hold(
+    path: str, ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event
+) -> None:
+    journal = Journal(Path(path))
+    journal.add("from the other process", "1", "")
+    ready.set()
+    done.wait(60)
+    # Exits without closing: a process that died.
+    os._exit(0)
+
+
+def test_a_second_process_gets_its_own_file_and_a_dead_ones_episodes_are_taken_over(
+    tmp_path: Path,
+) -> None:
+    path = journal_path(tmp_path, 0)
+    context = multiprocessing.get_context("spawn")
+    ready, done = context.Event(), context.Event()
+    other = context.Process(target=_hold, args=(str(path), ready, done))
+    other.start()
+    try:
+        assert ready.wait(60)
+        # The file is held: this process journals in one of its own, and leaves the held
+        # one alone.
+        mine = Journal(path)
+        assert mine.path != path
+        assert mine.pending() == []
+        mine.add("from this process", "2", "")
+        mine.close()
+        assert _texts(read_journal(path)) == ["from the other process"]
+    finally:
+        done.set()
+        other.join(60)
+    # The other process is gone: the next start takes over both files' episodes.
+    restarted = Journal(path)
+    assert sorted(_texts(restarted.pending())) == ["from the other process", "from this process"]
+    assert sorted(p.name for p in tmp_path.glob("journal*")) == ["journal.log"]
+    restarted.close()
+
+
+def test_episodes_of_an_earlier_versions_sqlite_journal_are_taken_over(tmp_path: Path) -> None:
+    legacy = sqlite3.connect(tmp_path / "journal-1.db")
+    legacy.execute(
+        "CREATE TABLE episodes (id INTEGER PRIMARY KEY AUTOINCREMENT, user_text TEXT NOT NULL,"
+        " assistant TEXT NOT NULL, scope TEXT NOT NULL, episode_id TEXT NOT NULL,"
+        " added_us INTEGER NOT NULL)"
+    )
+    legacy.execute(
+        "INSERT INTO episodes (user_text, assistant, scope, episode_id, added_us)"
+        " VALUES ('left behind', 'ok', 'key:alice', 'e-1', 0)"
+    )
+    legacy.commit()
+    legacy.close()
+    journal = Journal(journal_path(tmp_path, 1))
+    [entry] = journal.pending()
+    assert (entry.user, entry.assistant, entry.scope, entry.episode_id) == (
+        "left behind",
+        "ok",
+        "key:alice",
+        "e-1",
+    )
+    assert not list(tmp_path.glob("*.db"))
+    journal.close()
+    # In the new file now: the next start still has it.
+    assert read_journal(journal_path(tmp_path, 1)) == [entry]

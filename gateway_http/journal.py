@@ -76,7 +76,8 @@ def _line(entry: Journaled) -> bytes:
         "episode_id": entry.episode_id,
         "at_us": int(time.time() * 1_000_000),
     }
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    # ASCII: any str survives the trip, a lone surrogate included.
+    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
 
 
 def _records(data: bytes) -> Iterator[dict[str, Any]]:

@@ -156,3 +156,13 @@ def test_episodes_of_an_earlier_versions_sqlite_journal_are_taken_over(tmp_path:
     journal.close()
     # In the new file now: the next start still has it.
     assert read_journal(journal_path(tmp_path, 1)) == [entry]
+
+
+def test_any_text_survives_a_restart(tmp_path: Path) -> None:
+    # A JSON request may carry a lone surrogate ("\ud800"): it must not cost the episode.
+    text = 'héllo 日本 \ud800 \n"quoted"'
+    journal = Journal(tmp_path / "journal.log")
+    journal.add(text, text, "key:ünïcode")
+    journal.close()
+    [entry] = read_journal(tmp_path / "journal.log")
+    assert (entry.user, entry.assistant, entry.scope) == (text, text, "key:ünïcode")

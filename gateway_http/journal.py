@@ -183,15 +183,21 @@ class Journal:
         self._torn = False
         self._closed = False
         self._size = 0
-        orphans = self._take_over_orphans()
+        orphans: list[tuple[Path, int]] = []
         try:
+            orphans = self._take_over_orphans()
             # A clean file to append to: what is still waiting, nothing cut short at its end
             # (and the orphans' episodes, in this file before theirs are removed).
             self._rewrite()
-        finally:
-            for other, fd in orphans:
-                other.unlink(missing_ok=True)
-                os.close(fd)
+        except BaseException:
+            os.close(self._fd)
+            for _, orphan_fd in orphans:
+                os.close(orphan_fd)
+            raise
+        for other, orphan_fd in orphans:
+            # Removed while still locked, so no other starting process takes them again.
+            other.unlink(missing_ok=True)
+            os.close(orphan_fd)
 
     def add(self, user: str, assistant: str, scope: str) -> Journaled:
         """Keep one episode (in the file when this returns)."""

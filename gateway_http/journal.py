@@ -184,8 +184,9 @@ class Journal:
         self._closed = False
         self._size = 0
         orphans: list[tuple[Path, int]] = []
+        legacies: list[Path] = []
         try:
-            orphans = self._take_over_orphans()
+            orphans, legacies = self._take_over_orphans()
             # A clean file to append to: what is still waiting, nothing cut short at its end
             # (and the orphans' episodes, in this file before theirs are removed).
             self._rewrite()
@@ -198,6 +199,9 @@ class Journal:
             # Removed while still locked, so no other starting process takes them again.
             other.unlink(missing_ok=True)
             os.close(orphan_fd)
+        for legacy in legacies:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{legacy}{suffix}").unlink(missing_ok=True)
 
     def add(self, user: str, assistant: str, scope: str) -> Journaled:
         """Keep one episode (in the file when this returns)."""
@@ -313,10 +317,10 @@ class Journal:
         self._torn = False
         self._size = len(data)
 
-    def _take_over_orphans(self) -> list[tuple[Path, int]]:
-        """Take the episodes of the journal files no running process holds; those files,
-        locked, to remove once their episodes are in this one (the SQLite journals of
-        earlier versions are removed here)."""
+    def _take_over_orphans(self) -> tuple[list[tuple[Path, int]], list[Path]]:
+        """Take the episodes of the journal files no running process holds, and of the
+        SQLite journals of earlier versions; those files (the former locked), to remove once
+        their episodes are in this one."""
         taken = 0
         orphans: list[tuple[Path, int]] = []
         for other in sorted(self.path.parent.glob(f"{_PREFIX}*.log")):
@@ -330,19 +334,13 @@ class Journal:
                 self._keep(entry.user, entry.assistant, entry.scope, entry.episode_id)
                 taken += 1
         legacies = sorted(self.path.parent.glob(f"{_PREFIX}*.db"))
-        for legacy in sorted(self.path.parent.glob(f"{_PREFIX}*.db")):
+        for legacy in legacies:
             for user, assistant, scope, episode_id in _read_legacy(legacy):
                 self._keep(user, assistant, scope, episode_id)
                 taken += 1
-        if legacies:
-            # Theirs are in this file first: a crash before that leaves them where they were.
-            self._rewrite()
-            for legacy in legacies:
-                for suffix in ("", "-wal", "-shm"):
-                    Path(f"{legacy}{suffix}").unlink(missing_ok=True)
         if taken:
             logger.info("took over %d journaled episode(s) of a stopped process", taken)
-        return orphans
+        return orphans, legacies
 
     def _keep(self, user: str, assistant: str, scope: str, episode_id: str) -> None:
         entry = Journaled(self._next, user, assistant, scope, episode_id)

@@ -18,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.batching import BatchWriter
 from arona_grpc.breaker import BreakerState
 from arona_grpc.config import SCOPE_SHARED, SCOPE_USER
 from arona_grpc.episodes import IndexPage
@@ -230,12 +231,10 @@ class _Exchange:
         self._out = pb.ExchangeResponse()
         # False, True (to be sent), None (sent).
         self._goodbye: bool | None = False
-        self._ready = False
-        # The timer that writes lingering replies when no other reply comes.
-        self._lingering: asyncio.TimerHandle | None = None
-        # A reply waiting must be written now, not only with the next one.
-        self._urgent = False
-        self._flush_task: asyncio.Task[None] | None = None
+        # The only writer of the replies; open once the hello is written.
+        self._writer = BatchWriter(
+            self._write_replies, lambda: bool(self._out.replies), REPLY_LINGER_S, open=False
+        )
         self._loop = asyncio.get_running_loop()
 
     async def run(self, requests: AsyncIterator[pb.ExchangeRequest]) -> None:
@@ -251,8 +250,8 @@ class _Exchange:
             )
         )
         # Replies and the goodbye go out only after the hello.
-        self._ready = True
-        self._kick()
+        self._writer.open = True
+        self._writer.kick()
         try:
             async for batch in requests:
                 for call_id in batch.cancel:
@@ -271,35 +270,19 @@ class _Exchange:
             # The caller closed its side: the calls under way still get their replies.
             while self._calls:
                 await asyncio.wait(list(self._calls.values()))
-            self._kick()
-            while self._flush_task is not None:
-                await self._flush_task
+            self._writer.kick()
+            await self._writer.drain()
         finally:
             # The stream is over: nothing more is written on it.
-            self._ready = False
-            if self._lingering is not None:
-                self._lingering.cancel()
+            self._writer.close()
             for task in self._calls.values():
                 task.cancel()
-            if self._flush_task is not None and not self._flush_task.done():
-                self._flush_task.cancel()
 
     def goodbye(self) -> None:
         """Ask the caller to send no more calls here and close its side."""
         if self._goodbye is False:
             self._goodbye = True
-            self._kick()
-
-    def _kick(self) -> None:
-        """Write the replies ready now (lingering ones with them)."""
-        self._urgent = True
-        if self._flush_task is None and self._ready:
-            self._flush_task = self._loop.create_task(self._flush())
-
-    def _linger(self) -> None:
-        """Write the replies with the next urgent one, or within :data:`REPLY_LINGER_S`."""
-        if self._flush_task is None and self._lingering is None and self._ready:
-            self._lingering = self._loop.call_later(REPLY_LINGER_S, self._kick)
+            self._writer.kick()
 
     def _start(self, call: pb.Call) -> None:
         kind = call.WhichOneof("request")
@@ -334,7 +317,7 @@ class _Exchange:
                 reply.stored = done.stored
                 reply.node_id = done.node_id
                 # Nobody waits for it: it goes out with the next recall's reply.
-                self._linger()
+                self._writer.linger()
                 return
             else:
                 raise InvalidArgument("a call carries a recall or a writeback")
@@ -351,32 +334,26 @@ class _Exchange:
                 error.queued = exc.queued
         finally:
             self._calls.pop(call.id, None)
-        self._kick()
+        self._writer.kick()
 
-    async def _flush(self) -> None:
-        if self._lingering is not None:
-            self._lingering.cancel()
-            self._lingering = None
+    async def _write_replies(self) -> bool:
+        """Write the replies ready (and the goodbye, when due); whether another write may
+        follow."""
+        if self._goodbye is True:
+            self._goodbye = None  # sent, with whatever replies are ready
+            self._out.goodbye = True
+        elif not self._out.replies:
+            return False
+        batch, self._out = self._out, pb.ExchangeResponse()
         try:
-            while self._urgent:
-                self._urgent = False
-                if self._goodbye is True:
-                    self._goodbye = None  # sent, with whatever replies are ready
-                    self._out.goodbye = True
-                elif not self._out.replies:
-                    break
-                batch, self._out = self._out, pb.ExchangeResponse()
-                await self._context.write(batch)
+            await self._context.write(batch)
         except Exception as exc:
             # The stream ended under the write (the caller left, the server is stopping):
             # there is nobody to reply to.
             logger.debug("Exchange: a write failed, the stream is gone: %s", exc)
-            self._ready = False
-        finally:
-            self._flush_task = None
-        if self._out.replies:
-            # Lingering replies that came during the write: they wait for the next one.
-            self._linger()
+            self._writer.open = False
+            return False
+        return True
 
 
 def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:

@@ -31,6 +31,7 @@ import grpc
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.batching import BatchWriter
 from arona_grpc.logs import REQUEST_ID
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,10 @@ class ExchangeStream:
         self._batch = pb.ExchangeRequest()
         # When each call of the batch must be answered by (monotonic seconds).
         self._deadlines: list[float] = []
-        self._flush_task: asyncio.Task[None] | None = None
-        # The timer that writes lingering calls when no other call comes.
-        self._lingering: asyncio.TimerHandle | None = None
-        # Something waiting must be written now, not only with the next call.
-        self._urgent = False
+        # The only writer of the stream's calls (lingering ones wait for the next call).
+        self._writer = BatchWriter(
+            self._write_batch, lambda: bool(self._batch.calls), WRITEBACK_LINGER_S, open=True
+        )
         self.hello: pb.Hello | None = None
         # Done when the service's hello arrives, or failed with CallFailed.
         self.opened: asyncio.Future[None] = self._loop.create_future()
@@ -132,7 +132,7 @@ class ExchangeStream:
         go out with it."""
         call_id = next(self._ids)
         call = self._batch.calls.add(id=call_id)
-        # Its timeout is what is left of it when it is written (see _flush).
+        # Its timeout is what is left of it when it is written (see _write_batch).
         self._deadlines.append(time.monotonic() + timeout_s)
         request_id = REQUEST_ID.get()
         if request_id is not None:
@@ -140,9 +140,9 @@ class ExchangeStream:
         if not self.dead:
             self._pending[call_id] = self._loop.create_future()
             if linger:
-                self._linger()
+                self._writer.linger()
             else:
-                self._kick()
+                self._writer.kick()
         return call_id, call
 
     async def reply(self, call_id: int, timeout_s: float) -> pb.Reply:
@@ -171,7 +171,7 @@ class ExchangeStream:
         self._retired = True
         self.usable = False
         self._closing = True
-        self._kick()
+        self._writer.kick()
 
     def close(self) -> None:
         self._fail_all(CallFailed(grpc.StatusCode.CANCELLED, "the gateway is stopping"))
@@ -187,50 +187,32 @@ class ExchangeStream:
     def _cancel(self, call_id: int) -> None:
         if not self.dead:
             self._batch.cancel.append(call_id)
-            self._kick()
+            self._writer.kick()
 
-    def _kick(self) -> None:
-        """Write what is waiting now (and whatever lingers, with it)."""
-        self._urgent = True
-        if self._flush_task is None and not self.dead:
-            self._flush_task = self._loop.create_task(self._flush())
-
-    def _linger(self) -> None:
-        """Write what is waiting with the next call, or within the linger time."""
-        if self._flush_task is None and self._lingering is None and not self.dead:
-            self._lingering = self._loop.call_later(WRITEBACK_LINGER_S, self._kick)
-
-    async def _flush(self) -> None:
-        # The only writer: a gRPC stream takes one write at a time, and a write cancelled
-        # halfway cancels the whole stream, so no caller ever writes itself.
-        if self._lingering is not None:
-            self._lingering.cancel()
-            self._lingering = None
+    async def _write_batch(self) -> bool:
+        """Write the calls and cancellations waiting (or, retired with none left, close this
+        side); whether another write may follow."""
         try:
-            while self._urgent or self._closing:
-                self._urgent = False
-                if not (self._batch.calls or self._batch.cancel):
-                    if self._closing:
-                        self._closing = False
-                        await self._call.done_writing()
-                    break
-                batch, self._batch = self._batch, pb.ExchangeRequest()
-                deadlines, self._deadlines = self._deadlines, []
-                # The service's deadline for a call is the caller's, as a unary call's is:
-                # what is left when it leaves, not what was asked when it was made.
-                now = time.monotonic()
-                for call, deadline in zip(batch.calls, deadlines, strict=True):
-                    call.timeout_ms = max(1, int((deadline - now) * 1000))
-                await self._call.write(batch)
+            if not (self._batch.calls or self._batch.cancel):
+                if self._closing:
+                    self._closing = False
+                    await self._call.done_writing()
+                return False
+            batch, self._batch = self._batch, pb.ExchangeRequest()
+            deadlines, self._deadlines = self._deadlines, []
+            # The service's deadline for a call is the caller's, as a unary call's is: what is
+            # left when it leaves, not what was asked when it was made.
+            now = time.monotonic()
+            for call, deadline in zip(batch.calls, deadlines, strict=True):
+                call.timeout_ms = max(1, int((deadline - now) * 1000))
+            await self._call.write(batch)
         except grpc.aio.AioRpcError as exc:
             self._fail_all(CallFailed(exc.code(), exc.details() or ""))
+            return False
         except asyncio.InvalidStateError:
             self._fail_all(CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream has ended"))
-        finally:
-            self._flush_task = None
-        if self._batch.calls:
-            # Lingering calls that came during the write: they wait for the next call.
-            self._linger()
+            return False
+        return True
 
     async def _read(self) -> None:
         pending = self._pending
@@ -266,6 +248,7 @@ class ExchangeStream:
             return
         self.dead = True
         self.usable = False
+        self._writer.open = False
         self.failure = failure
         pending, self._pending = self._pending, {}
         for future in pending.values():

@@ -39,6 +39,7 @@ from gateway_http.grpc_channel import (
     memory_call_metadata,
     memory_channel_credentials,
     open_memory_channel,
+    shown_address,
 )
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
@@ -216,6 +217,7 @@ def create_app(
                 metrics=metrics,
                 metadata=metadata,
                 streams=streams,
+                replicas=watch if watch is not None else shown_address(settings.grpc_targets[0]),
             )
         db_pool = pool
         if db_pool is None and settings.database_url:

@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -86,6 +87,19 @@ class Replica:
 
     target: str
     authority: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The target as an operator writes it (gRPC's ``ipv4:``/``ipv6:`` prefix off)."""
+        return shown_address(self.target)
+
+
+def shown_address(target: str) -> str:
+    """A gRPC target as an operator writes it: ``ipv4:10.0.0.5:50051`` → ``10.0.0.5:50051``."""
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            return target[len(scheme) :]
+    return target
 
 
 Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
@@ -204,6 +218,30 @@ class ReplicaWatch:
     @property
     def replicas(self) -> list[Replica]:
         return list(self.channels)
+
+    def view(self) -> list[dict[str, Any]]:
+        """The replicas calls are spread over now, as ``memory.status`` shows them: each one's
+        address, the ``ARONA_GRPC_TARGET`` name it came from (None for an address given as
+        such) and its open streams."""
+        shown = []
+        for replica, channel in self.channels.items():
+            open_now, streams = self.pool.streams_on(channel) if self.pool else (0, 0)
+            shown.append(
+                {
+                    "address": replica.address,
+                    "name": replica.authority,
+                    "streams": streams,
+                    "streams_open": open_now,
+                }
+            )
+        return shown
+
+    def address_of(self, channel: grpc.aio.Channel) -> str | None:
+        """The address of the replica ``channel`` reaches (None for one no longer watched)."""
+        for replica, mine in self.channels.items():
+            if mine is channel:
+                return replica.address
+        return None
 
     async def refresh(self) -> None:
         """Resolve again now, unless that was done less than ``min_gap_s`` ago; callers at

@@ -117,6 +117,8 @@ class RecallDetail:
 
 
 if TYPE_CHECKING:
+    from gateway_http.grpc_channel import ReplicaWatch
+
     # The async stub type exists only in the generated typing stubs.
     _Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
 
@@ -155,9 +157,13 @@ class MemoryClient:
         metrics: GatewayMetrics | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
         streams: StreamPool | None = None,
+        replicas: ReplicaWatch | str | None = None,
     ) -> None:
         self._channel = channel
         self._streams = streams
+        # What memory.status says of the replicas: the watch over the streams' replicas, or
+        # the one target the unary calls go to.
+        self._replicas = replicas
         self._metrics = metrics or NoMetrics()
         # Sent on every MemoryService call (the bearer token); the health check needs none.
         self._metadata = metadata
@@ -326,7 +332,8 @@ class MemoryClient:
         return int(reply.deleted)
 
     async def status(self, limit: int = 50) -> dict[str, Any]:
-        reply = await self._call(self._unary()[0].Status, pb.StatusRequest(limit=limit))
+        channel = self._streams.channel() if self._streams is not None else self._channel
+        reply = await self._call(self._stubs_of(channel)[0].Status, pb.StatusRequest(limit=limit))
         result: dict[str, Any] = {
             "enabled": reply.enabled,
             "writeback": reply.writeback,
@@ -349,6 +356,13 @@ class MemoryClient:
             "outbox_dropped": reply.outbox_dropped,
             "scope": _SCOPE_MODES.get(reply.scope_mode, "shared"),
         }
+        watch = self._replicas
+        if isinstance(watch, str):
+            result["replicas"] = [{"address": watch, "name": None, "streams": 0, "streams_open": 0}]
+            result["answered_by"] = watch
+        elif watch is not None:
+            result["replicas"] = watch.view()
+            result["answered_by"] = watch.address_of(channel)
         return result
 
     def _unary(self) -> _Stubs:
@@ -356,9 +370,12 @@ class MemoryClient:
         streams (so an operator's call goes where turns go)."""
         if self._streams is None:
             return self._stub, self._health
-        channel = self._streams.channel()
+        return self._stubs_of(self._streams.channel())
+
+    def _stubs_of(self, channel: grpc.aio.Channel) -> _Stubs:
         stubs = self._stubs.get(channel)
         if stubs is None:
+            assert self._streams is not None  # without streams there is one channel
             # The replicas changed: forget the stubs of channels that are gone.
             current = self._streams.channels
             for gone in [c for c in self._stubs if c not in current]:

@@ -301,6 +301,12 @@ class StreamPool:
     def open_streams(self) -> int:
         return sum(1 for slot in self._slots if slot.stream is not None and slot.stream.usable)
 
+    def streams_on(self, channel: grpc.aio.Channel) -> tuple[int, int]:
+        """How many of ``channel``'s streams are open now, and how many it has."""
+        mine = [slot for slot in self._slots if slot.channel is channel]
+        open_now = sum(1 for slot in mine if slot.stream is not None and slot.stream.usable)
+        return open_now, len(mine)
+
     @property
     def channels(self) -> list[grpc.aio.Channel]:
         """The channels calls are spread over, one per replica."""

@@ -183,6 +183,18 @@
     return value ? "on" : "off";
   }
 
+  // "10.0.0.5:50051 (2/2 streams), 10.0.0.6:50051 (0/2 streams)"; the replica this status
+  // came from is marked, since the breaker, outbox and events above are its own.
+  function describeReplicas(replicas, answeredBy) {
+    if (!Array.isArray(replicas) || replicas.length === 0) return null;
+    return replicas
+      .map((r) => {
+        const streams = r.streams ? " (" + r.streams_open + "/" + r.streams + " streams)" : " (unary calls)";
+        return r.address + streams + (r.address === answeredBy && replicas.length > 1 ? " — answered this status" : "");
+      })
+      .join(", ");
+  }
+
   function renderStatus(s) {
     text("enabled", onOff(s.enabled));
     text("writeback", onOff(s.writeback));
@@ -193,6 +205,7 @@
     text("breaker-opened-at", s.breaker_opened_at);
     text("outbox-depth", s.outbox_depth);
     text("outbox-dropped", s.outbox_dropped);
+    text("replicas", describeReplicas(s.replicas, s.answered_by));
     text("refreshed", new Date().toISOString());
     renderEvents(s.events || []);
   }

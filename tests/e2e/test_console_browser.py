@@ -120,6 +120,10 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         await expect(page.locator("#writeback")).to_have_text("on")
         await expect(page.locator("#scope-mode")).to_have_text("user")
         await expect(page.locator("#outbox-depth")).to_have_text("0")
+        # The one replica the HTTP layer reaches, with its Exchange streams.
+        await expect(page.locator("#replicas")).to_have_text(
+            re.compile(re.escape(stack.settings.grpc_target or "") + r" \([12]/2 streams\)$")
+        )
         await expect(page.locator("#who")).to_contain_text("ops (admin)")
         await expect(page.get_by_label("Admin JWT")).to_have_value("")
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") == ADMIN

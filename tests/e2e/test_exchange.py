@@ -71,6 +71,23 @@ async def test_writeback_off_is_not_even_asked_for_over_the_stream(
             assert asked.get("not_stored") == 3
 
 
+@pytest.mark.parametrize("streams", [2, 0], ids=["stream", "unary"])
+async def test_status_names_the_replica_and_its_streams(tmp_path: Path, streams: int) -> None:
+    async with running_stack(tmp_path, http_overrides={"grpc_streams": streams}) as stack:
+        stack.philia.memories = [dict(OOLONG)]
+        assert (await stack.turn("rest", ASK)).memory == "enabled"
+        address = stack.settings.grpc_target
+        # The turn opened every stream; the last may still be opening (bounded).
+        for _ in range(50):
+            result = (await stack.rpc("memory.status"))["result"]
+            if result["replicas"][0]["streams_open"] == streams:
+                break
+        assert result["replicas"] == [
+            {"address": address, "name": None, "streams": streams, "streams_open": streams}
+        ]
+        assert result["answered_by"] == address
+
+
 class _RequestIds(logging.Handler):
     """The request id each log record was written under."""
 

@@ -345,6 +345,65 @@ async def test_replicas_that_move_behind_a_name_are_followed_without_a_restart(
                 await server.stop(0)
 
 
+async def test_status_shows_each_replica_its_open_streams_and_which_one_answered(
+    tmp_path: Path,
+) -> None:
+    """An operator sees the replicas calls are spread over and how many of each one's streams
+    are open; and which replica answered, since the breaker and events are that one's."""
+    port = await _free_port(tmp_path)
+    name = f"memory.internal:{port}"
+    ipv4, ipv6 = f"127.0.0.1:{port}", f"[::1]:{port}"
+
+    async def resolve(host: str, _port: int) -> list[str]:
+        return ["127.0.0.1", "::1"]
+
+    async with FakePhilia(token=TOKEN) as philia:
+        first = await GrpcServer.start(_settings(philia, tmp_path / "first", "127.0.0.1", port))
+        second = await GrpcServer.start(_settings(philia, tmp_path / "second", "::1", port))
+        http = dataclasses.replace(_settings(philia, tmp_path / "http"), grpc_target=name)
+        watch = ReplicaWatch(http, resolve)
+        try:
+            streams = await watch.start(2, ())
+            client = MemoryClient(
+                streams.channels[0],
+                recall_budget_s=LONG_BUDGET_S,
+                rpc_timeout_s=LONG_BUDGET_S,
+                streams=streams,
+                replicas=watch,
+            )
+            assert await streams.wait_open(LONG_BUDGET_S) == 4
+            status = await client.status()
+            assert status["replicas"] == [
+                {"address": ipv4, "name": name, "streams": 2, "streams_open": 2},
+                {"address": ipv6, "name": name, "streams": 2, "streams_open": 2},
+            ]
+            assert status["answered_by"] in (ipv4, ipv6)
+
+            # The IPv4 replica stops (its name still lists it): once its two streams have
+            # ended, the status shows none of them open and comes from the other replica.
+            every_stream = {streams.next_open() for _ in range(4)}
+            pending = {stream.ended for stream in every_stream if stream is not None}
+            assert len(pending) == 4
+            await first.stop(0)
+            ended = 0
+            while ended < 2:
+                done, pending = await asyncio.wait(
+                    pending, timeout=LONG_BUDGET_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                assert done, "the stopped replica's streams did not end"
+                ended += len(done)
+            status = await client.status()
+            assert [(r["address"], r["streams_open"]) for r in status["replicas"]] == [
+                (ipv4, 0),
+                (ipv6, 2),
+            ]
+            assert status["answered_by"] == ipv6
+        finally:
+            await watch.aclose()
+            for server in (first, second):
+                await server.stop(0)
+
+
 async def test_no_replica_up_fails_a_call_at_once(tmp_path: Path) -> None:
     async with pool_of(tmp_path) as p:
         await p.servers[0].stop(0)

@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -199,7 +199,7 @@ async def _drive_with(
         args.max_seconds,
         one_turn,
         args.raw,
-        args.cpu_pids,
+        {"cpu_ns": args.cpu_pids, "store_cpu_ns": args.store_cpu_pids},
     )
 
 
@@ -210,13 +210,15 @@ async def _drive(
     max_seconds: float,
     one_turn: Callable[[int, int, Stats], Awaitable[None]],
     raw: bool = False,
-    cpu_pids: Sequence[int] = (),
+    cpu_pids: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Warm up, then run up to ``turns`` turns on ``concurrency`` workers, bounded in time;
     ``raw`` adds every latency (seconds) to the summary, for pooling several runs.
 
-    With ``cpu_pids``, the summary's ``cpu_ns`` is the CPU time those processes spent while
-    the measured turns ran (warm-up and connecting left out; None without ``/proc``)."""
+    For each ``key: pids`` of ``cpu_pids`` (pids given), the summary's ``key`` is the CPU
+    time those processes spent while the measured turns ran (warm-up and connecting left out;
+    None without ``/proc``)."""
+    measured = {key: pids for key, pids in (cpu_pids or {}).items() if pids}
 
     async def run(count: int, stats: Stats, deadline: float) -> bool:
         counter = itertools.count()
@@ -237,16 +239,15 @@ async def _drive(
 
     await run(warmup, Stats(), time.perf_counter() + max_seconds)
     stats = Stats()
-    cpu_before = cpu_ns(cpu_pids) if cpu_pids else None
+    cpu_before = {key: cpu_ns(pids) for key, pids in measured.items()}
     started = time.perf_counter()
     capped = await run(turns, stats, started + max_seconds)
     elapsed = time.perf_counter() - started
-    cpu_after = cpu_ns(cpu_pids) if cpu_pids else None
+    cpu_after = {key: cpu_ns(pids) for key, pids in measured.items()}
     summary = stats.summary(elapsed, capped, raw)
-    if cpu_pids:
-        summary["cpu_ns"] = (
-            cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-        )
+    for key, before in cpu_before.items():
+        after = cpu_after[key]
+        summary[key] = after - before if before is not None and after is not None else None
     return summary
 
 
@@ -330,6 +331,12 @@ def _parser() -> argparse.ArgumentParser:
             type=lambda text: [int(pid) for pid in text.split(",") if pid],
             default=[],
             help="comma-separated pids whose CPU time over the measured turns to report",
+        )
+        p.add_argument(
+            "--store-cpu-pids",
+            type=lambda text: [int(pid) for pid in text.split(",") if pid],
+            default=[],
+            help="the same for the memory store's processes (reported as store_cpu_ns)",
         )
     http = sub.choices["http"]
     http.add_argument("--host", default="127.0.0.1")

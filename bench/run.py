@@ -90,6 +90,8 @@ class Config:
     api_key: str = ""
     # Each turn carries a conversation_id, taking this many conversations in turn.
     conversations: int = 0
+    # The memory store process whose CPU time per turn is measured too ("" for none).
+    store: str = ""
 
     @property
     def gateway(self) -> bool:
@@ -100,7 +102,13 @@ class Config:
 CONFIGS = (
     Config("direct", "1. direct to the upstream (no gateway)", "upstream"),
     Config("mem_off", "2. gateway, memory disabled", "gw_off", expect="disabled"),
-    Config("mem_on", "3. gateway, memory enabled (recall + writeback)", "gw_on", expect="enabled"),
+    Config(
+        "mem_on",
+        "3. gateway, memory enabled (recall + writeback)",
+        "gw_on",
+        expect="enabled",
+        store="store",
+    ),
     Config(
         "mem_unary",
         "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
@@ -207,8 +215,8 @@ class Run:
     litellm_version: str | None = None
 
     def gateway_pids(self, name: str) -> list[int]:
-        """The processes of the gateway ``name`` right now: the one ``serve`` started and all
-        below it (``--workers``: its gRPC service and HTTP workers)."""
+        """The processes of the gateway (or store) ``name`` right now: the one started and
+        all below it (``serve --workers``: its gRPC service and HTTP workers)."""
         [proc] = [proc for proc in self.procs if proc.name == name]
         return process_tree(proc.popen.pid)
 
@@ -440,6 +448,8 @@ def measure(
         argv += ["--conversations", str(config.conversations)]
     if config.gateway:
         argv += ["--cpu-pids", ",".join(map(str, run.gateway_pids(config.target)))]
+    if config.store:
+        argv += ["--store-cpu-pids", ",".join(map(str, run.gateway_pids(config.store)))]
     waited = run.settle()
     if waited > 2 * SETTLE_WINDOW_S:
         log(f"waited {waited:.1f} s for the processes to go idle")
@@ -451,6 +461,11 @@ def measure(
         f"{result['turns_per_s']:.0f}/s  errors {result['errors']}  "
         f"wrong header {result['wrong_header']}{'  (time cap hit)' if result['capped'] else ''}"
         + (f"  gateway CPU {cpu:.0f} µs/turn" if cpu is not None else "")
+        + (
+            f"  store CPU {store:.0f} µs/turn"
+            if (store := cpu_per_turn_us(result, "store_cpu_ns"))
+            else ""
+        )
     )
     return result
 
@@ -460,10 +475,11 @@ def served(result: dict[str, Any]) -> int:
     return int(result["ok"]) + int(result["errors"]) + int(result["wrong_header"])
 
 
-def cpu_per_turn_us(result: dict[str, Any]) -> float | None:
+def cpu_per_turn_us(result: dict[str, Any], key: str = "cpu_ns") -> float | None:
     """The gateway's CPU time per turn of a measurement or pooled rounds, in µs: its
-    processes' CPU time over the measured turns ÷ those turns; None where not measured."""
-    cpu = result.get("cpu_ns")
+    processes' CPU time over the measured turns ÷ those turns; None where not measured.
+    ``key="store_cpu_ns"``: the memory store's instead."""
+    cpu = result.get(key)
     turns = served(result)
     return cpu / turns / 1000 if cpu is not None and turns > 0 else None
 
@@ -480,9 +496,10 @@ def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     elapsed = sum(part["elapsed_s"] for part in parts)
     result = pooled.summary(elapsed, any(part["capped"] for part in parts))
-    cpus = [part.get("cpu_ns") for part in parts]
-    if cpus and all(cpu is not None for cpu in cpus):
-        result["cpu_ns"] = sum(cpu for cpu in cpus if cpu is not None)
+    for key in ("cpu_ns", "store_cpu_ns"):
+        cpus = [part.get(key) for part in parts]
+        if cpus and all(cpu is not None for cpu in cpus):
+            result[key] = sum(cpu for cpu in cpus if cpu is not None)
     return result
 
 
@@ -789,6 +806,26 @@ def targets(run: Run) -> list[list[str]]:
                 f"the store's recall alone (CPU p50, {lexical[0].nodes:,} nodes, lexical) ÷ "
                 f"that target's allowance ({MEMORY_SHARE} × (2 − 1)) (information)",
                 f"{ratio(store_ms, allowance):.2f}× ({store_ms:.3f} ms vs {allowance:.3f} ms)",
+                None,
+            )
+        store_us = cpu_per_turn_us(r[("mem_on", 1)], "store_cpu_ns")
+        if store_us is not None:
+            # In the turns themselves: the store's recall among the episodes the run writes,
+            # and the write of each turn's own episode.
+            store_ms, allowance = store_us / 1000, MEMORY_SHARE * theirs
+            add(
+                "the store's CPU per memory turn in row 3 (its recall and the turn's write), "
+                "c=1 ÷ that target's allowance (information)",
+                f"{ratio(store_ms, allowance):.2f}× ({store_ms:.3f} ms vs {allowance:.3f} ms)",
+                None,
+            )
+        on_us, off_us = cpu_per_turn_us(r[("mem_on", 1)]), cpu_per_turn_us(r[("mem_off", 1)])
+        if on_us is not None and off_us is not None:
+            gateway_ms, allowance = (on_us - off_us) / 1000, MEMORY_SHARE * theirs
+            add(
+                "the gateway's own CPU that memory adds per turn, (3 − 2), c=1 ÷ that target's "
+                "allowance (information)",
+                f"{ratio(gateway_ms, allowance):.2f}× ({gateway_ms:.3f} ms vs {allowance:.3f} ms)",
                 None,
             )
     for concurrency in (32, 1):

@@ -92,6 +92,10 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert re.search(r"\| \d+\.\d\d× \(\d\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", store_share), (
         store_share
     )
+    # And the two parts of memory's own cost: the store's CPU in the turns and the gateway's.
+    for part in ("| the store's CPU per memory turn in row 3", "| the gateway's own CPU that"):
+        [row] = [row for row in rows if row.startswith(part)]
+        assert re.search(r"\| -?\d+\.\d\d× \(-?\d\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
     assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table

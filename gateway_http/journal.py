@@ -16,7 +16,9 @@ when no episode comes; a process killed meanwhile sends those episodes again (th
 knows them by their ids while they wait in its outbox; one it has stored already may be
 stored twice, as after any crash between storing and dropping). The episodes still waiting
 live in memory too: once the file passes :data:`COMPACT_BYTES` it is emptied as soon as none
-is waiting, and past :data:`REWRITE_BYTES` rewritten with only them.
+is waiting, and past :data:`REWRITE_BYTES` rewritten with only them. A rewrite syncs its new
+file on a worker thread, not on the event loop (a slow disk stalls no turn); what is written
+meanwhile goes on into the current file and is copied over before the new one replaces it.
 
 Each HTTP process holds its own file, locked while it runs (``serve --workers``: one per
 worker; a second process given the same file takes one named after its pid). At start a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -36,7 +39,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +186,12 @@ class Journal:
         self._torn = False
         self._closed = False
         self._size = 0
+        # A rewrite being synced off the event loop (see the module docstring).
+        self._fresh: _Fresh | None = None
+        # The sync of that rewrite, done once the new file is in place or given up.
+        self.rewriting: asyncio.Future[None] | None = None
+        # After a failed rewrite, the next waits until the file has grown this much more.
+        self._rewrite_at = 0
         orphans: list[tuple[Path, int]] = []
         legacies: list[Path] = []
         try:
@@ -220,8 +229,8 @@ class Journal:
         else:
             self._write(line)
         self._live[entry.id] = entry
-        if self._size >= REWRITE_BYTES:
-            self._rewrite()
+        if self._size >= max(REWRITE_BYTES, self._rewrite_at) and self._fresh is None:
+            self._start_rewrite()
         return entry
 
     def drop(self, entry_id: int) -> None:
@@ -248,7 +257,7 @@ class Journal:
         dropped, self._dropped = self._dropped, []
         try:
             self._write(_drop_line(dropped))
-            if self._size >= COMPACT_BYTES and not self._live:
+            if self._size >= COMPACT_BYTES and not self._live and self._fresh is None:
                 self._rewrite()
         except OSError as exc:
             # Sent again after a restart, and known by its id while it waits in the outbox.
@@ -261,6 +270,9 @@ class Journal:
     def close(self) -> None:
         if self._closed:
             return
+        if self._fresh is not None:
+            # The current file still holds everything: the rewrite is not needed.
+            self._abandon(self._fresh)
         self.flush_drops()
         if not self._live:
             with contextlib.suppress(OSError):
@@ -286,36 +298,100 @@ class Journal:
             raise
         self._torn = False
         self._size += len(data)
+        if self._fresh is not None:
+            self._fresh.tail.append(data)
 
     def _rewrite(self) -> None:
-        """Leave only the episodes still waiting in the file (none: empty it)."""
+        """Leave only the episodes still waiting in the file (none: empty it), synced on
+        this thread."""
         if not self._live:
             os.ftruncate(self._fd, 0)
             self._torn = False
             self._size = 0
             return
+        fresh = self._copy()
+        try:
+            # On disk before it replaces the file that holds them now.
+            os.fsync(fresh.fd)
+            os.replace(fresh.path, self.path)
+        except BaseException:
+            os.close(fresh.fd)
+            fresh.path.unlink(missing_ok=True)
+            raise
+        self._switch(fresh)
+
+    def _start_rewrite(self) -> None:
+        """:meth:`_rewrite`, with the sync on a worker thread when there is an event loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._rewrite()
+            return
+        try:
+            self._fresh = self._copy()
+        except OSError as exc:
+            self._rewrite_failed(exc)
+            return
+        self.rewriting = loop.run_in_executor(None, os.fsync, self._fresh.fd)
+        self.rewriting.add_done_callback(functools.partial(self._synced, self._fresh))
+
+    def _synced(self, fresh: _Fresh, sync: asyncio.Future[None]) -> None:
+        """The new file of a rewrite is on disk: add what came meanwhile and put it in place."""
+        failure = sync.exception() if not sync.cancelled() else OSError("the sync was cancelled")
+        if self._fresh is not fresh:
+            return  # closed meanwhile
+        self._fresh = None
+        tail = b"".join(fresh.tail)
+        if failure is None:
+            try:
+                view = memoryview(tail)
+                while view:
+                    view = view[os.write(fresh.fd, view) :]
+                os.replace(fresh.path, self.path)
+            except OSError as exc:
+                failure = exc
+        if failure is not None:
+            self._abandon(fresh)
+            self._rewrite_failed(failure)
+            return
+        fresh.size += len(tail)
+        self._switch(fresh)
+
+    def _rewrite_failed(self, failure: BaseException) -> None:
+        # The current file still holds everything; try again once it has grown as much again.
+        self._rewrite_at = self._size + REWRITE_BYTES
+        logger.warning("could not rewrite the journal %s: %s", self.path, failure)
+
+    def _abandon(self, fresh: _Fresh) -> None:
+        self._fresh = None
+        os.close(fresh.fd)
+        fresh.path.unlink(missing_ok=True)
+
+    def _copy(self) -> _Fresh:
+        """A new file next to the journal holding only the episodes waiting (not synced)."""
         data = b"".join(_line(entry) for entry in self._live.values())
-        fresh = self.path.with_name(self.path.name + ".new")
+        path = self.path.with_name(self.path.name + ".new")
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(fresh, flags, 0o600)
+        fd = os.open(path, flags, 0o600)
         try:
             # Locked before it takes the journal's name, so no starting process takes it over.
             fcntl.flock(fd, fcntl.LOCK_EX)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            # On disk before it replaces the file that holds them now.
-            os.fsync(fd)
-            os.replace(fresh, self.path)
         except BaseException:
             os.close(fd)
-            fresh.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise
-        # Appended to from now on.
+        return _Fresh(path, fd, len(data))
+
+    def _switch(self, fresh: _Fresh) -> None:
+        """Append to the rewritten file from now on."""
         os.close(self._fd)
-        self._fd = fd
+        self._fd = fresh.fd
         self._torn = False
-        self._size = len(data)
+        self._size = fresh.size
+        self._rewrite_at = 0
 
     def _take_over_orphans(self) -> tuple[list[tuple[Path, int]], list[Path]]:
         """Take the episodes of the journal files no running process holds, and of the
@@ -346,6 +422,17 @@ class Journal:
         entry = Journaled(self._next, user, assistant, scope, episode_id)
         self._next += 1
         self._live[entry.id] = entry
+
+
+@dataclass
+class _Fresh:
+    """A rewrite's new file: its path, descriptor and size, and what was appended to the
+    current file since it was written."""
+
+    path: Path
+    fd: int
+    size: int
+    tail: list[bytes] = field(default_factory=list)
 
 
 def _drop_line(ids: list[int]) -> bytes:

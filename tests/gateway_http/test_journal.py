@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,85 @@ def test_the_file_is_emptied_once_nothing_waits_and_rewritten_when_it_grows(
     assert journal.pending() == [waiting]
     journal.close()
     assert read_journal(path) == [waiting]
+
+
+def _grow_until_rewritten(journal: Journal) -> None:
+    """Journal taken episodes until the file passes the rewrite size (bounded)."""
+    for _ in range(1_000):
+        journal.drop(journal.add("taken", "x" * 100, "").id)
+        if journal.rewriting is not None:
+            return
+    raise AssertionError("no rewrite started")
+
+
+@pytest.mark.asyncio
+async def test_a_rewrite_syncs_off_the_event_loop_and_keeps_what_comes_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "REWRITE_BYTES", 4_000)
+    path = tmp_path / "journal.log"
+    journal = Journal(path)
+    # A disk that takes its time: the sync waits until the test lets it go.
+    real_fsync = os.fsync
+    syncing, release = threading.Event(), threading.Event()
+    synced_on: list[int] = []
+
+    def slow_fsync(fd: int) -> None:
+        synced_on.append(threading.get_ident())
+        syncing.set()
+        release.wait(60)
+        real_fsync(fd)
+
+    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
+    waiting = journal.add("waiting before the rewrite", "x", "")
+    _grow_until_rewritten(journal)
+    old_inode = path.stat().st_ino
+    assert await asyncio.to_thread(syncing.wait, 60)
+    # The sync holds a worker thread, not this loop: turns go on being journaled meanwhile.
+    meanwhile = [journal.add(f"during the sync {i}", "y", "") for i in range(5)]
+    journal.drop(meanwhile[0].id)
+    journal.flush_drops()
+    assert not journal.rewriting.done()
+    release.set()
+    await journal.rewriting
+    assert synced_on and threading.get_ident() not in synced_on
+    # The rewritten file took the journal's place with what waits, the rest included.
+    assert path.stat().st_ino != old_inode
+    assert path.stat().st_size < 2_000
+    expected = [waiting, *meanwhile[1:]]
+    assert read_journal(path) == expected == journal.pending()
+    # And it is the file appended to from now on.
+    later = journal.add("after the rewrite", "z", "")
+    journal.close()
+    assert read_journal(path) == [*expected, later]
+
+
+@pytest.mark.asyncio
+async def test_a_rewrite_that_cannot_sync_keeps_the_journal_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(journal_module, "REWRITE_BYTES", 4_000)
+    path = tmp_path / "journal.log"
+    journal = Journal(path)
+    attempts: list[int] = []
+
+    def failing_fsync(fd: int) -> None:
+        attempts.append(fd)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_module.os, "fsync", failing_fsync)
+    waiting = journal.add("waiting", "x", "")
+    _grow_until_rewritten(journal)
+    await asyncio.gather(journal.rewriting, return_exceptions=True)
+    assert "could not rewrite the journal" in caplog.text
+    assert not path.with_name(path.name + ".new").exists()
+    # Nothing lost, and no new attempt on every turn: the next waits for as much growth again.
+    for _ in range(20):
+        journal.add("still journaled", "y", "")
+    assert len(attempts) == 1
+    assert read_journal(path)[0] == waiting
+    assert len(read_journal(path)) == 21
+    journal.close()
 
 
 def _hold(

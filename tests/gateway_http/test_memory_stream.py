@@ -286,9 +286,36 @@ async def test_addresses_are_dialled_as_given_and_names_by_their_addresses() -> 
     assert await resolve_replicas(["down.internal:7004"], resolve, had) == had
 
 
-async def test_replicas_that_move_behind_a_name_are_followed_without_a_restart(
-    tmp_path: Path,
-) -> None:
+@dataclasses.dataclass
+class Named:
+    """Replicas on 127.0.0.1 and ::1 at one port behind ``name``, which resolves to
+    ``addresses``, and a client whose watch follows the name."""
+
+    philia: FakePhilia
+    port: int
+    name: str
+    addresses: list[str]
+    servers: list[GrpcServer]
+    watch: ReplicaWatch
+    streams: StreamPool
+    client: MemoryClient
+
+    async def start_replica(self, tmp_path: Path, host: str) -> GrpcServer:
+        return await _start_replica(self.philia, tmp_path, self.servers, host, self.port)
+
+
+async def _start_replica(
+    philia: FakePhilia, tmp_path: Path, servers: list[GrpcServer], host: str, port: int
+) -> GrpcServer:
+    """One more replica at ``host``:``port``, added to ``servers``."""
+    settings = _settings(philia, tmp_path / f"replica-{len(servers)}", host, port)
+    server = await GrpcServer.start(settings)
+    servers.append(server)
+    return server
+
+
+@contextlib.asynccontextmanager
+async def behind_a_name(tmp_path: Path, per_channel: int, **watch: float) -> AsyncIterator[Named]:
     port = await _free_port(tmp_path)
     name = f"memory.internal:{port}"
     addresses = ["127.0.0.1", "::1"]
@@ -299,50 +326,58 @@ async def test_replicas_that_move_behind_a_name_are_followed_without_a_restart(
 
     async with FakePhilia(token=TOKEN) as philia:
         philia.memories = [dict(OOLONG)]
-        first = await GrpcServer.start(_settings(philia, tmp_path / "first", "127.0.0.1", port))
-        second = await GrpcServer.start(_settings(philia, tmp_path / "second", "::1", port))
-        servers = [first, second]
         http = dataclasses.replace(_settings(philia, tmp_path / "http"), grpc_target=name)
-        watch = ReplicaWatch(http, resolve, min_gap_s=0)
+        replicas = ReplicaWatch(http, resolve, **watch)
+        servers: list[GrpcServer] = []
         try:
-            streams = await watch.start(1, ())
+            for host in addresses:
+                await _start_replica(philia, tmp_path, servers, host, port)
+            streams = await replicas.start(per_channel, ())
             client = MemoryClient(
                 streams.channels[0],
                 recall_budget_s=LONG_BUDGET_S,
                 rpc_timeout_s=LONG_BUDGET_S,
                 streams=streams,
+                replicas=replicas,
             )
-            assert await streams.wait_open(LONG_BUDGET_S) == 2
-            for i in range(4):
-                assert (await client.recall(f"question {i}")).state == ENABLED
-            assert all(_recalls(server) for server in servers)
-
-            # A rolling update. First the IPv4 replica leaves the name and stops.
-            addresses[:] = ["::1"]
-            await first.stop(0)
-            await watch.refresh()
-            assert watch.replicas == [Replica(f"ipv6:[::1]:{port}", name)]
-            for i in range(3):
-                assert (await client.recall(f"during the update {i}")).state == ENABLED
-            assert _recalls(second)[-3:] == [f"during the update {i}" for i in range(3)]
-
-            # Then a new replica comes up at another address and the last old one goes: no
-            # replica the gateway started with is left.
-            third = await GrpcServer.start(_settings(philia, tmp_path / "third", "127.0.0.1", port))
-            servers.append(third)
-            addresses[:] = ["127.0.0.1"]
-            last_stream = streams.next_open()
-            assert last_stream is not None
-            await second.stop(0)
-            await asyncio.wait_for(last_stream.ended, LONG_BUDGET_S)
-            # The next turn finds no stream open, resolves the name again and is answered.
-            assert (await client.recall("after the update")).state == ENABLED
-            assert _recalls(third) == ["after the update"]
-            assert watch.replicas == [Replica(f"ipv4:127.0.0.1:{port}", name)]
+            assert await streams.wait_open(LONG_BUDGET_S) == 2 * per_channel
+            yield Named(philia, port, name, addresses, servers, replicas, streams, client)
         finally:
-            await watch.aclose()
+            await replicas.aclose()
             for server in servers:
                 await server.stop(0)
+
+
+async def test_replicas_that_move_behind_a_name_are_followed_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    async with behind_a_name(tmp_path, 1, min_gap_s=0) as n:
+        first, second = n.servers
+        for i in range(4):
+            assert (await n.client.recall(f"question {i}")).state == ENABLED
+        assert all(_recalls(server) for server in n.servers)
+
+        # A rolling update. First the IPv4 replica leaves the name and stops.
+        n.addresses[:] = ["::1"]
+        await first.stop(0)
+        await n.watch.refresh()
+        assert n.watch.replicas == [Replica(f"ipv6:[::1]:{n.port}", n.name)]
+        for i in range(3):
+            assert (await n.client.recall(f"during the update {i}")).state == ENABLED
+        assert _recalls(second)[-3:] == [f"during the update {i}" for i in range(3)]
+
+        # Then a new replica comes up at another address and the last old one goes: no
+        # replica the gateway started with is left.
+        third = await n.start_replica(tmp_path, "127.0.0.1")
+        n.addresses[:] = ["127.0.0.1"]
+        last_stream = n.streams.next_open()
+        assert last_stream is not None
+        await second.stop(0)
+        await asyncio.wait_for(last_stream.ended, LONG_BUDGET_S)
+        # The next turn finds no stream open, resolves the name again and is answered.
+        assert (await n.client.recall("after the update")).state == ENABLED
+        assert _recalls(third) == ["after the update"]
+        assert n.watch.replicas == [Replica(f"ipv4:127.0.0.1:{n.port}", n.name)]
 
 
 async def test_status_shows_each_replica_its_open_streams_and_which_one_answered(
@@ -350,58 +385,34 @@ async def test_status_shows_each_replica_its_open_streams_and_which_one_answered
 ) -> None:
     """An operator sees the replicas calls are spread over and how many of each one's streams
     are open; and which replica answered, since the breaker and events are that one's."""
-    port = await _free_port(tmp_path)
-    name = f"memory.internal:{port}"
-    ipv4, ipv6 = f"127.0.0.1:{port}", f"[::1]:{port}"
+    async with behind_a_name(tmp_path, 2) as n:
+        ipv4, ipv6 = f"127.0.0.1:{n.port}", f"[::1]:{n.port}"
+        status = await n.client.status()
+        assert status["replicas"] == [
+            {"address": ipv4, "name": n.name, "streams": 2, "streams_open": 2},
+            {"address": ipv6, "name": n.name, "streams": 2, "streams_open": 2},
+        ]
+        assert status["answered_by"] in (ipv4, ipv6)
 
-    async def resolve(host: str, _port: int) -> list[str]:
-        return ["127.0.0.1", "::1"]
-
-    async with FakePhilia(token=TOKEN) as philia:
-        first = await GrpcServer.start(_settings(philia, tmp_path / "first", "127.0.0.1", port))
-        second = await GrpcServer.start(_settings(philia, tmp_path / "second", "::1", port))
-        http = dataclasses.replace(_settings(philia, tmp_path / "http"), grpc_target=name)
-        watch = ReplicaWatch(http, resolve)
-        try:
-            streams = await watch.start(2, ())
-            client = MemoryClient(
-                streams.channels[0],
-                recall_budget_s=LONG_BUDGET_S,
-                rpc_timeout_s=LONG_BUDGET_S,
-                streams=streams,
-                replicas=watch,
+        # The IPv4 replica stops (its name still lists it): once its two streams have
+        # ended, the status shows none of them open and comes from the other replica.
+        every_stream = {n.streams.next_open() for _ in range(4)}
+        pending = {stream.ended for stream in every_stream if stream is not None}
+        assert len(pending) == 4
+        await n.servers[0].stop(0)
+        ended = 0
+        while ended < 2:
+            done, pending = await asyncio.wait(
+                pending, timeout=LONG_BUDGET_S, return_when=asyncio.FIRST_COMPLETED
             )
-            assert await streams.wait_open(LONG_BUDGET_S) == 4
-            status = await client.status()
-            assert status["replicas"] == [
-                {"address": ipv4, "name": name, "streams": 2, "streams_open": 2},
-                {"address": ipv6, "name": name, "streams": 2, "streams_open": 2},
-            ]
-            assert status["answered_by"] in (ipv4, ipv6)
-
-            # The IPv4 replica stops (its name still lists it): once its two streams have
-            # ended, the status shows none of them open and comes from the other replica.
-            every_stream = {streams.next_open() for _ in range(4)}
-            pending = {stream.ended for stream in every_stream if stream is not None}
-            assert len(pending) == 4
-            await first.stop(0)
-            ended = 0
-            while ended < 2:
-                done, pending = await asyncio.wait(
-                    pending, timeout=LONG_BUDGET_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                assert done, "the stopped replica's streams did not end"
-                ended += len(done)
-            status = await client.status()
-            assert [(r["address"], r["streams_open"]) for r in status["replicas"]] == [
-                (ipv4, 0),
-                (ipv6, 2),
-            ]
-            assert status["answered_by"] == ipv6
-        finally:
-            await watch.aclose()
-            for server in (first, second):
-                await server.stop(0)
+            assert done, "the stopped replica's streams did not end"
+            ended += len(done)
+        status = await n.client.status()
+        assert [(r["address"], r["streams_open"]) for r in status["replicas"]] == [
+            (ipv4, 0),
+            (ipv6, 2),
+        ]
+        assert status["answered_by"] == ipv6
 
 
 async def test_no_replica_up_fails_a_call_at_once(tmp_path: Path) -> None:

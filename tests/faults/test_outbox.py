@@ -27,6 +27,12 @@ from tests.support.raw_philia import closed_port
 pytestmark = pytest.mark.asyncio
 
 N = 6
+# These tests are about the outbox, not the recall budget. Once Philia is back, the next turn's
+# recall is the breaker's probe and must reconnect to Philia within its budget: on a loaded
+# machine that took longer than the harness's 0.4 s once, the probe failed, the breaker
+# re-opened for its 30 s and the replay never started. A recall that fails at once (Philia
+# refused) does not wait for any budget, so a long one changes nothing else here.
+OUTBOX_BUDGET = {"memory_recall_budget_ms": 10_000}
 
 
 class Writebacks:
@@ -75,7 +81,11 @@ async def test_down_for_n_turns_then_back_stores_all_in_order_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None
 ) -> None:
     async with fault_stack(
-        tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0, database_url=backend
+        tmp_path,
+        memory_writeback=True,
+        memory_breaker_cooldown_s=30.0,
+        database_url=backend,
+        **OUTBOX_BUDGET,
     ) as fs:
         writebacks = Writebacks(domain_of(fs), monkeypatch)
         await fs.raw.refuse()
@@ -106,7 +116,9 @@ async def test_an_outage_is_a_few_log_lines_not_one_per_turn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     turns = 20
-    async with fault_stack(tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0) as fs:
+    async with fault_stack(
+        tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0, **OUTBOX_BUDGET
+    ) as fs:
         writebacks = Writebacks(domain_of(fs), monkeypatch)
         await fs.raw.refuse()
         with watching("gateway_http", "arona_grpc") as seen:
@@ -146,7 +158,11 @@ async def test_restart_with_a_non_empty_outbox_stores_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None
 ) -> None:
     async with fault_stack(
-        tmp_path, memory_writeback=True, memory_breaker_cooldown_s=30.0, database_url=backend
+        tmp_path,
+        memory_writeback=True,
+        memory_breaker_cooldown_s=30.0,
+        database_url=backend,
+        **OUTBOX_BUDGET,
     ) as fs:
         writebacks = Writebacks(domain_of(fs), monkeypatch)
         await fs.raw.refuse()

@@ -89,6 +89,13 @@ class _Counts:
     dropped: int
 
 
+# Whether an episode id is queued. The index on the ids holds only episodes that have one: a
+# query must say so to use it (the planner cannot tell that a parameter is not ''), or every
+# writeback during an outage reads the whole outbox.
+SQLITE_HAS = "SELECT 1 FROM episodes WHERE episode_id = ? AND episode_id != '' LIMIT 1"
+PG_HAS = "SELECT 1 FROM outbox WHERE episode_id = $1 AND episode_id <> '' LIMIT 1"
+
+
 class _OutboxFile:
     """The SQLite side; every method runs on the worker thread."""
 
@@ -136,9 +143,7 @@ class _OutboxFile:
     def has(self, episode_id: str) -> bool:
         if self._db is None:
             return False
-        row = self._db.execute(
-            "SELECT 1 FROM episodes WHERE episode_id = ? LIMIT 1", (episode_id,)
-        ).fetchone()
+        row = self._db.execute(SQLITE_HAS, (episode_id,)).fetchone()
         return row is not None
 
     def oldest(self) -> OutboxEntry | None:
@@ -354,7 +359,7 @@ class PostgresOutbox(_Kept):
         self._depth, self._dropped = int(row[0]), int(row[1])
 
     async def has(self, episode_id: str) -> bool:
-        row = await self._fetchrow("SELECT 1 FROM outbox WHERE episode_id = $1 LIMIT 1", episode_id)
+        row = await self._fetchrow(PG_HAS, episode_id)
         return row is not None
 
     def put(

@@ -437,22 +437,18 @@ class MemoryDomain:
                 node_type=scoped_node_type(sid) if self._user_scoped else None,
             )
         except PhiliaError as exc:
-            message = self._safe(f"recall failed: {exc}")
-            logger.warning("%s; the turn goes on without memories", message)
-            self._record(EventKind.ERROR, message, sid)
-            self._breaker.failure(permit)
+            self._recall_failed(self._safe(f"recall failed: {exc}"), sid, permit)
             return RecallOutcome(MemoryState.OFFLINE, (), "")
         except asyncio.CancelledError:
             if time.monotonic() - started < CUT_OFF_SHARE * budget_s:
                 self._breaker.abandon(permit)
                 raise
-            message = (
+            self._recall_failed(
                 "recall failed: no answer from Philia within "
-                f"{budget_s:.3g} s (the caller's deadline ended it)"
+                f"{budget_s:.3g} s (the caller's deadline ended it)",
+                sid,
+                permit,
             )
-            logger.warning("%s; the turn goes on without memories", message)
-            self._record(EventKind.ERROR, message, sid)
-            self._breaker.failure(permit)
             raise
         self._succeeded(permit)
         self._record(EventKind.RECALL, query, sid)
@@ -829,6 +825,12 @@ class MemoryDomain:
         if isinstance(exc, PhiliaTimeout):
             return MemoryTimeout(message)
         return MemoryUnavailable(message)
+
+    def _recall_failed(self, message: str, sid: str, permit: Permit) -> None:
+        """A recall Philia did not answer: logged, an event, and a failure for the breaker."""
+        logger.warning("%s; the turn goes on without memories", message)
+        self._record(EventKind.ERROR, message, sid)
+        self._breaker.failure(permit)
 
     def _safe(self, text: str) -> str:
         # Philia errors are already token-free; this is the backstop for status output.

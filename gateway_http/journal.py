@@ -288,10 +288,8 @@ class Journal:
     def _write(self, data: bytes) -> None:
         if self._torn:
             data = b"\n" + data
-        view = memoryview(data)
         try:
-            while view:
-                view = view[os.write(self._fd, view) :]
+            _write_all(self._fd, data)
         except OSError:
             self._torn = True
             self._size = os.fstat(self._fd).st_size
@@ -344,9 +342,7 @@ class Journal:
         tail = b"".join(fresh.tail)
         if failure is None:
             try:
-                view = memoryview(tail)
-                while view:
-                    view = view[os.write(fresh.fd, view) :]
+                _write_all(fresh.fd, tail)
                 os.replace(fresh.path, self.path)
             except OSError as exc:
                 failure = exc
@@ -376,9 +372,7 @@ class Journal:
         try:
             # Locked before it takes the journal's name, so no starting process takes it over.
             fcntl.flock(fd, fcntl.LOCK_EX)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -433,6 +427,13 @@ class _Fresh:
     fd: int
     size: int
     tail: list[bytes] = field(default_factory=list)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _drop_line(ids: list[int]) -> bytes:

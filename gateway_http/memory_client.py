@@ -332,7 +332,7 @@ class MemoryClient:
         return int(reply.deleted)
 
     async def status(self, limit: int = 50) -> dict[str, Any]:
-        channel = self._streams.channel() if self._streams is not None else self._channel
+        channel = self._unary_channel()
         reply = await self._call(self._stubs_of(channel)[0].Status, pb.StatusRequest(limit=limit))
         result: dict[str, Any] = {
             "enabled": reply.enabled,
@@ -368,9 +368,10 @@ class MemoryClient:
     def _unary(self) -> _Stubs:
         """The stubs for a unary call: on a replica with an open stream, when there are
         streams (so an operator's call goes where turns go)."""
-        if self._streams is None:
-            return self._stub, self._health
-        return self._stubs_of(self._streams.channel())
+        return self._stubs_of(self._unary_channel())
+
+    def _unary_channel(self) -> grpc.aio.Channel:
+        return self._streams.channel() if self._streams is not None else self._channel
 
     def _stubs_of(self, channel: grpc.aio.Channel) -> _Stubs:
         stubs = self._stubs.get(channel)

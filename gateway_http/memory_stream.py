@@ -269,6 +269,11 @@ class _Slot:
         self.retry_at = 0.0
         self.backoff_s = MIN_BACKOFF_S
 
+    @property
+    def usable(self) -> bool:
+        """Its stream is open and takes new calls."""
+        return self.stream is not None and self.stream.usable
+
 
 class StreamPool:
     """``per_channel`` Exchange streams on each channel, calls spread over the open ones."""
@@ -299,12 +304,12 @@ class StreamPool:
 
     @property
     def open_streams(self) -> int:
-        return sum(1 for slot in self._slots if slot.stream is not None and slot.stream.usable)
+        return sum(1 for slot in self._slots if slot.usable)
 
     def streams_on(self, channel: grpc.aio.Channel) -> tuple[int, int]:
         """How many of ``channel``'s streams are open now, and how many it has."""
         mine = [slot for slot in self._slots if slot.channel is channel]
-        open_now = sum(1 for slot in mine if slot.stream is not None and slot.stream.usable)
+        open_now = sum(1 for slot in mine if slot.usable)
         return open_now, len(mine)
 
     @property
@@ -315,7 +320,7 @@ class StreamPool:
     def channel(self) -> grpc.aio.Channel:
         """A channel to a replica with an open stream (the first one when none has)."""
         for slot in self._slots:
-            if slot.stream is not None and slot.stream.usable:
+            if slot.usable:
                 return slot.channel
         return self._channels[0]
 

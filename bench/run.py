@@ -794,6 +794,17 @@ def targets(run: Run) -> list[list[str]]:
             f"{ratio(ours, theirs):.2f}× ({ours:.3f} ms vs {theirs:.3f} ms)",
             ratio(ours, theirs) <= MEMORY_SHARE,
         )
+        allowance = MEMORY_SHARE * theirs
+
+        def against_allowance(label: str, part_ms: float) -> None:
+            """An information row: one part of memory's cost against what that target
+            allows memory."""
+            add(
+                f"{label} (information)",
+                f"{ratio(part_ms, allowance):.2f}× ({part_ms:.3f} ms vs {allowance:.3f} ms)",
+                None,
+            )
+
         lexical = [
             row
             for row in run.store_recall
@@ -801,32 +812,26 @@ def targets(run: Run) -> list[list[str]]:
         ]
         if lexical:
             # What the store's own recall leaves of that allowance, before any hop.
-            store_ms, allowance = lexical[0].cpu_p50_ms, MEMORY_SHARE * theirs
-            add(
+            against_allowance(
                 f"the store's recall alone (CPU p50, {lexical[0].nodes:,} nodes, lexical) ÷ "
-                f"that target's allowance ({MEMORY_SHARE} × (2 − 1)) (information)",
-                f"{ratio(store_ms, allowance):.2f}× ({store_ms:.3f} ms vs {allowance:.3f} ms)",
-                None,
+                f"that target's allowance ({MEMORY_SHARE} × (2 − 1))",
+                lexical[0].cpu_p50_ms,
             )
         store_us = cpu_per_turn_us(r[("mem_on", 1)], "store_cpu_ns")
         if store_us is not None:
             # In the turns themselves: the store's recall among the episodes the run writes,
             # and the write of each turn's own episode.
-            store_ms, allowance = store_us / 1000, MEMORY_SHARE * theirs
-            add(
+            against_allowance(
                 "the store's CPU per memory turn in row 3 (its recall and the turn's write), "
-                "c=1 ÷ that target's allowance (information)",
-                f"{ratio(store_ms, allowance):.2f}× ({store_ms:.3f} ms vs {allowance:.3f} ms)",
-                None,
+                "c=1 ÷ that target's allowance",
+                store_us / 1000,
             )
         on_us, off_us = cpu_per_turn_us(r[("mem_on", 1)]), cpu_per_turn_us(r[("mem_off", 1)])
         if on_us is not None and off_us is not None:
-            gateway_ms, allowance = (on_us - off_us) / 1000, MEMORY_SHARE * theirs
-            add(
+            against_allowance(
                 "the gateway's own CPU that memory adds per turn, (3 − 2), c=1 ÷ that target's "
-                "allowance (information)",
-                f"{ratio(gateway_ms, allowance):.2f}× ({gateway_ms:.3f} ms vs {allowance:.3f} ms)",
-                None,
+                "allowance",
+                (on_us - off_us) / 1000,
             )
     for concurrency in (32, 1):
         stream = r.get(("mem_on", concurrency))

@@ -24,12 +24,15 @@ from tests.support.raw_philia import RawPhilia
 
 ASK_TEXT = "what tea do I like?"
 OOLONG = {"text": "I prefer oolong tea", "score": 0.83, "node_type": "entity"}
-BUDGET_MS = 400
-TIMEOUT_S = 0.5
+# The recall budget is also what a healthy turn after a fault has to reconnect and recall
+# in: about 55 ms for the whole turn with two busy loops on a 2-core box, so 1 s leaves a
+# margin of eighteen (0.4 s once ran out on a loaded machine).
+BUDGET_MS = 1000
+TIMEOUT_S = 1.25
 # A faulty turn answers within the recall budget plus the hops: 0.1 s when Philia's fault
-# shows at once, 0.41 s when the turn waits out the 0.4 s budget (both idle and with two
-# busy loops on a 2-core box). The bound is twelve times the slower.
-BOUND_S = 5.0
+# shows at once, 1.01 s when the turn waits out the budget (both idle and with two busy
+# loops on a 2-core box). The bound is twelve times the slower.
+BOUND_S = 12.0
 
 
 def caller_headroom(budget_ms: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.asyncio
 N = 6
 # These tests are about the outbox, not the recall budget. Once Philia is back, the next turn's
 # recall is the breaker's probe and must reconnect to Philia within its budget: on a loaded
-# machine that took longer than the harness's 0.4 s once, the probe failed, the breaker
+# machine that took longer than a 0.4 s budget once, the probe failed, the breaker
 # re-opened for its 30 s and the replay never started. A recall that fails at once (Philia
 # refused) does not wait for any budget, so a long one changes nothing else here.
 OUTBOX_BUDGET = {"memory_recall_budget_ms": 10_000}

@@ -166,7 +166,7 @@ async def running_stack(
     data_dir: Path,
     *,
     memory: bool = True,
-    timeout_s: float = 0.5,
+    timeout_s: float = 1.0,
     grpc_target: str | None = None,
     clock: Callable[[], float] | None = None,
     http_overrides: dict[str, Any] | None = None,
@@ -175,6 +175,9 @@ async def running_stack(
     """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started).
 
     ``clock`` replaces the monotonic clock of the memory breaker (tests skip its cooldown).
+    ``timeout_s`` is Philia's per-call timeout, and so the recall budget unless overridden: a
+    first turn connects and recalls in about 40 ms on a loaded 2-core box, and 1 s keeps a
+    wide margin for a machine that stalls (a 0.4 s budget once ran out in CI).
     ``overrides`` apply to both layers' settings, ``http_overrides`` to the HTTP layer's only.
     """
     async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:

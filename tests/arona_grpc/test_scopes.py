@@ -38,7 +38,7 @@ async def fake() -> AsyncIterator[FakePhilia]:
 
 def settings_for(fake: FakePhilia, data_dir: Path, **overrides: Any) -> Settings:
     base = Settings(
-        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=0.5, data_dir=data_dir
+        memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=1.0, data_dir=data_dir
     )
     return dataclasses.replace(base, **overrides)
 

@@ -31,7 +31,7 @@ async def fake() -> AsyncIterator[FakePhilia]:
 
 
 def enabled_settings(fake: FakePhilia) -> Settings:
-    return Settings(memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=0.3, grpc_port=0)
+    return Settings(memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=1.0, grpc_port=0)
 
 
 @pytest_asyncio.fixture

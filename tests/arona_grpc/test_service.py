@@ -31,7 +31,7 @@ TOKEN = "s3cr3t-t0ken/+&"
 
 
 def settings_for(fake: FakePhilia, **overrides: Any) -> Settings:
-    base = Settings(memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=0.3)
+    base = Settings(memory_url=fake.url, memory_token=TOKEN, memory_timeout_s=1.0)
     return dataclasses.replace(base, **overrides)
 
 

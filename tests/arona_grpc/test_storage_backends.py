@@ -45,7 +45,7 @@ def settings_for(
     base = Settings(
         memory_url=fake.url,
         memory_token=TOKEN,
-        memory_timeout_s=0.5,
+        memory_timeout_s=1.0,
         data_dir=tmp_path,
         database_url=backend,
     )

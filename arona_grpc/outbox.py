@@ -93,7 +93,17 @@ class _Counts:
 # query must say so to use it (the planner cannot tell that a parameter is not ''), or every
 # writeback during an outage reads the whole outbox.
 SQLITE_HAS = "SELECT 1 FROM episodes WHERE episode_id = ? AND episode_id != '' LIMIT 1"
-PG_HAS = "SELECT 1 FROM outbox WHERE episode_id = $1 AND episode_id <> '' LIMIT 1"
+PG_PUT = (
+    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
+    " VALUES ($1, $2, $3, $4, $5) RETURNING seq"
+)
+# No row (seq NULL) when the episode is already queued (the same lookup as SQLITE_HAS).
+PG_PUT_UNLESS_QUEUED = (
+    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
+    " SELECT $1, $2, $3, $4, $5::text WHERE NOT EXISTS"
+    " (SELECT 1 FROM outbox WHERE episode_id = $5::text AND episode_id <> '')"
+    " RETURNING seq"
+)
 
 
 class _OutboxFile:
@@ -112,10 +122,14 @@ class _OutboxFile:
             self._open()
         return self._counts()
 
-    def put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> tuple[int, _Counts]:
+    def put(
+        self, text: str, node_type: str, scope_id: str, episode_id: str, unless_queued: bool
+    ) -> tuple[int | None, _Counts]:
         if self._db is None:
             self._open()
         assert self._db is not None
+        if unless_queued and episode_id and self.has(episode_id):
+            return None, self._counts()
         with self._db:
             cursor = self._db.execute(
                 "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id)"
@@ -246,15 +260,19 @@ class Outbox(_Kept):
         """Read the depth of an outbox left by an earlier run (creates no file)."""
         self._settle(await self._run(self._file.load))
 
-    async def has(self, episode_id: str) -> bool:
-        """Whether an episode with this caller's id is waiting."""
-        return await self._run(self._file.has, episode_id)
-
     def put(
-        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
-    ) -> asyncio.Future[int]:
+        self,
+        text: str,
+        node_type: str,
+        scope_id: str = "",
+        episode_id: str = "",
+        *,
+        unless_queued: bool = False,
+    ) -> asyncio.Future[int | None]:
         """Queue one episode; a future of its sequence number.
 
+        ``unless_queued``: an episode whose ``episode_id`` is already waiting is not queued
+        again, and the future's result is None (one trip to the worker thread for both).
         The write is submitted now and commits even if the future is never awaited
         (a cancelled caller's episode is still kept). Raises :class:`OutboxClosed`
         after :meth:`aclose`.
@@ -262,9 +280,9 @@ class Outbox(_Kept):
         if self._closed:
             raise OutboxClosed("the outbox is closed")
         self._unsettled += 1
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
 
-        def committed(job: asyncio.Future[tuple[int, _Counts]]) -> None:
+        def committed(job: asyncio.Future[tuple[int | None, _Counts]]) -> None:
             self._unsettled -= 1
             if job.cancelled():
                 done.cancel()
@@ -283,9 +301,9 @@ class Outbox(_Kept):
                     )
                 done.set_result(seq)
 
-        self._submit(self._file.put, text, node_type, scope_id, episode_id).add_done_callback(
-            committed
-        )
+        self._submit(
+            self._file.put, text, node_type, scope_id, episode_id, unless_queued
+        ).add_done_callback(committed)
         return done
 
     async def oldest(self) -> OutboxEntry | None:
@@ -341,7 +359,7 @@ class PostgresOutbox(_Kept):
         self._owner = f"replica-{uuid.uuid4().hex[:12]}"
         super().__init__()
         self._closed = False
-        self._writes: set[asyncio.Task[int]] = set()
+        self._writes: set[asyncio.Task[int | None]] = set()
         self._drops = FailureLog(logger, "the outbox")
 
     @property
@@ -358,39 +376,44 @@ class PostgresOutbox(_Kept):
         )
         self._depth, self._dropped = int(row[0]), int(row[1])
 
-    async def has(self, episode_id: str) -> bool:
-        row = await self._fetchrow(PG_HAS, episode_id)
-        return row is not None
-
     def put(
-        self, text: str, node_type: str, scope_id: str = "", episode_id: str = ""
-    ) -> asyncio.Future[int]:
+        self,
+        text: str,
+        node_type: str,
+        scope_id: str = "",
+        episode_id: str = "",
+        *,
+        unless_queued: bool = False,
+    ) -> asyncio.Future[int | None]:
         if self._closed:
             raise OutboxClosed("the outbox is closed")
         self._unsettled += 1
         task = asyncio.get_running_loop().create_task(
-            self._put(text, node_type, scope_id, episode_id)
+            self._put(text, node_type, scope_id, episode_id, unless_queued and bool(episode_id))
         )
         self._writes.add(task)
         task.add_done_callback(self._settled)
         return task
 
-    def _settled(self, task: asyncio.Task[int]) -> None:
+    def _settled(self, task: asyncio.Task[int | None]) -> None:
         self._writes.discard(task)
         self._unsettled -= 1
 
-    async def _put(self, text: str, node_type: str, scope_id: str, episode_id: str) -> int:
-        async def work(conn: Any) -> tuple[int, int, int]:
+    async def _put(
+        self, text: str, node_type: str, scope_id: str, episode_id: str, unless_queued: bool
+    ) -> int | None:
+        async def work(conn: Any) -> tuple[int | None, int, int]:
             async with conn.transaction():
                 seq = await conn.fetchval(
-                    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
-                    " VALUES ($1, $2, $3, $4, $5) RETURNING seq",
+                    PG_PUT_UNLESS_QUEUED if unless_queued else PG_PUT,
                     text,
                     node_type,
                     scope_id,
                     int(time.time() * 1_000_000),
                     episode_id,
                 )
+                if seq is None:  # already queued: nothing changed
+                    return None, self._depth, self._dropped
                 depth = await conn.fetchval("SELECT count(*) FROM outbox")
                 overflow = depth - self._max
                 if overflow > 0:

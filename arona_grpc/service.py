@@ -489,8 +489,6 @@ class MemoryDomain:
             if replayed is not None:
                 # Sent again after the outbox already stored it: the same episode.
                 return WritebackOutcome(stored=True, node_id=replayed)
-            if self._outbox.pending and await self._queued(episode):
-                raise MemoryUnavailable("writeback already queued in the outbox")
         if self._closing:
             await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
@@ -653,13 +651,18 @@ class MemoryDomain:
 
     # --- outbox --------------------------------------------------------------------
 
-    async def _keep(self, episode: _Episode) -> int:
-        """Put one episode in the outbox and start the replay; its sequence number."""
+    async def _keep(self, episode: _Episode) -> int | None:
+        """Put one episode in the outbox and start the replay; its sequence number, or None
+        when its caller's id is already waiting there (sent again: not queued twice)."""
         assert self._outbox is not None
         try:
             seq = await asyncio.shield(
                 self._outbox.put(
-                    episode.text, episode.node_type, episode.scope_id, episode.episode_id
+                    episode.text,
+                    episode.node_type,
+                    episode.scope_id,
+                    episode.episode_id,
+                    unless_queued=True,
                 )
             )
         except OutboxClosed:
@@ -674,16 +677,6 @@ class MemoryDomain:
         self._kick_replay()
         return seq
 
-    async def _queued(self, episode: _Episode) -> bool:
-        """Whether the outbox already holds this episode (sent again by its caller)."""
-        assert self._outbox is not None
-        try:
-            episode.kept = await self._outbox.has(episode.episode_id)
-        except Exception as exc:  # unknown: treat it as new (at worst stored twice)
-            logger.debug("outbox lookup failed: %s", type(exc).__name__)
-            return False
-        return episode.kept
-
     def _put_soon(self, episode: _Episode) -> None:
         """Submit one episode to the outbox without waiting (cancellation, shutdown)."""
         assert self._outbox is not None
@@ -697,6 +690,8 @@ class MemoryDomain:
     async def _queue_behind(self, episode: _Episode) -> WritebackOutcome:
         """Queue behind earlier episodes; wait (bounded) for this one to be stored."""
         seq = await self._keep(episode)
+        if seq is None:
+            raise MemoryUnavailable("writeback already queued in the outbox")
         if self._breaker.state is BreakerState.OPEN:
             raise MemoryUnavailable("writeback queued in the outbox: memory breaker open")
         stored = self._replayed.get(seq)
@@ -889,7 +884,7 @@ class MemoryDomain:
         return deleted
 
 
-def _ignore_result(future: asyncio.Future[int]) -> None:
+def _ignore_result(future: asyncio.Future[int | None]) -> None:
     # Retrieve the outcome so a failed write is not reported as "never retrieved";
     # the outbox has already logged it.
     if not future.cancelled():

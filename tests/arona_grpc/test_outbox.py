@@ -186,3 +186,23 @@ async def test_writeback_while_open_fails_fast_and_is_queued(fake: FakePhilia, o
             await domain.delete("n-1")
     finally:
         await domain.aclose(grace_s=0.1)
+
+
+async def test_an_episode_sent_again_during_an_outage_is_queued_once(
+    fake: FakePhilia, on: Backend
+) -> None:
+    await fake.stop()  # refused
+    domain = MemoryDomain(
+        settings_for(fake, on, memory_breaker_failures=1, memory_breaker_cooldown_s=60.0),
+        pool=on.pool,
+    )
+    try:
+        for text, episode_id in [("one", "ep-1"), ("two", "ep-2"), ("one", "ep-1")]:
+            with pytest.raises(MemoryUnavailable) as info:
+                await domain.writeback(text, "", episode_id=episode_id)
+            # Queued either way: the caller (the HTTP layer's journal) may let it go.
+            assert info.value.queued
+        assert "already queued" in str(info.value)
+        assert domain.status().outbox_depth == 2
+    finally:
+        await domain.aclose(grace_s=0.1)

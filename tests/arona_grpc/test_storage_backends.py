@@ -17,7 +17,7 @@ import pytest_asyncio
 from arona_grpc.config import Settings
 from arona_grpc.database import PG_MIGRATIONS, apply_migrations, open_pool
 from arona_grpc.episodes import EpisodeIndex, open_index
-from arona_grpc.outbox import PG_HAS, SQLITE_HAS, PostgresOutbox, open_outbox
+from arona_grpc.outbox import PG_PUT_UNLESS_QUEUED, SQLITE_HAS, PostgresOutbox, open_outbox
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
 
@@ -104,8 +104,14 @@ async def test_an_episode_sent_again_is_found_by_the_index_on_each_backend(
         for i in range(20):
             await outbox.put(f"episode {i}", "episode", "", f"id-{i}")
         await outbox.put("an episode without an id", "episode", "")
-        assert await outbox.has("id-7")
-        assert not await outbox.has("id-404")
+        again = await outbox.put("episode 7", "episode", "", "id-7", unless_queued=True)
+        assert (again, outbox.depth) == (None, 21)
+        new = await outbox.put("episode 404", "episode", "", "id-404", unless_queued=True)
+        assert new is not None and outbox.depth == 22
+        # Without an id nothing is "the same episode": both are kept.
+        for _ in range(2):
+            assert await outbox.put("no id", "episode", "", "", unless_queued=True) is not None
+        assert outbox.depth == 24
     finally:
         await outbox.aclose()
     if backend is None:
@@ -121,8 +127,10 @@ async def test_an_episode_sent_again_is_found_by_the_index_on_each_backend(
             # per value; with sequential scans priced out, it uses any index that can serve.
             await conn.execute("SET plan_cache_mode = force_generic_plan")
             await conn.execute("SET enable_seqscan = off")
-            await conn.execute(f"PREPARE has_episode(text) AS {PG_HAS}")
-            rows = await conn.fetch("EXPLAIN EXECUTE has_episode('x')")
+            await conn.execute(
+                f"PREPARE put_episode(text, text, text, bigint, text) AS {PG_PUT_UNLESS_QUEUED}"
+            )
+            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x')")
         finally:
             await conn.close()
         plan = " ".join(row[0] for row in rows)

@@ -190,29 +190,31 @@ class ExchangeStream:
             self._writer.kick()
 
     async def _write_batch(self) -> bool:
-        """Write the calls and cancellations waiting (or, retired with none left, close this
-        side); whether another write may follow."""
+        """Write the calls and cancellations waiting, then, retired with none left, close
+        this side; whether another write may follow."""
         try:
-            if not (self._batch.calls or self._batch.cancel):
-                if self._closing:
-                    self._closing = False
-                    await self._call.done_writing()
+            wrote = bool(self._batch.calls or self._batch.cancel)
+            if wrote:
+                batch, self._batch = self._batch, pb.ExchangeRequest()
+                deadlines, self._deadlines = self._deadlines, []
+                # The service's deadline for a call is the caller's, as a unary call's is:
+                # what is left when it leaves, not what was asked when it was made.
+                now = time.monotonic()
+                for call, deadline in zip(batch.calls, deadlines, strict=True):
+                    call.timeout_ms = max(1, int((deadline - now) * 1000))
+                await self._call.write(batch)
+            # In the same round as the last calls (a retire's kick is spent on writing them).
+            if self._closing and not (self._batch.calls or self._batch.cancel):
+                self._closing = False
+                await self._call.done_writing()
                 return False
-            batch, self._batch = self._batch, pb.ExchangeRequest()
-            deadlines, self._deadlines = self._deadlines, []
-            # The service's deadline for a call is the caller's, as a unary call's is: what is
-            # left when it leaves, not what was asked when it was made.
-            now = time.monotonic()
-            for call, deadline in zip(batch.calls, deadlines, strict=True):
-                call.timeout_ms = max(1, int((deadline - now) * 1000))
-            await self._call.write(batch)
         except grpc.aio.AioRpcError as exc:
             self._fail_all(CallFailed(exc.code(), exc.details() or ""))
             return False
         except asyncio.InvalidStateError:
             self._fail_all(CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream has ended"))
             return False
-        return True
+        return wrote
 
     async def _read(self) -> None:
         pending = self._pending

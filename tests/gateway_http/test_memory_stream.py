@@ -452,6 +452,24 @@ async def test_a_replica_that_stops_answers_its_calls_and_the_next_ones_move(
         assert p.recalls_served(staying)[-4:] == [f"later question {i}" for i in range(4)]
 
 
+async def test_a_stream_retired_while_a_writeback_lingers_sends_it_then_ends(
+    tmp_path: Path,
+) -> None:
+    async with pool_of(tmp_path) as p:
+        stream = await p.streams.stream(LONG_BUDGET_S)
+        call_id, call = stream.start(LONG_BUDGET_S, linger=True)
+        call.writeback.user = "I like oolong"
+        call.writeback.assistant = "Noted."
+        # Retired (as on a goodbye) while the writeback waits for company: it goes out now,
+        # and this side of the stream closes after it, so the stream ends once it is answered.
+        stream.retire()
+        reply = await stream.reply(call_id, LONG_BUDGET_S)
+        assert reply.writeback.stored
+        await asyncio.wait_for(asyncio.shield(stream.ended), LONG_BUDGET_S / 2)
+        [stored] = await p.philia.wait_frames(STORE)
+        assert stored["params"]["text"] == "User: I like oolong\nAssistant: Noted."
+
+
 class _OlderServicer(MemoryServicer):
     """A MemoryService of a version without ``Exchange``."""
 

@@ -102,6 +102,13 @@ def shown_address(target: str) -> str:
     return target
 
 
+def replica_view(
+    address: str, name: str | None = None, streams: int = 0, streams_open: int = 0
+) -> dict[str, Any]:
+    """One replica as ``memory.status`` shows it (no streams: the unary calls' target)."""
+    return {"address": address, "name": name, "streams": streams, "streams_open": streams_open}
+
+
 Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 
 # Targets in gRPC's own URI syntax are dialled as given.
@@ -226,14 +233,7 @@ class ReplicaWatch:
         shown = []
         for replica, channel in self.channels.items():
             open_now, streams = self.pool.streams_on(channel) if self.pool else (0, 0)
-            shown.append(
-                {
-                    "address": replica.address,
-                    "name": replica.authority,
-                    "streams": streams,
-                    "streams_open": open_now,
-                }
-            )
+            shown.append(replica_view(replica.address, replica.authority, streams, open_now))
         return shown
 
     def address_of(self, channel: grpc.aio.Channel) -> str | None:

@@ -313,8 +313,7 @@ class Journal:
             os.fsync(fresh.fd)
             os.replace(fresh.path, self.path)
         except BaseException:
-            os.close(fresh.fd)
-            fresh.path.unlink(missing_ok=True)
+            self._abandon(fresh)
             raise
         self._switch(fresh)
 
@@ -359,6 +358,7 @@ class Journal:
         logger.warning("could not rewrite the journal %s: %s", self.path, failure)
 
     def _abandon(self, fresh: _Fresh) -> None:
+        """Give up a rewrite's new file (the current one still holds everything)."""
         self._fresh = None
         os.close(fresh.fd)
         fresh.path.unlink(missing_ok=True)

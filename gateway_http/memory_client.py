@@ -30,6 +30,7 @@ from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
+from gateway_http.grpc_channel import ReplicaWatch, replica_view
 from gateway_http.memory_stream import CallFailed, ExchangeStream, StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
@@ -117,8 +118,6 @@ class RecallDetail:
 
 
 if TYPE_CHECKING:
-    from gateway_http.grpc_channel import ReplicaWatch
-
     # The async stub type exists only in the generated typing stubs.
     _Stubs = tuple[pb_grpc.MemoryServiceAsyncStub, health_pb2_grpc.HealthStub]
 
@@ -358,7 +357,7 @@ class MemoryClient:
         }
         watch = self._replicas
         if isinstance(watch, str):
-            result["replicas"] = [{"address": watch, "name": None, "streams": 0, "streams_open": 0}]
+            result["replicas"] = [replica_view(watch)]
             result["answered_by"] = watch
         elif watch is not None:
             result["replicas"] = watch.view()

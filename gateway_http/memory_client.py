@@ -192,6 +192,12 @@ class MemoryClient:
                 if stream is None:
                     stream, left_s = await _wait_for_stream(streams, left_s)
                 if stream is not None:
+                    hello = stream.hello
+                    if hello is not None and not hello.enabled:
+                        # This replica has no memory configured: it would answer
+                        # `disabled` to every recall, so none is sent.
+                        self._recall_log.succeeded()
+                        return Recall(DISABLED, "")
                     call_id, call = stream.start(left_s)
                     request = call.recall
                     request.query = query

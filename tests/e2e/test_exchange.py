@@ -2,12 +2,15 @@
 
 The same turns over the stream (the default) and over unary calls
 (``ARONA_GRPC_STREAMS=0``) give the same answers; the stream carries the request id
-of each turn, and a service with writeback off is not asked to write back at all.
+of each turn, and a service with writeback off is not asked to write back at all (nor one
+with memory off to recall).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,30 @@ async def test_writeback_off_is_not_even_asked_for_over_the_stream(
 
 
 @pytest.mark.parametrize("streams", [2, 0], ids=["stream", "unary"])
+async def test_memory_off_is_not_even_asked_to_recall_over_the_stream(
+    tmp_path: Path, streams: int
+) -> None:
+    handler = _ServiceLog()
+    async with running_stack(
+        tmp_path, memory=False, http_overrides={"grpc_streams": streams}
+    ) as stack:
+        with handler.watching("arona_grpc.servicer"):
+            for surface in ("rest", "sse", "rpc"):
+                turn = await stack.turn(surface, ASK)
+                assert turn.status == 200
+                assert turn.memory == "disabled"
+        # The turns went upstream as the client sent them.
+        assert stack.upstream.last_body["messages"] == ASK
+    recalls = [message for message, _ in handler.seen if message.startswith("Recall:")]
+    if streams:
+        # The stream's hello said memory is off: no Recall call was made.
+        assert recalls == []
+    else:
+        # Unary calls cannot know: each turn asks, and the service answers `disabled`.
+        assert recalls == ["Recall: disabled, 0 memories"] * 3
+
+
+@pytest.mark.parametrize("streams", [2, 0], ids=["stream", "unary"])
 async def test_status_names_the_replica_and_its_streams(tmp_path: Path, streams: int) -> None:
     async with running_stack(tmp_path, http_overrides={"grpc_streams": streams}) as stack:
         stack.philia.memories = [dict(OOLONG)]
@@ -88,8 +115,9 @@ async def test_status_names_the_replica_and_its_streams(tmp_path: Path, streams:
         assert result["answered_by"] == address
 
 
-class _RequestIds(logging.Handler):
-    """The request id each log record was written under."""
+class _ServiceLog(logging.Handler):
+    """What a logger wrote while watched, each record with the request id it was written
+    under."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -98,14 +126,22 @@ class _RequestIds(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.seen.append((record.getMessage(), REQUEST_ID.get()))
 
+    @contextlib.contextmanager
+    def watching(self, name: str) -> Iterator[None]:
+        logger = logging.getLogger(name)
+        level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.DEBUG)
+        try:
+            yield
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
 
 async def test_each_call_on_the_stream_carries_its_turns_request_id(tmp_path: Path) -> None:
-    logger = logging.getLogger("arona_grpc.servicer")
-    handler = _RequestIds()
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
+    handler = _ServiceLog()
+    with handler.watching("arona_grpc.servicer"):
         async with running_stack(tmp_path) as stack:
             stack.philia.memories = [dict(OOLONG)]
             for n in range(3):
@@ -116,9 +152,6 @@ async def test_each_call_on_the_stream_carries_its_turns_request_id(tmp_path: Pa
                 )
                 assert response.headers["X-Request-Id"] == f"turn-{n}"
             await stack.drain_writebacks()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     recalls = [rid for message, rid in handler.seen if message.startswith("Recall:")]
     writebacks = [rid for message, rid in handler.seen if message.startswith("Writeback:")]
     assert recalls == ["turn-0", "turn-1", "turn-2"]

@@ -795,6 +795,14 @@ def targets(run: Run) -> list[list[str]]:
             ratio(ours, theirs) <= MEMORY_SHARE,
         )
         allowance = MEMORY_SHARE * theirs
+        if have("litellm"):
+            # The same cost against a reference that a faster plain turn does not shrink.
+            peer = added("litellm")
+            add(
+                "memory's own cost, p50 (3 − 2) ÷ LiteLLM's added p50, c=1 (information)",
+                f"{ratio(ours, peer):.3f}× ({ours:.3f} ms vs {peer:.3f} ms)",
+                None,
+            )
 
         def against_allowance(label: str, part_ms: float) -> None:
             """An information row: one part of memory's cost against what that target

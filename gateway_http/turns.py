@@ -6,7 +6,8 @@ recall -> persist -> forward -> writeback:
    followed by the request's messages;
 2. recall memories for the last user message through the gRPC
    ``MemoryService`` and prepend them as one ``system`` message (idempotent:
-   a context that already carries the section is left alone);
+   a context that already carries an injected section, a ``system`` message that is
+   exactly one, is left alone; a message that merely quotes the header is not one);
 3. persist the request's messages to the conversation;
 4. forward the turn upstream (whole or streamed);
 5. once the reply is complete, persist it and write the turn back as an
@@ -33,8 +34,8 @@ from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream import (
-    MEMORY_SECTION_HEADER,
     ChatBackend,
+    is_memory_section,
     last_user_text,
     message_text,
 )
@@ -89,7 +90,13 @@ class TurnReply:
 
 
 def has_memory_section(messages: list[dict[str, Any]]) -> bool:
-    return any(MEMORY_SECTION_HEADER in message_text(m) for m in messages)
+    """Whether the context already carries an injected section (then none is added).
+
+    Only a ``system`` message that is exactly a section counts: with the ``echo`` model a
+    conversation's stored assistant replies quote the sections they were given, and those
+    must not switch memory off for the rest of the conversation.
+    """
+    return any(is_memory_section(m) for m in messages)
 
 
 class TurnPipeline:

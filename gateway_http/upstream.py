@@ -464,6 +464,28 @@ def _has_finish_reason(chunk: dict[str, Any]) -> bool:
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
+# A whole injected section, exactly as the gRPC service renders it: the header line, then
+# one or more ``- [score] text`` bullets, each memory's own further lines indented by two.
+_INJECTED_SECTION = re.compile(
+    re.escape(MEMORY_SECTION_HEADER) + r"(?:\n(?:- \[-?\d+\.\d\d\] [^\n]*|  [^\n]*))+\n?"
+)
+
+
+def is_memory_section(message: Any) -> bool:
+    """Whether ``message`` is a memory section the gateway injected: a ``system`` message
+    whose whole text is one rendered section, nothing before or after it.
+
+    A turn that carries one already gets no second one. Anything else that mentions the
+    header (a user quoting it, an assistant's echo of an earlier section in the stored
+    history, a longer system prompt) is not the gateway's section.
+    """
+    return (
+        isinstance(message, dict)
+        and message.get("role") == "system"
+        and _INJECTED_SECTION.fullmatch(message_text(message)) is not None
+    )
+
+
 def memory_section(text: str) -> str | None:
     """The ``## Relevant Long-Term Memories`` section inside ``text``, verbatim, or ``None``.
 

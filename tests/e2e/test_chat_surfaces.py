@@ -124,6 +124,28 @@ async def test_injection_is_idempotent(tmp_path: Path, surface: str) -> None:
 
 
 @pytest.mark.parametrize("surface", SURFACES)
+async def test_a_message_quoting_the_section_does_not_stop_recall(
+    tmp_path: Path, surface: str
+) -> None:
+    # An assistant reply that repeated its section (the echo model does), a user pasting
+    # one: neither is the gateway's own system section, so the turn still recalls.
+    async with running_stack(tmp_path) as stack:
+        stack.philia.memories = list(MEMORIES)
+        quoting = [
+            {"role": "user", "content": f"look at this:\n{SECTION}"},
+            {"role": "assistant", "content": f"Echo: earlier\n\n{SECTION}"},
+            *ASK,
+        ]
+        turn = await stack.turn(surface, quoting)
+        assert (turn.status, turn.memory) == (200, "enabled")
+        assert len(stack.philia.frames_of(QUERY)) == 1
+        assert stack.upstream.last_body["messages"] == [
+            {"role": "system", "content": SECTION},
+            *quoting,
+        ]
+
+
+@pytest.mark.parametrize("surface", SURFACES)
 @pytest.mark.parametrize("fault", ["refused", "rpc_error", "timeout"])
 async def test_recall_failure_is_offline_and_chat_still_answers(
     tmp_path: Path, surface: str, fault: str

@@ -23,6 +23,7 @@ from gateway_http.upstream import (
     OpenAIUpstream,
     UpstreamError,
     build_backend,
+    is_memory_section,
     message_text,
 )
 from tests.support.fake_upstream import (
@@ -797,6 +798,24 @@ async def test_echo_never_nests_an_earlier_echoed_section() -> None:
     assert reply["choices"][0]["message"]["content"] == (
         "Echo: again?\n\n## Relevant Long-Term Memories\n- [0.50] User: tea?"
     )
+
+
+def test_only_a_system_message_that_is_exactly_a_section_is_an_injected_one() -> None:
+    section = (
+        "## Relevant Long-Term Memories\n- [0.83] I like tea\n- [0.41] User: a\n  Assistant: b"
+    )
+    assert is_memory_section({"role": "system", "content": section})
+    assert is_memory_section({"role": "system", "content": [{"type": "text", "text": section}]})
+    for message in (
+        {"role": "assistant", "content": section},
+        {"role": "user", "content": section},
+        {"role": "system", "content": f"Be kind.\n\n{section}"},
+        {"role": "system", "content": f"{section}\n\nAnswer briefly."},
+        {"role": "system", "content": "## Relevant Long-Term Memories"},
+        {"role": "system", "content": "## Relevant Long-Term Memories\n- a bullet, no score"},
+        "not a message",
+    ):
+        assert not is_memory_section(message), message
 
 
 @pytest.mark.asyncio

@@ -12,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from arona_store.store import (
-    PRUNE_MIN_NODES,
-    MemoryStore,
-    NewNode,
-    StoreError,
-    build_fts_query,
-    recency_of,
-    score_of,
-)
+from arona_store.lexical import PRUNE_MIN_NODES
+from arona_store.scoring import recency_of, score_of
+from arona_store.store import MemoryStore, NewNode, StoreError
+from arona_store.words import build_fts_query
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 DAY = 86400.0

@@ -20,6 +20,9 @@ since the last one (the log then holds a few MB, as with SQLite's own automatic 
 and a write that finds the database held (by that checkpoint, or another process) waits on
 that thread instead, as do deletes.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
+A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
+``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
+memory is dated now; malformed or out of range, the store is refused as invalid params.
 
 With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop:
 each batch of stores is embedded on an embedding thread before its transaction (the store is
@@ -44,6 +47,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from http import HTTPStatus
 from importlib import metadata
 from pathlib import Path
@@ -54,6 +58,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from arona_store import jsonrpc
 from arona_store.jsonrpc import Call, JsonId, RpcError
+from arona_store.nodes import StoreError, key_of
 from arona_store.ranking import Ranking, check_ranking, ranking_from_env
 from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryHit, MemoryStore, NewNode
 
@@ -85,6 +90,8 @@ DELETE = "Sync.MemoryDeleteRequest"
 HEARTBEAT = "Base.Heartbeat"
 HEARTBEAT_ACK = "Base.HeartbeatAck"
 SERVER_VERSION = "Sync.ServerVersion"
+# The store property holding when a memory happened (RFC 3339); absent: now.
+OCCURRED_AT = "occurred_at"
 
 _T = TypeVar("_T")
 _Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -181,6 +188,25 @@ def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise _bad_params(f"{key} must be a string")
+
+
+def _occurred_at(properties: Mapping[str, str]) -> datetime | None:
+    """When the memory happened: ``properties["occurred_at"]`` (an RFC 3339 time with its
+    offset, e.g. ``2023-05-08T13:56:00Z``); None (now) when absent."""
+    value = properties.get(OCCURRED_AT)
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value.strip())
+        if value.strip()[10:11] not in ("T", "t", " ") or when.utcoffset() is None:
+            raise ValueError("not an RFC 3339 time with its offset")
+        key_of(when.timestamp())
+    except (ValueError, OverflowError, StoreError):
+        raise _bad_params(
+            f"properties.{OCCURRED_AT} must be an RFC 3339 time with its offset,"
+            " e.g. 2023-05-08T13:56:00Z"
+        ) from None
+    return when
 
 
 class StoreServer:
@@ -548,6 +574,7 @@ class StoreServer:
         node = NewNode(
             text=text,
             node_type=node_type,
+            created_at=_occurred_at(properties),
             source_episode_id=source_episode_id,
             related_node_ids=related,
             properties=properties,

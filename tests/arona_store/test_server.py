@@ -253,6 +253,21 @@ async def test_unknown_method(client: StoreClient) -> None:
         ("Sync.MemoryStoreRequest", {"text": "tea", "node_type": 3}),
         ("Sync.MemoryStoreRequest", {"text": "tea", "properties": {"a": 1}}),
         ("Sync.MemoryStoreRequest", {"text": "tea", "related_node_ids": "x"}),
+        # `occurred_at` must be an RFC 3339 time with its offset, within the store's range.
+        ("Sync.MemoryStoreRequest", {"text": "tea", "properties": {"occurred_at": "yesterday"}}),
+        ("Sync.MemoryStoreRequest", {"text": "tea", "properties": {"occurred_at": "2023-05-08"}}),
+        (
+            "Sync.MemoryStoreRequest",
+            {"text": "tea", "properties": {"occurred_at": "2023-05-08T13:56:00"}},
+        ),
+        (
+            "Sync.MemoryStoreRequest",
+            {"text": "tea", "properties": {"occurred_at": "20230508T135600Z"}},
+        ),
+        (
+            "Sync.MemoryStoreRequest",
+            {"text": "tea", "properties": {"occurred_at": "9999-01-01T00:00:00Z"}},
+        ),
         ("Sync.MemoryDeleteRequest", {}),
         ("Sync.MemoryDeleteRequest", {"node_id": 12}),
     ],
@@ -362,6 +377,29 @@ async def test_the_same_episode_stored_again_is_one_memory(client: StoreClient) 
     assert await client.call("Sync.MemoryDeleteRequest", {"node_id": first}) == {"deleted": True}
     left = await client.call("Sync.MemoryQueryRequest", {"query": "my cat", "limit": 5})
     assert [r["text"] for r in left["results"]] == [other["text"]]
+
+
+@pytest.mark.asyncio
+async def test_a_memory_stored_with_occurred_at_has_that_time(
+    server: StoreServer, client: StoreClient
+) -> None:
+    # Stored last, but it happened long ago: the memory told today ranks before it.
+    await client.call("Sync.MemoryStoreRequest", {"text": "my cat is named Tofu"})
+    old = await client.call(
+        "Sync.MemoryStoreRequest",
+        {"text": "my cat is named Miso", "properties": {"occurred_at": "2023-05-08T13:56:00Z"}},
+    )
+    offset = await client.call(
+        "Sync.MemoryStoreRequest",
+        {"text": "my dog is Rex", "properties": {"occurred_at": "2024-01-02T03:04:05+02:00"}},
+    )
+    found = await client.call("Sync.MemoryQueryRequest", {"query": "my cat"})
+    assert [r["text"] for r in found["results"]] == ["my cat is named Tofu", "my cat is named Miso"]
+    times = {hit.text: hit.created_at for hit in server.store.query("cat dog Rex", limit=5)}
+    assert times["my cat is named Miso"] == 1683554160.0  # 2023-05-08T13:56:00Z
+    assert times["my dog is Rex"] == 1704157445.0  # 2024-01-02T01:04:05Z
+    assert abs(times["my cat is named Tofu"] - time.time()) < 600
+    assert old["node_id"] != offset["node_id"]
 
 
 @pytest.mark.asyncio

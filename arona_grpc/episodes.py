@@ -10,6 +10,9 @@ it in ``episodes.db`` under ``ARONA_DATA_DIR``. Writes are off the chat path twi
 :meth:`EpisodeIndex.record` only queues the entry, and one worker thread commits what
 has queued in one transaction. Reads run on the same thread after the writes queued before
 them, so a ``List`` right after a ``Writeback`` sees its episode.
+:class:`PostgresEpisodeIndex` is shared by several replicas, where a ``List`` may reach
+another replica than the ``Writeback`` did: :meth:`EpisodeIndex.written` lets the writeback
+answer only once its entry is committed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,6 +108,10 @@ class EpisodeIndex(Protocol):
     def record(self, node_id: str, scope_id: str, text: str) -> None:
         """Note an episode just stored (a re-stored node id becomes the newest)."""
 
+    async def written(self) -> None:
+        """Return once every entry recorded so far can be read by any reader of the index
+        (committed, or given up on and logged)."""
+
     async def owner(self, node_id: str) -> str | None:
         """The scope id an episode was stored for; None if it is not indexed."""
 
@@ -142,6 +150,11 @@ class SqliteEpisodeIndex:
                 return
             self._flush_submitted = True
         self._executor.submit(self._flush)
+
+    async def written(self) -> None:
+        # The file is this process's own, and every read runs on the worker thread after the
+        # writes queued before it: an entry is readable as soon as it is recorded.
+        return None
 
     async def owner(self, node_id: str) -> str | None:
         row = await self._read(
@@ -255,13 +268,28 @@ class PostgresEpisodeIndex:
         self._queued: list[_Entry] = []
         self._flushing: asyncio.Task[None] | None = None
         self._closed = False
+        # Entries recorded so far, and how many of them the flushes are done with.
+        self._recorded = 0
+        self._done = 0
+        # (entries that must be done, its waiter), oldest first.
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def record(self, node_id: str, scope_id: str, text: str) -> None:
         if self._closed:
             return
         self._queued.append(_entry(node_id, scope_id, text))
+        self._recorded += 1
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush_all())
+
+    async def written(self) -> None:
+        target = self._recorded
+        if self._done >= target or self._flushing is None or self._flushing.done():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, waiter))
+        # Shielded: a caller that gives up does not stop the others' wait.
+        await asyncio.shield(waiter)
 
     async def owner(self, node_id: str) -> str | None:
         row = await self._read("SELECT scope_id FROM episodes WHERE node_id = $1", node_id)
@@ -295,24 +323,39 @@ class PostgresEpisodeIndex:
             await asyncio.wait({self._flushing}, timeout=5.0)
 
     async def _flush_all(self) -> None:
-        while self._queued:
-            queued, self._queued = _latest(self._queued), []
-            try:
-                async with self._pool.acquire() as conn, conn.transaction():
-                    await conn.execute(
-                        "DELETE FROM episodes WHERE node_id = ANY($1::text[])",
-                        [e[0] for e in queued],
+        try:
+            while self._queued:
+                upto = self._recorded
+                queued, self._queued = _latest(self._queued), []
+                try:
+                    async with self._pool.acquire() as conn, conn.transaction():
+                        await conn.execute(
+                            "DELETE FROM episodes WHERE node_id = ANY($1::text[])",
+                            [e[0] for e in queued],
+                        )
+                        await conn.executemany(
+                            "INSERT INTO episodes (node_id, scope_id, at_us, preview)"
+                            " VALUES ($1, $2, $3, $4)",
+                            queued,
+                        )
+                except Exception as exc:
+                    logger.error(
+                        "episode index: %d entr(ies) not recorded: %s",
+                        len(queued),
+                        type(exc).__name__,
                     )
-                    await conn.executemany(
-                        "INSERT INTO episodes (node_id, scope_id, at_us, preview)"
-                        " VALUES ($1, $2, $3, $4)",
-                        queued,
-                    )
-            except Exception as exc:
-                logger.error(
-                    "episode index: %d entr(ies) not recorded: %s", len(queued), type(exc).__name__
-                )
-                return
+                    return
+                self._written(upto)
+        finally:
+            # Given up (an error, shutdown) or all done: nobody waits any longer.
+            self._written(self._recorded)
+
+    def _written(self, upto: int) -> None:
+        self._done = max(self._done, upto)
+        while self._waiters and self._waiters[0][0] <= self._done:
+            _, waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _read(self, sql: str, *args: Any) -> list[Any]:
         if self._closed:

@@ -465,7 +465,9 @@ class MemoryDomain:
         In ``user`` mode the episode's node type is ``episode:<scope id>`` (an empty scope is
         refused). An episode that cannot be stored now is kept in the outbox (the error says
         so). A stored episode is noted in the episode index. An episode sent again with an
-        ``episode_id`` that is already waiting in the outbox is not queued twice.
+        ``episode_id`` that is already waiting in the outbox is not queued twice. A stored
+        episode is answered once its index entry can be read (by every replica of a shared
+        index), so the caller's next ``List`` shows it.
         """
         sid = self._scope_id(scope)
         if self._client is None or self._outbox is None:
@@ -476,10 +478,14 @@ class MemoryDomain:
         node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
         episode = _Episode(text, node_type, sid, episode_id)
         try:
-            return await self._writeback(episode)
+            outcome = await self._writeback(episode)
         except MemoryDomainError as exc:
             exc.queued = episode.kept
             raise
+        if sid and self._index is not None:
+            # Read-your-write: once this answer is in, a List on any replica shows it.
+            await self._index.written()
+        return outcome
 
     async def _writeback(self, episode: _Episode) -> WritebackOutcome:
         assert self._client is not None and self._outbox is not None

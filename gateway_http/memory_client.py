@@ -142,6 +142,19 @@ def _rfc3339_ms(ts: Timestamp) -> str:
     return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
 
 
+def _event_view(event: pb.Event) -> dict[str, str]:
+    """``{kind, detail, at}``, plus ``scope_id`` when the event concerns a scope (a turn of
+    a caller with a principal; never for the anonymous turns of an open REST)."""
+    view = {
+        "kind": _EVENT_KINDS.get(event.kind, "error"),
+        "detail": event.detail,
+        "at": _rfc3339_ms(event.at),
+    }
+    if event.scope_id:
+        view["scope_id"] = event.scope_id
+    return view
+
+
 class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService``: recall and writeback over the ``Exchange``
     streams of ``streams`` when given (unary calls otherwise), everything else unary, on
@@ -342,15 +355,7 @@ class MemoryClient:
         result: dict[str, Any] = {
             "enabled": reply.enabled,
             "writeback": reply.writeback,
-            "events": [
-                {
-                    "kind": _EVENT_KINDS.get(e.kind, "error"),
-                    "detail": e.detail,
-                    "at": _rfc3339_ms(e.at),
-                    "scope_id": e.scope_id or None,
-                }
-                for e in reply.events
-            ],
+            "events": [_event_view(e) for e in reply.events],
             "breaker": _BREAKER_NAMES.get(reply.breaker, "closed"),
             "breaker_opened_at": (
                 _rfc3339_ms(reply.breaker_opened_at)

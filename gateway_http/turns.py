@@ -44,6 +44,9 @@ from gateway_http.views import conversation_errors
 logger = logging.getLogger(__name__)
 
 RECALL_LIMIT = 5
+# The longest a caller's memory.list (or forget) waits for the writebacks of its own turns
+# still on their way, so it sees what it just said.
+WRITEBACK_SETTLE_S = 5.0
 
 
 @dataclass
@@ -124,6 +127,8 @@ class TurnPipeline:
         self._conversations = conversations
         # asyncio keeps only weak references to tasks: hold them until done.
         self._background: set[asyncio.Task[None]] = set()
+        # The writebacks on their way, by scope: a caller's memory.list waits for its own.
+        self._writing: dict[str, set[asyncio.Task[None]]] = {}
 
     async def prepare(self, request: TurnRequest) -> PreparedTurn:
         """Assemble the context, recall and inject, persist the new messages."""
@@ -259,6 +264,28 @@ class TurnPipeline:
             task = asyncio.create_task(self._writeback(turn.user_text, content, scope, entry))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            writing = self._writing.setdefault(scope, set())
+            writing.add(task)
+            task.add_done_callback(lambda done: self._written(scope, done))
+
+    def _written(self, scope: str, task: asyncio.Task[None]) -> None:
+        writing = self._writing.get(scope)
+        if writing is not None:
+            writing.discard(task)
+            if not writing:
+                del self._writing[scope]
+
+    async def writebacks_settled(self, scope: str, timeout_s: float = WRITEBACK_SETTLE_S) -> None:
+        """Wait (at most ``timeout_s``) for this process's writebacks into ``scope`` that are
+        on their way: read-your-write for a caller listing its memories after a turn.
+
+        The memory service answers a writeback once its episode is in the index, so a list
+        made after this shows every turn this process has answered for the scope (unless
+        Philia was down and the episode waits in the outbox).
+        """
+        writing = self._writing.get(scope)
+        if writing:
+            await asyncio.wait(set(writing), timeout=timeout_s)
 
     async def _writeback(
         self, user: str, assistant: str, scope: str, entry: Journaled | None

@@ -246,10 +246,14 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
 
     async def memory_list(params: ListParams, ctx: RpcContext) -> dict[str, Any]:
         scope = scope_for(ctx, params.scope)
+        # Read-your-write: the turns this process just answered are listed too.
+        await gw.pipeline.writebacks_settled(scope)
         return await gw.memory.list_episodes(scope, params.limit, params.before or "")
 
     async def memory_forget(params: ForgetParams, ctx: RpcContext) -> dict[str, Any]:
-        return {"deleted": await gw.memory.forget(scope_for(ctx, params.scope))}
+        scope = scope_for(ctx, params.scope)
+        await gw.pipeline.writebacks_settled(scope)
+        return {"deleted": await gw.memory.forget(scope)}
 
     async def conversations_create(
         params: CreateConversationParams, ctx: RpcContext

@@ -222,3 +222,45 @@ async def test_migrations_apply_once_under_concurrent_starts(database_url: str) 
         assert versions == [m.version for m in PG_MIGRATIONS]
     finally:
         await asyncio.gather(*(pool.close() for pool in pools))
+
+
+async def test_a_shared_index_says_written_only_once_its_entry_is_committed(
+    tmp_path: Path, database_url: str
+) -> None:
+    # Another replica's List reads the table: a writeback must not be answered before
+    # its entry is committed there.
+    pool = await open_pool(database_url)
+    index = open_index(tmp_path, pool, database_url)
+    blocker = await asyncpg.connect(database_url)
+    try:
+        held = blocker.transaction()
+        await held.start()
+        await blocker.execute("LOCK TABLE episodes IN ACCESS EXCLUSIVE MODE")
+        index.record("n-1", "s1", "an episode")
+        written = asyncio.create_task(index.written())
+        # Bounded: until the index's write waits for the lock (no event says so).
+        for _ in range(500):
+            if await blocker.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                " AND relation = 'episodes'::regclass"
+            ):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the index never tried to write")
+        assert not written.done()
+        await held.rollback()
+        await asyncio.wait_for(written, 10)
+        other = await asyncpg.connect(database_url)
+        try:
+            assert (
+                await other.fetchval("SELECT scope_id FROM episodes WHERE node_id = 'n-1'") == "s1"
+            )
+        finally:
+            await other.close()
+        # Nothing on its way: at once.
+        await asyncio.wait_for(index.written(), 10)
+    finally:
+        await blocker.close()
+        await index.aclose()
+        await pool.close()

@@ -71,6 +71,8 @@ class ScopedStack:
     settings: Settings
     base_url: str
     http: httpx.AsyncClient
+    # Every gRPC replica the HTTP layer spreads its calls over (``grpc`` is the first).
+    replicas: tuple[GrpcServer, ...] = ()
 
     @property
     def gateway(self) -> Gateway:
@@ -199,9 +201,15 @@ class ScopedStack:
 
 @contextlib.asynccontextmanager
 async def scoped_stack(
-    data_dir: Path, *, scope: str = "user", echo: bool = False, **overrides: Any
+    data_dir: Path,
+    *,
+    scope: str = "user",
+    echo: bool = False,
+    grpc_replicas: int = 1,
+    **overrides: Any,
 ) -> AsyncIterator[ScopedStack]:
-    """Every part started on 127.0.0.1; ``echo`` uses the built-in echo model upstream."""
+    """Every part started on 127.0.0.1; ``echo`` uses the built-in echo model upstream;
+    ``grpc_replicas`` gRPC services (on one database, ``database_url``) serve the HTTP layer."""
     store = await StoreServer.start(db_path=data_dir / "memory.db", token=STORE_TOKEN)
     try:
         async with FakeUpstream.start() as upstream:
@@ -217,16 +225,22 @@ async def scoped_stack(
                 **overrides,
             }
             settings = Settings(**fields)
-            grpc = await GrpcServer.start(settings)
+            replicas: list[GrpcServer] = []
             try:
-                settings = dataclasses.replace(settings, grpc_target=grpc.target)
+                for _ in range(grpc_replicas):
+                    replicas.append(await GrpcServer.start(settings))
+                target = ",".join(replica.target for replica in replicas)
+                settings = dataclasses.replace(settings, grpc_target=target)
                 app = create_app(settings)
                 async with (
                     serve_app(app) as base_url,
                     httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
                 ):
-                    yield ScopedStack(store, upstream, grpc, app, settings, base_url, http)
+                    yield ScopedStack(
+                        store, upstream, replicas[0], app, settings, base_url, http, (*replicas,)
+                    )
             finally:
-                await grpc.stop(0.5)
+                for replica in replicas:
+                    await replica.stop(0.5)
     finally:
         await store.stop()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from arona_grpc.scopes import scope_id
 from tests.e2e.stack import ASK_TEXT, PHILIA_TOKEN, running_stack
 from tests.support.fake_philia import DELETE, STORE, Step
 
@@ -31,6 +32,10 @@ async def test_status_reports_events_newest_first(tmp_path: Path) -> None:
             ("recall", ASK_TEXT),
         ]
         assert all(RFC3339_MS.match(e["at"]) for e in events)
+        # The anonymous REST turn concerns no scope: its events are {kind, detail, at}, as the
+        # README shows them; the JWT holder's delete names the caller's scope id.
+        assert [sorted(e) for e in events[1:]] == [["at", "detail", "kind"]] * 2
+        assert events[0]["scope_id"] == scope_id(stack.user)
         assert PHILIA_TOKEN not in str(reply)
 
 

@@ -77,6 +77,11 @@ class PgCluster:
         self.running = False
 
     @property
+    def socket_dir(self) -> Path:
+        """The directory of the server's Unix socket (what ``psql -h`` and ``PGHOST`` take)."""
+        return self._root
+
+    @property
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 

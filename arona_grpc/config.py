@@ -29,6 +29,10 @@ SCOPE_SHARED = "shared"
 SCOPE_USER = "user"
 SCOPE_MODES = (SCOPE_SHARED, SCOPE_USER)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# What goes to Philia, per episode side and per recall question (arona_grpc.sizes says why
+# these fit Philia's frame budget whatever the text).
+DEFAULT_EPISODE_CHARS = 32_000
+DEFAULT_QUERY_CHARS = 4_000
 
 
 class ConfigError(ValueError):
@@ -47,6 +51,11 @@ class Settings:
     memory_recall_budget_ms: int | None = None
     # Episodes kept for replay while Philia is down; the oldest are dropped beyond it.
     memory_outbox_max: int = 1000
+    # Characters of each side of an episode, and of a recall question, sent to Philia
+    # (arona_grpc.sizes: a longer side is shortened with a marker, a longer question
+    # recalled by its last part).
+    memory_max_episode_chars: int = DEFAULT_EPISODE_CHARS
+    memory_max_query_chars: int = DEFAULT_QUERY_CHARS
     # "shared": one memory pool (the default); "user": each caller's own scope only.
     memory_scope: str = SCOPE_SHARED
     upstream_url: str | None = None
@@ -136,6 +145,12 @@ class Settings:
             memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),
             memory_recall_budget_ms=_optional_positive_int(env, "ARONA_MEMORY_RECALL_BUDGET_MS"),
             memory_outbox_max=_positive_int(env, "ARONA_MEMORY_OUTBOX_MAX", 1000),
+            memory_max_episode_chars=_positive_int(
+                env, "ARONA_MEMORY_MAX_EPISODE_CHARS", DEFAULT_EPISODE_CHARS
+            ),
+            memory_max_query_chars=_positive_int(
+                env, "ARONA_MEMORY_MAX_QUERY_CHARS", DEFAULT_QUERY_CHARS
+            ),
             memory_scope=_memory_scope(env),
             upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
             upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),

@@ -5,7 +5,12 @@ One :class:`PhiliaClient` owns at most one WebSocket to Philia. It connects lazi
 between concurrent calls (one reader task matches replies to callers by id), and
 treats any fault (refused, rejected handshake, JSON-RPC error, timeout, malformed
 frame, close) as the end of that link: every pending caller fails, the transport is
-aborted and the next call connects afresh. Every await on the socket runs under the
+aborted and the next call connects afresh. The exception is a call refused for what it
+is (:attr:`PhiliaError.permanent`: a request over :data:`MAX_REQUEST_BYTES`, which is never
+sent, or a ``-32600``/``-32602`` error reply): the link stays for the other callers. Should
+Philia close the link with 1009 (message too big) all the same, the largest pending request
+is the one refused, and the others' failure does not count against Philia
+(:attr:`PhiliaError.philia_fault`). Every await on the socket runs under the
 per-call deadline (``timeout_s``, or a shorter one the caller passes, e.g. the recall
 budget), connect and handshake included.
 
@@ -58,6 +63,20 @@ T = TypeVar("T")
 # Philia's frame budget is about 1 MiB; the margin keeps a reply that is just at
 # the budget (plus JSON-RPC envelope) from being refused on our side.
 MAX_FRAME_BYTES = 2**20 + 2**16
+# The largest request frame sent: Philia's budget (the embedded store closes the link with
+# 1009 on anything larger). A bigger one is refused here, before it is sent
+# (arona_grpc.sizes keeps every request the service makes below it).
+MAX_REQUEST_BYTES = 2**20
+# WebSocket close code "message too big": the peer refused a frame of ours for its size.
+CLOSE_MESSAGE_TOO_BIG = 1009
+# JSON-RPC errors that refuse the call for what it is (invalid request, invalid params):
+# sending it again gets the same answer, and Philia itself is well.
+PERMANENT_RPC_CODES = frozenset({-32600, -32602})
+QUERY_METHOD = "Sync.MemoryQueryRequest"
+STORE_METHOD = "Sync.MemoryStoreRequest"
+DELETE_METHOD = "Sync.MemoryDeleteRequest"
+# The longest request id: ids count up from 1 and never reach 20 digits.
+_LONGEST_ID = "9" * 20
 # Server-supplied text quoted in our errors is cut to this length.
 _MAX_QUOTED = 200
 # A link on which nothing was sent for this long gets a heartbeat; Philia closes links idle
@@ -69,9 +88,9 @@ _HEARTBEAT = b'{"jsonrpc":"2.0","method":"Base.Heartbeat"}'
 _CLOSE_TIMEOUT_S = 1.0
 # The ``method`` label of each call in the metrics.
 _METRIC_METHODS = {
-    "Sync.MemoryQueryRequest": "query",
-    "Sync.MemoryStoreRequest": "store",
-    "Sync.MemoryDeleteRequest": "delete",
+    QUERY_METHOD: "query",
+    STORE_METHOD: "store",
+    DELETE_METHOD: "delete",
 }
 
 
@@ -85,11 +104,24 @@ class PhiliaMemory:
 
 
 class PhiliaError(Exception):
-    """A Philia call failed. The message never contains the token."""
+    """A Philia call failed. The message never contains the token.
+
+    ``permanent``: Philia refused the call for what it is (too large, invalid); the same
+    call would be refused again, and Philia itself is well. ``philia_fault``: the failure
+    says Philia is unreachable, slow or broken (what a circuit breaker counts); a call that
+    failed only because another call's frame was refused is neither.
+    """
+
+    permanent = False
+    philia_fault = True
 
 
 class PhiliaUnavailable(PhiliaError):
     """Philia could not be reached or broke the protocol (refused, rejected, closed, garbage)."""
+
+    def __init__(self, message: str, *, philia_fault: bool = True) -> None:
+        super().__init__(message)
+        self.philia_fault = philia_fault
 
 
 class PhiliaTimeout(PhiliaError):
@@ -97,12 +129,21 @@ class PhiliaTimeout(PhiliaError):
 
 
 class PhiliaRPCError(PhiliaUnavailable):
-    """Philia answered with a JSON-RPC error object."""
+    """Philia answered with a JSON-RPC error object (permanent for -32600 and -32602)."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"Philia error {code}: {message}")
         self.code = code
         self.message = message
+        self.permanent = code in PERMANENT_RPC_CODES
+        self.philia_fault = not self.permanent
+
+
+class PhiliaTooLarge(PhiliaError):
+    """A request frame over Philia's budget: not sent, or refused by Philia (close 1009)."""
+
+    permanent = True
+    philia_fault = False
 
 
 def build_upgrade_url(url: str, token: str) -> str:
@@ -137,6 +178,9 @@ class _Connection:
         self.ws = ws
         self._redact = redact
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # The size of each pending request's frame: a link the peer closes with 1009 was
+        # closed over the largest.
+        self._sizes: dict[str, int] = {}
         self.closed = False
         # Loop time of the last frame received: tells a dead link from a slow answer.
         self.last_frame_at = 0.0
@@ -161,13 +205,19 @@ class _Connection:
         if self.closed:
             raise PhiliaUnavailable("the Philia connection is closed")
         request_id = str(next(self._ids))
+        data = _encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        if len(data) > MAX_REQUEST_BYTES:
+            raise PhiliaTooLarge(
+                f"{method}: a request of {len(data):,} bytes is over Philia's frame budget "
+                f"({MAX_REQUEST_BYTES:,} bytes); not sent"
+            )
         reply: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         self.pending[request_id] = reply
+        self._sizes[request_id] = len(data)
         try:
-            frame = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
             try:
                 # UTF-8 bytes sent as a text frame: no str round trip.
-                await self.ws.send_frame(_encode(frame), aiohttp.WSMsgType.TEXT)
+                await self.ws.send_frame(data, aiohttp.WSMsgType.TEXT)
             except ConnectionError:
                 raise PhiliaUnavailable("Philia closed the connection") from None
             self.last_sent_at = self._loop.time()
@@ -176,6 +226,7 @@ class _Connection:
             # A caller that gave up (timeout, cancellation) leaves no entry behind,
             # so its late reply is skipped and can never answer another call.
             self.pending.pop(request_id, None)
+            self._sizes.pop(request_id, None)
         return self._result_of(method, answer)
 
     def _result_of(self, method: str, answer: dict[str, Any]) -> Any:
@@ -213,13 +264,36 @@ class _Connection:
                 waiter = pending.get(request_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(frame)
-            reason = PhiliaUnavailable("Philia closed the connection")
+            if self.ws.close_code == CLOSE_MESSAGE_TOO_BIG:
+                self._refused_as_too_large()
+                reason = PhiliaUnavailable(
+                    "Philia refused another call's frame as too large (close code 1009)",
+                    philia_fault=False,
+                )
+            else:
+                reason = PhiliaUnavailable("Philia closed the connection")
         except PhiliaError as exc:
             reason = exc
         except Exception as exc:  # the link is unusable whatever went wrong
             logger.debug("Philia reader failed: %s", type(exc).__name__)
             reason = PhiliaUnavailable(f"Philia connection failed ({type(exc).__name__})")
         self.abort(reason)
+
+    def _refused_as_too_large(self) -> None:
+        """The peer closed the link with 1009 over a frame of ours: the largest pending one
+        fails as too large (permanent); the others, failed by :meth:`abort`, say nothing
+        about Philia's health."""
+        if not self._sizes:
+            return
+        culprit = max(self._sizes, key=self._sizes.__getitem__)
+        waiter = self.pending.pop(culprit, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(
+                PhiliaTooLarge(
+                    f"Philia refused a request of {self._sizes[culprit]:,} bytes as too large "
+                    "(close code 1009)"
+                )
+            )
 
     async def _beat(self, every_s: float) -> None:
         """Send ``Base.Heartbeat`` whenever nothing was sent for ``every_s``, until the link
@@ -245,7 +319,11 @@ class _Connection:
         self.pending.clear()
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_exception(PhiliaUnavailable(f"connection dropped: {reason}"))
+                waiter.set_exception(
+                    PhiliaUnavailable(
+                        f"connection dropped: {reason}", philia_fault=reason.philia_fault
+                    )
+                )
         current = asyncio.current_task()
         for task in (self.reader, self.beater):
             if task is not None and task is not current:
@@ -256,6 +334,12 @@ class _Connection:
     async def wait_stopped(self) -> None:
         """Wait for the reader (and heartbeat) task to finish after :meth:`abort`."""
         await asyncio.wait([t for t in (self.reader, self.beater) if t is not None])
+
+
+def request_bytes(method: str, params: Mapping[str, Any]) -> int:
+    """The size of the frame a request of ``method`` with ``params`` takes at most."""
+    frame = {"jsonrpc": "2.0", "id": _LONGEST_ID, "method": method, "params": params}
+    return len(_encode(frame))
 
 
 def _encode(frame: dict[str, Any]) -> bytes:
@@ -365,7 +449,7 @@ class PhiliaClient:
         if node_type is not None:
             params["node_type_filter"] = node_type
         return await self._call(
-            "Sync.MemoryQueryRequest",
+            QUERY_METHOD,
             params,
             lambda result: _parse_memories(result, limit),
             timeout_s,
@@ -376,7 +460,7 @@ class PhiliaClient:
     ) -> str:
         """``Sync.MemoryStoreRequest``: store one node and return its id."""
         return await self._call(
-            "Sync.MemoryStoreRequest",
+            STORE_METHOD,
             {"text": text, "node_type": node_type},
             _parse_node_id,
             timeout_s,
@@ -384,9 +468,7 @@ class PhiliaClient:
 
     async def delete(self, node_id: str, *, timeout_s: float | None = None) -> bool:
         """``Sync.MemoryDeleteRequest``: whether the node existed."""
-        return await self._call(
-            "Sync.MemoryDeleteRequest", {"node_id": node_id}, _parse_deleted, timeout_s
-        )
+        return await self._call(DELETE_METHOD, {"node_id": node_id}, _parse_deleted, timeout_s)
 
     async def disconnect(self) -> None:
         """Drop the current link now (abort); the next call connects afresh."""
@@ -449,6 +531,10 @@ class PhiliaClient:
                 conn = None
         except PhiliaError as exc:
             error = exc
+            if exc.permanent:
+                # Refused for what it is, on a link that works (or that the peer closed
+                # itself, which the next call sees): nothing to drop for the other callers.
+                conn = None
         if attempt is not None and not attempt.done():
             # Out of time while connecting. The attempt has run at least as long as
             # this call, so it is out of time too: end it now rather than let the next

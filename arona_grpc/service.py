@@ -58,6 +58,7 @@ from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
+from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query
 
 logger = logging.getLogger(__name__)
 
@@ -250,14 +251,7 @@ def episode_text(user: str, assistant: str) -> str:
 
     Injected memory sections are removed from both sides first.
     """
-    user = without_memory_section(user)
-    assistant = without_memory_section(assistant)
-    parts = []
-    if user.strip():
-        parts.append(f"User: {user}")
-    if assistant.strip():
-        parts.append(f"Assistant: {assistant}")
-    return "\n".join(parts)
+    return compose_episode(without_memory_section(user), without_memory_section(assistant))
 
 
 @dataclass
@@ -428,16 +422,18 @@ class MemoryDomain:
             # No event per refused turn: the opening itself was recorded.
             logger.debug("memory breaker open: recall skipped")
             return RecallOutcome(MemoryState.OFFLINE, (), "")
+        node_type = scoped_node_type(sid) if self._user_scoped else None
+        # A long question is recalled by its last part (arona_grpc.sizes).
+        query = fitted_query(
+            query,
+            self._settings.memory_max_query_chars,
+            {"limit": limit, "node_type_filter": node_type or ""},
+        )
         started = time.monotonic()
         try:
-            found = await self._client.query(
-                query,
-                limit,
-                timeout_s=budget_s,
-                node_type=scoped_node_type(sid) if self._user_scoped else None,
-            )
+            found = await self._client.query(query, limit, timeout_s=budget_s, node_type=node_type)
         except PhiliaError as exc:
-            self._recall_failed(self._safe(f"recall failed: {exc}"), sid, permit)
+            self._recall_failed(self._safe(f"recall failed: {exc}"), sid, permit, exc)
             return RecallOutcome(MemoryState.OFFLINE, (), "")
         except asyncio.CancelledError:
             if time.monotonic() - started < CUT_OFF_SHARE * budget_s:
@@ -472,10 +468,17 @@ class MemoryDomain:
         sid = self._scope_id(scope)
         if self._client is None or self._outbox is None:
             return WritebackOutcome(stored=False)
-        text = episode_text(user, assistant)
+        node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
+        # Each side at most ARONA_MEMORY_MAX_EPISODE_CHARS, the request within Philia's frame
+        # budget (arona_grpc.sizes).
+        text = fitted_episode(
+            without_memory_section(user),
+            without_memory_section(assistant),
+            node_type,
+            self._settings.memory_max_episode_chars,
+        )
         if not text:
             return WritebackOutcome(stored=False)
-        node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
         episode = _Episode(text, node_type, sid, episode_id)
         try:
             outcome = await self._writeback(episode)
@@ -514,7 +517,7 @@ class MemoryDomain:
         try:
             node_id = await self._client.store(text, node_type)
         except PhiliaError as exc:
-            self._breaker.failure(permit)
+            self._judged(permit, exc)
             # Recorded before the outbox write, so Status shows the failure at once.
             error = self._fault("writeback", exc, sid, " (queued in the outbox)")
             if not record.kept:
@@ -749,7 +752,7 @@ class MemoryDomain:
             try:
                 node_id = await self._client.store(entry.text, entry.node_type)
             except PhiliaError as exc:
-                self._breaker.failure(permit)
+                self._judged(permit, exc)
                 failures += 1
                 await self._release(entry.seq)
                 message = self._safe(f"outbox replay failed: {exc}")
@@ -827,11 +830,28 @@ class MemoryDomain:
             return MemoryTimeout(message)
         return MemoryUnavailable(message)
 
-    def _recall_failed(self, message: str, sid: str, permit: Permit) -> None:
-        """A recall Philia did not answer: logged, an event, and a failure for the breaker."""
+    def _recall_failed(
+        self, message: str, sid: str, permit: Permit, exc: PhiliaError | None = None
+    ) -> None:
+        """A recall Philia did not answer: logged, an event, and the breaker told
+        (:meth:`_judged`; no answer at all is a failure)."""
         logger.warning("%s; the turn goes on without memories", message)
         self._record(EventKind.ERROR, message, sid)
-        self._breaker.failure(permit)
+        if exc is None:
+            self._breaker.failure(permit)
+        else:
+            self._judged(permit, exc)
+
+    def _judged(self, permit: Permit, exc: PhiliaError) -> None:
+        """Tell the breaker what a failed call says about Philia: a call refused for what it
+        is was answered (Philia is well); one that failed because another call's frame was
+        refused says nothing; anything else is a failure."""
+        if exc.permanent:
+            self._breaker.success(permit)
+        elif exc.philia_fault:
+            self._breaker.failure(permit)
+        else:
+            self._breaker.abandon(permit)
 
     def _safe(self, text: str) -> str:
         # Philia errors are already token-free; this is the backstop for status output.
@@ -880,7 +900,7 @@ class MemoryDomain:
         try:
             deleted = await self._client.delete(node_id)
         except PhiliaError as exc:
-            self._breaker.failure(permit)
+            self._judged(permit, exc)
             raise self._fault("delete", exc, sid) from None
         except asyncio.CancelledError:
             self._breaker.abandon(permit)

@@ -12,11 +12,13 @@ import pytest
 import pytest_asyncio
 
 from arona_grpc.philia import (
+    MAX_REQUEST_BYTES,
     PhiliaClient,
     PhiliaError,
     PhiliaMemory,
     PhiliaRPCError,
     PhiliaTimeout,
+    PhiliaTooLarge,
     PhiliaUnavailable,
 )
 from tests.support.fake_philia import (
@@ -432,3 +434,55 @@ async def test_token_never_logged_even_at_debug(
     text = "\n".join(r.getMessage() for r in ours)
     for form in (TOKEN, quote(TOKEN, safe=""), "t0k&n"):
         assert form not in text
+
+
+# --- calls refused for what they are ------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_request_over_the_frame_budget_is_not_sent_and_the_link_stays(
+    fake: FakePhilia, client: PhiliaClient
+) -> None:
+    await client.query("warm up", 5)
+    with pytest.raises(PhiliaTooLarge, match="over Philia's frame budget") as caught:
+        await client.store("x" * MAX_REQUEST_BYTES)
+    assert caught.value.permanent and not caught.value.philia_fault
+    assert fake.frames_of(STORE) == []
+    # The same link serves the next call: nothing was dropped for the other callers.
+    await client.query("again", 5)
+    assert len(fake.upgrades) == 1
+
+
+@pytest.mark.asyncio
+async def test_invalid_params_is_permanent_and_keeps_the_link(
+    fake: FakePhilia, client: PhiliaClient
+) -> None:
+    fake.script(STORE, Step(error=(-32602, "Invalid params: text must be a non-empty string")))
+    with pytest.raises(PhiliaRPCError) as caught:
+        await client.store("refused")
+    assert (caught.value.permanent, caught.value.philia_fault) == (True, False)
+    await client.query("again", 5)
+    assert len(fake.upgrades) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_1009_close_fails_the_largest_call_as_too_large_and_blames_nobody_else() -> None:
+    # A Philia whose budget is smaller than ours closes the link over the big frame.
+    async with FakePhilia(token=TOKEN, max_size=64 * 1024) as small:
+        hold = asyncio.Event()
+        small.script(QUERY, Step(hold=hold))
+        client = PhiliaClient(small.url, TOKEN, timeout_s=5.0)
+        try:
+            waiting = asyncio.ensure_future(client.query("a small question", 5))
+            await small.wait_frames(QUERY)
+            with pytest.raises(PhiliaTooLarge, match="close code 1009") as big:
+                await client.store("y" * 100_000)
+            assert big.value.permanent
+            with pytest.raises(PhiliaUnavailable, match="too large") as other:
+                await waiting
+            assert (other.value.permanent, other.value.philia_fault) == (False, False)
+            # The next call connects afresh and works.
+            await client.query("again", 5)
+            assert len(small.upgrades) == 2
+        finally:
+            await client.aclose()

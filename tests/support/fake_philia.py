@@ -98,9 +98,17 @@ class FakePhilia:
     LOGGER = "fake_philia"
 
     def __init__(
-        self, token: str = "t0k3n", path: str = "/ws", port: int = 0, *, filtering: bool = False
+        self,
+        token: str = "t0k3n",
+        path: str = "/ws",
+        port: int = 0,
+        *,
+        filtering: bool = False,
+        max_size: int = 2**20,
     ) -> None:
         self.token = token
+        # The largest frame taken: a bigger one closes the connection with 1009, as Philia does.
+        self.max_size = max_size
         # With ``node_type_filter``, a query answers with the stored nodes of that type (what
         # a Philia that honours the filter would find), newest first.
         self.filtering = filtering
@@ -170,6 +178,7 @@ class FakePhilia:
             self.port,
             process_request=self._check_upgrade,
             compression=None,
+            max_size=self.max_size,
             close_timeout=1,
             logger=logging.getLogger(self.LOGGER),
         )

@@ -1,11 +1,13 @@
 """The operator console: static files shipped inside this package, served at ``/console``.
 
-The page (``gateway_http/console/``: one HTML file, one script, one style sheet) needs no
-build step and loads nothing from elsewhere; it signs in with a JWT and talks to the same
+The page (``gateway_http/console/``: one HTML file, one script, one style sheet and its icon)
+needs no build step and loads nothing from elsewhere; it signs in with a JWT and talks to the same
 JSON-RPC methods any client uses (``POST /api/rpc``), so this router serves files and
 nothing else. Every response carries a Content-Security-Policy that allows only this
 origin's own script, style and ``fetch`` (no inline script, no form submission, no framing).
-An unknown asset is a 404 with the usual JSON error body.
+An unknown asset is a 404 with the usual JSON error body. ``/favicon.ico``, which browsers
+ask for on their own, answers the console's icon (``favicon.svg`` rendered at 32 and 16 px by
+``scripts/console_favicon.py``) rather than a 404.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ ASSETS: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
     "console.js": "text/javascript; charset=utf-8",
     "console.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+    "favicon.ico": "image/x-icon",
 }
 
 
@@ -66,6 +70,11 @@ router = APIRouter()
 @router.get(CONSOLE_PATH + "/", include_in_schema=False)
 async def console_page() -> Response:
     return _serve("index.html")
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    return _serve("favicon.ico")
 
 
 @router.get(CONSOLE_PATH + "/{name:path}", include_in_schema=False)

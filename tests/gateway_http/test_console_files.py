@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import struct
 import tomllib
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -23,6 +24,9 @@ from gateway_http.routes.console import ASSETS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSOLE_DIR = resources.files("gateway_http") / "console"
+TEXT_ASSETS = [name for name in ASSETS if not name.endswith(".ico")]
+# The one URL an SVG file must carry: its namespace, a name that is never fetched.
+SVG_NAMESPACE = 'xmlns="http://www.w3.org/2000/svg"'
 
 
 @pytest_asyncio.fixture
@@ -55,7 +59,12 @@ async def test_the_page_is_served_with_a_strict_policy(http: httpx.AsyncClient, 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("name", "media_type"),
-    [("console.js", "text/javascript"), ("console.css", "text/css")],
+    [
+        ("console.js", "text/javascript"),
+        ("console.css", "text/css"),
+        ("favicon.svg", "image/svg+xml"),
+        ("favicon.ico", "image/x-icon"),
+    ],
 )
 async def test_assets_are_served_with_their_type(
     http: httpx.AsyncClient, name: str, media_type: str
@@ -65,6 +74,28 @@ async def test_assets_are_served_with_their_type(
     assert response.headers["content-type"].startswith(media_type)
     assert "content-security-policy" in response.headers
     assert response.content == (CONSOLE_DIR / name).read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_the_browsers_own_favicon_request_gets_the_icon(http: httpx.AsyncClient) -> None:
+    response = await http.get("/favicon.ico")
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "image/x-icon"
+    icon = response.content
+    assert icon == (CONSOLE_DIR / "favicon.ico").read_bytes()
+    # An ICO directory of PNG images, 32 and 16 px, and small.
+    reserved, kind, count = struct.unpack("<HHH", icon[:6])
+    assert (reserved, kind) == (0, 1)
+    sizes = []
+    for i in range(count):
+        width, _, _, _, _, _, length, offset = struct.unpack(
+            "<BBBBHHII", icon[6 + 16 * i : 22 + 16 * i]
+        )
+        assert icon[offset : offset + 8] == b"\x89PNG\r\n\x1a\n"
+        assert offset + length <= len(icon)
+        sizes.append(width)
+    assert sizes == [32, 16]
+    assert len(icon) < 4096
 
 
 @pytest.mark.asyncio
@@ -110,10 +141,14 @@ def test_no_inline_script_or_style_and_nothing_from_elsewhere() -> None:
     assert "<style" not in page and " style=" not in page
     # No inline event handlers (onclick=…): the policy would block them anyway.
     assert not re.search(r"\son[a-z]+\s*=", page)
-    for name in ASSETS:
-        text = _text(name)
+    assert '<link rel="icon" href="/console/favicon.svg"' in page
+    for name in TEXT_ASSETS:
+        text = _text(name).replace(SVG_NAMESPACE, "")
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, flags=re.I), name
         assert "@import" not in text and "url(" not in text
+    icon = _text("favicon.svg")
+    assert icon.startswith("<svg " + SVG_NAMESPACE)
+    assert "<script" not in icon and "href" not in icon
 
 
 def test_the_token_never_goes_into_a_url_or_a_log() -> None:

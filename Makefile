@@ -1,11 +1,13 @@
 # Set-up and checks. `make run` and `make test` work on a fresh machine: both
-# create the virtual environment and install the project first.
+# create the virtual environment and install the project first; `make test` also installs
+# the Debian packages its tests run for real (chromium, the PostgreSQL 15 server) when missing,
+# which needs root or password-less sudo. `make run` needs no system package.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck proto-check gen bench clean
+.PHONY: install system-deps run test lint typecheck proto-check gen bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +16,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+system-deps:
+	@scripts/system-deps.sh
 
 run: install
 	$(BIN)/arona-gateway up
@@ -29,7 +34,7 @@ proto-check: install
 	$(BIN)/buf lint
 	$(BIN)/buf format --diff --exit-code
 
-test: lint typecheck proto-check
+test: system-deps lint typecheck proto-check
 	$(BIN)/pytest
 
 gen: install

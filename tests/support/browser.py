@@ -1,9 +1,9 @@
 """A real headless Chromium for browser tests: Debian's ``chromium``, driven by Playwright.
 
-The browser is the system package at :data:`CHROMIUM` (``.ci/run`` installs it with apt when
-it is missing); Playwright's own browser downloads are never used. Without it a test is
-skipped with the reason, except under ``CI=true``, where a missing browser fails the test
-instead of letting the browser tests vanish quietly.
+The browser is the system package at :data:`CHROMIUM` (``make test`` installs it with apt
+when it is missing, through ``scripts/system-deps.sh``); Playwright's own browser downloads are
+never used. Without it a test is skipped with the reason, except under ``CI=true``, where a
+missing browser fails the test instead of letting the browser tests vanish quietly.
 
 Screenshots go to :func:`artifact_dir` (``tests/artifacts/<name>/``, not committed).
 """

@@ -1,10 +1,11 @@
 """A throwaway PostgreSQL server for the tests: a real cluster, started and stopped by them.
 
 :class:`PgCluster` runs Debian's PostgreSQL server binaries (``initdb``, ``pg_ctl``) on a
-free port of 127.0.0.1 with trust authentication, in a directory of its own. ``initdb``
-refuses to run as root, so as root the cluster belongs to the ``postgres`` system user and
-its commands run through ``runuser``. ``ARONA_TEST_DATABASE_URL`` points the tests at an
-existing server instead. Without either, the tests that need PostgreSQL are skipped, except
+free port of 127.0.0.1 with trust authentication, in a directory of its own; ``make test``
+installs them (Debian's ``postgresql``) when missing, through ``scripts/system-deps.sh``.
+``initdb`` refuses to run as root, so as root the cluster belongs to the ``postgres`` system
+user and its commands run through ``runuser``. ``ARONA_TEST_DATABASE_URL`` points the tests at
+an existing server instead. Without either, the tests that need PostgreSQL are skipped, except
 under ``CI=true``, where a missing PostgreSQL fails the run.
 """
 

@@ -11,7 +11,9 @@ file under ``ARONA_DATA_DIR``. Either way the schema is versioned:
   (:func:`sqlite_migrate`).
 
 :class:`DatabaseUnavailable` is the one error a caller sees when PostgreSQL cannot be
-reached; its message never carries the URL's credentials.
+reached, :class:`SchemaRefused` when it is reached but the schema cannot be brought up to date
+(a role without the right to create tables, a schema from a newer version); neither message
+carries the URL's credentials.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ POOL_MAX = 10
 
 class DatabaseUnavailable(Exception):
     """PostgreSQL could not be reached or dropped the connection; safe to show."""
+
+
+class SchemaRefused(Exception):
+    """PostgreSQL refused to bring the schema up to date; one line, safe to show."""
 
 
 @dataclass(frozen=True)
@@ -163,46 +169,93 @@ async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX)
         raise
     if migrate:
         try:
-            async with pool.acquire() as conn:
-                await apply_migrations(conn)
+            await _apply(pool, url)
         except BaseException:
             await pool.close()
             raise
     return pool
 
 
+async def migrate(url: str) -> list[Migration]:
+    """``arona-gateway migrate``: bring ``url``'s schema up to date on one connection; the
+    migrations applied. :class:`DatabaseUnavailable` or :class:`SchemaRefused` otherwise."""
+    pool = await open_pool(url, migrate=False, max_size=1)
+    try:
+        return await _apply(pool, url)
+    finally:
+        await pool.close()
+
+
+async def _apply(pool: Any, url: str) -> list[Migration]:
+    try:
+        async with pool.acquire() as conn:
+            return await apply_migrations(conn)
+    except SchemaRefused as exc:
+        raise SchemaRefused(f"{redact_url(url)}: {exc}") from None
+    except Exception as exc:
+        if is_unavailable(exc):
+            raise unavailable(url, exc) from None
+        raise
+
+
 async def apply_migrations(conn: Any) -> list[Migration]:
-    """Apply the migrations this database lacks, under the advisory lock; those applied."""
+    """Apply the migrations this database lacks, under the advisory lock; those applied.
+
+    A statement the server refuses (say, a role that may not create tables) is
+    :class:`SchemaRefused`, as is a schema newer than :data:`PG_MIGRATIONS`.
+    """
+    import asyncpg
+
     applied: list[Migration] = []
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
     try:
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS arona_schema ("
-            " version integer PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {row[0] for row in await conn.fetch("SELECT version FROM arona_schema")}
-        newest = max((m.version for m in PG_MIGRATIONS), default=0)
-        if done and max(done) > newest:
-            raise RuntimeError(
-                f"the database schema (version {max(done)}) is newer than this version knows"
-                f" ({newest})"
-            )
-        for migration in PG_MIGRATIONS:
-            if migration.version in done:
-                continue
-            async with conn.transaction():
-                await conn.execute(migration.sql)
-                await conn.execute(
-                    "INSERT INTO arona_schema (version, name) VALUES ($1, $2)",
-                    migration.version,
-                    migration.name,
-                )
-            logger.info("database migration %d applied: %s", migration.version, migration.name)
-            applied.append(migration)
+        await _migrate(conn, applied)
+    except asyncpg.PostgresError as exc:
+        if is_unavailable(exc):
+            raise
+        raise SchemaRefused(_refusal(exc)) from None
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
     return applied
+
+
+def _refusal(exc: Exception) -> str:
+    import asyncpg
+
+    text = f"the database refused the schema ({type(exc).__name__}: {exc})"
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        # PostgreSQL 15 and later let only a database's owner create tables in it by default.
+        text += (
+            "; the role in ARONA_DATABASE_URL must own the database"
+            " (CREATE DATABASE ... OWNER <role>) or have CREATE on its schema"
+        )
+    return text
+
+
+async def _migrate(conn: Any, applied: list[Migration]) -> None:
+    await conn.execute(
+        "CREATE TABLE IF NOT EXISTS arona_schema ("
+        " version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    done = {row[0] for row in await conn.fetch("SELECT version FROM arona_schema")}
+    newest = max((m.version for m in PG_MIGRATIONS), default=0)
+    if done and max(done) > newest:
+        raise SchemaRefused(
+            f"the database schema (version {max(done)}) is newer than this version knows ({newest})"
+        )
+    for migration in PG_MIGRATIONS:
+        if migration.version in done:
+            continue
+        async with conn.transaction():
+            await conn.execute(migration.sql)
+            await conn.execute(
+                "INSERT INTO arona_schema (version, name) VALUES ($1, $2)",
+                migration.version,
+                migration.name,
+            )
+        logger.info("database migration %d applied: %s", migration.version, migration.name)
+        applied.append(migration)
 
 
 # One SQLite step: a script, or a function of the connection (for steps that must look first).

@@ -180,7 +180,7 @@ async def run_parts(
     ``listen_fd`` is a listening socket handed down by ``serve --workers``; ``worker`` is
     this HTTP worker's number among them.
     """
-    from arona_grpc.database import DatabaseUnavailable, open_pool
+    from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
 
@@ -190,7 +190,7 @@ async def run_parts(
         # One pool for the process, opened (and the schema migrated) before anything listens.
         try:
             pool = await open_pool(settings.database_url)
-        except DatabaseUnavailable as exc:
+        except (DatabaseUnavailable, SchemaRefused) as exc:
             raise StartupError(str(exc)) from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -553,19 +553,14 @@ def prefer_grpc_iomgr(env: MutableMapping[str, str]) -> None:
 
 async def _migrate(env: Mapping[str, str]) -> None:
     """Bring every store's schema up to date, alone (replicas may then start without racing)."""
-    from arona_grpc.database import DatabaseUnavailable, apply_migrations, open_pool
+    from arona_grpc.database import DatabaseUnavailable, SchemaRefused, migrate
 
     settings = Settings.from_env(env)
     if settings.database_url:
         try:
-            pool = await open_pool(settings.database_url, migrate=False, max_size=1)
-        except DatabaseUnavailable as exc:
+            applied = await migrate(settings.database_url)
+        except (DatabaseUnavailable, SchemaRefused) as exc:
             raise StartupError(str(exc)) from None
-        try:
-            async with pool.acquire() as conn:
-                applied = await apply_migrations(conn)
-        finally:
-            await pool.close()
         where = redact_url(settings.database_url)
         if applied:
             for migration in applied:

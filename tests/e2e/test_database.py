@@ -6,9 +6,11 @@ import asyncio
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -189,3 +191,71 @@ def test_migrate_applies_the_schema_once(tmp_path: Path, database_url: str) -> N
     )
     assert again.returncode == 0
     assert "the schema is up to date" in again.stdout
+
+
+async def _execute(url: str, *statements: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_a_role_that_may_not_create_tables_is_told_how_to_fix_it(
+    tmp_path: Path, database_url: str
+) -> None:
+    """The newcomer's slip: a database created without OWNER (PostgreSQL 15 and later let
+    only its owner create tables in it)."""
+    role, password = f"r_{uuid.uuid4().hex[:12]}", "n0-create-pw"
+    asyncio.run(
+        _execute(
+            database_url,
+            f"CREATE ROLE {role} LOGIN PASSWORD '{password}'",
+            "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
+        )
+    )
+    parts = urlsplit(database_url)
+    url = urlunsplit(parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}"))
+    try:
+        for command in ("migrate", "serve"):
+            done = subprocess.run(
+                [COMMAND, command],
+                env=_env(tmp_path, ARONA_DATABASE_URL=url),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            line = _one_line_error(done)
+            assert line.startswith("arona-gateway: error: postgresql://***@"), line
+            assert "permission denied for schema public" in line
+            assert "must own the database (CREATE DATABASE ... OWNER <role>)" in line
+            assert password not in done.stderr + done.stdout
+    finally:
+        asyncio.run(_execute(database_url, f"DROP ROLE {role}"))
+
+
+def test_a_schema_newer_than_this_version_is_one_line(tmp_path: Path, database_url: str) -> None:
+    env = _env(tmp_path, ARONA_DATABASE_URL=database_url)
+    first = subprocess.run(
+        [COMMAND, "migrate"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert first.returncode == 0, first.stderr
+    asyncio.run(
+        _execute(database_url, "INSERT INTO arona_schema (version, name) VALUES (999, 'later')")
+    )
+    for command in ("migrate", "serve"):
+        done = subprocess.run(
+            [COMMAND, command], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        line = _one_line_error(done)
+        assert "the database schema (version 999) is newer than this version knows" in line

@@ -2,6 +2,8 @@
 // there, GET /metrics. No dependencies, no build step. The JWT lives in this tab's
 // sessionStorage and travels only in the Authorization header: never in a URL, never logged.
 // Everything the server sends is shown through textContent, never parsed as HTML.
+// Times arrive as UTC ISO strings; they are shown in the browser's time zone, with the UTC
+// string as each time's title (on hover).
 "use strict";
 
 (function () {
@@ -84,6 +86,37 @@
     }
   }
 
+  // ---- times: local on the page, UTC on hover ----
+  const pad = (n) => String(n).padStart(2, "0");
+
+  // "2026-12-02 09:36:56" in the browser's time zone, or null for what is not a time.
+  function localTime(iso) {
+    const d = typeof iso === "string" ? new Date(iso) : null;
+    if (d === null || Number.isNaN(d.getTime())) return null;
+    const day = d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate());
+    return day + " " + pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds());
+  }
+
+  // A <time> showing the local time, its title the UTC string as sent; anything else as text.
+  function timeNode(iso) {
+    const local = localTime(iso);
+    if (local === null) return document.createTextNode(iso === null || iso === undefined ? "" : String(iso));
+    const node = document.createElement("time");
+    node.dateTime = iso;
+    node.title = iso;
+    node.textContent = local;
+    return node;
+  }
+
+  // "Europe/Paris, UTC+01:00": said once per panel so that a local time is never ambiguous.
+  function timeZoneName() {
+    const offset = -new Date().getTimezoneOffset();
+    const sign = offset < 0 ? "-" : "+";
+    const utc = "UTC" + sign + pad(Math.floor(Math.abs(offset) / 60)) + ":" + pad(Math.abs(offset) % 60);
+    const zone = Intl.DateTimeFormat().resolvedOptions().timeZone;
+    return zone ? zone + ", " + utc : utc;
+  }
+
   // ---- sign in / out ----
   async function signIn(candidate, fromStorage) {
     const error = $("sign-in-error");
@@ -131,8 +164,10 @@
       const c = claims(token);
       let text = "Signed in as " + (c.sub || "?");
       if (c.role === "admin") text += " (admin)";
-      if (typeof c.exp === "number") text += ", token valid until " + new Date(c.exp * 1000).toISOString();
       who.textContent = text;
+      if (typeof c.exp === "number") {
+        who.append(", token valid until ", timeNode(new Date(c.exp * 1000).toISOString()));
+      }
     } else {
       who.textContent = "";
     }
@@ -179,6 +214,11 @@
     $(id).textContent = value === null || value === undefined || value === "" ? "—" : String(value);
   }
 
+  function time(id, iso) {
+    if (iso === null || iso === undefined || iso === "") text(id, iso);
+    else $(id).replaceChildren(timeNode(iso));
+  }
+
   function onOff(value) {
     return value ? "on" : "off";
   }
@@ -202,19 +242,27 @@
     const breaker = $("breaker");
     breaker.textContent = s.breaker || "—";
     breaker.className = "badge breaker-" + (s.breaker || "unknown");
-    text("breaker-opened-at", s.breaker_opened_at);
+    time("breaker-opened-at", s.breaker_opened_at);
     text("outbox-depth", s.outbox_depth);
     text("outbox-dropped", s.outbox_dropped);
     text("replicas", describeReplicas(s.replicas, s.answered_by));
-    text("refreshed", new Date().toISOString());
+    time("refreshed", new Date().toISOString());
     renderEvents(s.events || []);
   }
 
-  function cell(row, value, className) {
+  // A cell; its label heads it where a narrow screen shows each row as a block.
+  function cell(row, value, className, label) {
     const td = document.createElement("td");
     td.textContent = value === null || value === undefined ? "" : String(value);
     if (className) td.className = className;
+    if (label) td.dataset.label = label;
     row.appendChild(td);
+    return td;
+  }
+
+  function timeCell(row, iso, label) {
+    const td = cell(row, null, "nowrap", label);
+    td.appendChild(timeNode(iso));
     return td;
   }
 
@@ -224,10 +272,10 @@
     for (const e of events) {
       const row = document.createElement("tr");
       row.className = "event-" + e.kind;
-      cell(row, e.at, "nowrap");
-      cell(row, e.kind);
-      cell(row, e.detail, "detail");
-      cell(row, e.scope_id, "mono");
+      timeCell(row, e.at, "At");
+      cell(row, e.kind, null, "Kind");
+      cell(row, e.detail, "detail", "Detail");
+      cell(row, e.scope_id, "mono", "Scope id");
       rows.appendChild(row);
     }
     if (!events.length) {
@@ -372,9 +420,9 @@
     const rows = document.createDocumentFragment();
     for (const m of result.memories) {
       const row = document.createElement("tr");
-      cell(row, Number(m.score).toFixed(2), "nowrap");
-      cell(row, m.node_type, "mono");
-      cell(row, m.text, "detail");
+      cell(row, Number(m.score).toFixed(2), "nowrap", "Score");
+      cell(row, m.node_type, "mono", "Node type");
+      cell(row, m.text, "detail", "Text");
       rows.appendChild(row);
     }
     body.replaceChildren(rows);
@@ -384,6 +432,7 @@
   async function listEpisodes(event) {
     event.preventDefault();
     episodesScope = $("episodes-scope").value.trim() || null;
+    asking = null;
     $("episodes-table").tBodies[0].replaceChildren();
     await loadEpisodes(null);
   }
@@ -417,40 +466,87 @@
   function episodeRow(m) {
     const row = document.createElement("tr");
     row.dataset.nodeId = m.node_id;
-    cell(row, m.at, "nowrap");
-    cell(row, m.preview, "detail");
-    cell(row, m.node_id, "mono");
-    const td = document.createElement("td");
+    timeCell(row, m.at, "At");
+    cell(row, m.preview, "detail", "Preview");
+    cell(row, m.node_id, "mono", "Node id");
+    const td = cell(row, null, "actions");
     const button = document.createElement("button");
     button.type = "button";
     button.className = "danger";
     button.textContent = "Delete";
     button.setAttribute("aria-label", "Delete episode " + m.preview);
-    button.addEventListener("click", () => deleteEpisode(row, m, button));
+    button.addEventListener("click", () => askDelete(row, m, button));
     td.appendChild(button);
-    row.appendChild(td);
     return row;
   }
 
-  async function deleteEpisode(row, m, button) {
+  // The open "Delete this episode?" question, if any: {box, button}. One at a time.
+  let asking = null;
+
+  // Delete asks first, in the row itself: "Yes, delete" deletes; Cancel (or Escape) keeps the
+  // episode. The focus starts on Cancel, so a second Enter never deletes by accident.
+  function askDelete(row, m, button) {
+    if (asking) closeQuestion(false);
+    const box = document.createElement("span");
+    box.className = "confirm";
+    box.setAttribute("role", "group");
+    box.setAttribute("aria-label", "Delete episode " + m.preview + "?");
+    const question = document.createElement("span");
+    question.textContent = "Delete?";
+    const yes = document.createElement("button");
+    yes.type = "button";
+    yes.className = "danger solid";
+    yes.textContent = "Yes, delete";
+    const no = document.createElement("button");
+    no.type = "button";
+    no.textContent = "Cancel";
+    box.append(question, yes, no);
+    yes.addEventListener("click", () => deleteEpisode(row, m, box));
+    no.addEventListener("click", () => {
+      closeQuestion(true);
+      $("episodes-note").textContent = "Kept episode " + m.node_id + ".";
+    });
+    box.addEventListener("keydown", (event) => {
+      if (event.key === "Escape") {
+        event.preventDefault();
+        no.click();
+      }
+    });
+    button.hidden = true;
+    button.after(box);
+    asking = { box: box, button: button };
+    $("episodes-note").textContent = "Delete episode " + m.node_id + "? It cannot be undone.";
+    no.focus();
+  }
+
+  // Closes the open question (only ``box``'s, when given: a list reloaded meanwhile has none).
+  function closeQuestion(refocus, box) {
+    if (!asking || (box && asking.box !== box)) return;
+    asking.box.remove();
+    asking.button.hidden = false;
+    if (refocus) asking.button.focus();
+    asking = null;
+  }
+
+  async function deleteEpisode(row, m, box) {
     const note = $("episodes-note");
     const params = { node_id: m.node_id };
     if (episodesScope) params.scope = episodesScope;
-    button.disabled = true;
+    for (const b of box.querySelectorAll("button")) b.disabled = true;
     let result;
     try {
       result = await rpc("memory.delete", params);
     } catch (err) {
-      button.disabled = false;
+      closeQuestion(true, box);
       note.textContent = "Delete failed: " + describe(err);
-      button.focus();
       return;
     }
     if (!result.deleted) {
-      button.disabled = false;
+      closeQuestion(true, box);
       note.textContent = "Not deleted: episode " + m.node_id + " is not in this scope, or is already gone.";
       return;
     }
+    if (asking && asking.box === box) asking = null;
     // Keep the keyboard where it was: the next row's button, else the previous one's.
     const neighbour = row.nextElementSibling || row.previousElementSibling;
     row.remove();
@@ -471,6 +567,8 @@
     $("episodes-more").addEventListener("click", () => loadEpisodes(episodesNext));
     // Headings that take focus after sign-in, for screen readers and keyboards.
     $("status-title").tabIndex = -1;
+    const zone = timeZoneName();
+    for (const node of document.querySelectorAll(".time-zone")) node.textContent = zone;
     const saved = sessionStorage.getItem(TOKEN_KEY);
     if (saved) {
       signIn(saved, true);

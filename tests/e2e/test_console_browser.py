@@ -5,7 +5,8 @@ The embedded store, the real gRPC ``MemoryService`` and the real app under uvico
 driven by Playwright (:mod:`tests.support.browser`). The page is used as an operator would:
 by label and role, with the keyboard where it matters, and every wait is one of Playwright's
 bounded expectations, never a sleep. A screenshot of each state is saved under
-``tests/artifacts/console/``.
+``tests/artifacts/console/``, the phone-sized and wide-screen pages among them
+(``10-phone-420px.png``, ``11-wide-1600px.png``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +35,9 @@ FACT = "My locker code is 4417 and my locker is the blue zebra one"
 OTHER = "I keep a spare zebra key in the kitchen drawer"
 ASK = "Which zebra locker is mine, and its code?"
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+# A zone far from UTC with a quarter-hour offset and no daylight saving time (since 1986), so
+# that a time shown in UTC, or with the offset's minutes dropped, cannot pass for local.
+ZONE, ZONE_OFFSET = "Asia/Kathmandu", timezone(timedelta(hours=5, minutes=45))
 # Several expectations wait for the console's next refresh (every 2 s): 1.3 to 2.6 s, idle or
 # loaded, against Playwright's default 5 s. Every wait, action or expectation, gets 30 s.
 WAIT_MS = 30_000
@@ -106,6 +111,20 @@ async def sign_in(page: Page, token: str) -> None:
     field_ = page.get_by_label("Admin JWT")
     await field_.fill(token)
     await field_.press("Enter")
+
+
+async def shown_times(page: Page) -> list[tuple[str, str]]:
+    """Every time on the page as (what it shows, its title), read at once."""
+    pairs = await page.evaluate(
+        "() => Array.from(document.querySelectorAll('time'), t => [t.textContent, t.title])"
+    )
+    return [(str(text), str(title)) for text, title in pairs]
+
+
+def local(utc: str, zone: timezone) -> str:
+    """``2026-12-02T03:51:56.331Z`` as a clock in ``zone`` shows it: ``2026-12-02 09:36:56``."""
+    at = datetime.fromisoformat(utc.replace("Z", "+00:00"))
+    return at.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S")
 
 
 async def loaded_images(page: Page, urls: list[str]) -> list[Any]:
@@ -193,15 +212,34 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         await expect(recall_event.first).to_be_visible()
         await watched.shot("04-recall")
 
-        # A user's episodes, listed and one deleted with the keyboard.
+        # A user's episodes, listed and one deleted with the keyboard: Delete asks first, and
+        # the question's focus is on Cancel.
         await page.locator("#episodes-scope").fill("alice")
         await page.locator("#episodes-scope").press("Enter")
         rows = page.locator("#episodes-table tbody tr")
         await expect(rows).to_have_count(2)
         await watched.shot("05-episodes")
-        delete = rows.filter(has_text="4417").get_by_role("button", name="Delete episode")
+        row = rows.filter(has_text="4417")
+        delete = row.get_by_role("button", name="Delete episode")
+        question = row.get_by_role("group", name=re.compile("^Delete episode .*4417.*\\?$"))
+        yes = question.get_by_role("button", name="Yes, delete")
+        cancel = question.get_by_role("button", name="Cancel")
         await delete.focus()
         await page.keyboard.press("Enter")
+        await expect(cancel).to_be_focused()
+        await expect(page.locator("#episodes-note")).to_contain_text("cannot be undone")
+        await watched.shot("05b-delete-asks-first")
+        # Escape keeps the episode (on the page and in the store), back on its Delete button.
+        await page.keyboard.press("Escape")
+        await expect(question).to_have_count(0)
+        await expect(delete).to_be_focused()
+        await expect(page.locator("#episodes-note")).to_contain_text("Kept episode")
+        kept = await stack.result(ADMIN, "memory.list", {"scope": "alice"})
+        assert len(kept["memories"]) == 2
+        assert any("4417" in text for text in stack.stored_texts())
+        # Asked again, and confirmed with the mouse.
+        await delete.click()
+        await yes.click()
         await expect(rows).to_have_count(1)
         await expect(rows.filter(has_text="4417")).to_have_count(0)
         await expect(page.locator("#episodes-note")).to_contain_text("Deleted episode")
@@ -219,7 +257,8 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
             said = await stack.say("rpc", ALICE, ASK)
             assert said.memory == "offline"
         await expect(page.locator("#breaker")).to_have_text("open")
-        await expect(page.locator("#breaker-opened-at")).to_have_text(RFC3339_MS)
+        opened_at = page.locator("#breaker-opened-at time")
+        await expect(opened_at).to_have_attribute("title", RFC3339_MS)
         error_event = page.locator("#events-table tbody tr.event-error")
         await expect(error_event.first).to_be_visible()
         await watched.shot("07-breaker-open")
@@ -351,6 +390,17 @@ async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> 
         assert await page.evaluate("() => document.activeElement.textContent") == "List episodes"
         await keyboard.press("Tab")
         assert await page.evaluate("() => document.activeElement.textContent") == "Delete"
+        # Delete asks first, on Cancel: Enter keeps the episode, back on Delete.
+        await keyboard.press("Enter")
+        await expect(page.get_by_role("button", name="Cancel")).to_be_focused()
+        await keyboard.press("Enter")
+        await expect(page.get_by_role("button", name="Delete episode")).to_be_focused()
+        await expect(page.locator("#episodes-table tbody tr")).to_have_count(1)
+        # Asked again: Shift+Tab to "Yes, delete", Enter.
+        await keyboard.press("Enter")
+        await expect(page.get_by_role("button", name="Cancel")).to_be_focused()
+        await keyboard.press("Shift+Tab")
+        assert await page.evaluate("() => document.activeElement.textContent") == "Yes, delete"
         await keyboard.press("Enter")
         await expect(page.locator("#episodes-table tbody tr")).to_have_count(0)
         # The focus does not fall out of the page.
@@ -392,3 +442,106 @@ async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:
         await expect(page.locator("#console")).to_be_hidden()
         watched.assert_clean(short)
         await context.close()
+
+
+# What a page that fits its screen has: nothing wider than the window (the page's own width,
+# and that of any scrolling region in it), every button and field wholly inside the window.
+FITS = """() => {
+    const width = window.innerWidth;
+    const outside = [];
+    for (const el of document.querySelectorAll('button, input')) {
+        const box = el.getBoundingClientRect();
+        if (box.width === 0 && box.height === 0) continue;  // hidden
+        if (box.left < 0 || box.right > width) {
+            outside.push((el.id || el.textContent) + ' ' + box.left + '..' + box.right);
+        }
+    }
+    const scrollers = Array.from(document.querySelectorAll('.scroller'))
+        .filter(el => el.scrollWidth > el.clientWidth).map(el => el.id || el.className);
+    return {page: document.documentElement.scrollWidth, width, outside, scrollers};
+}"""
+
+BOXES = """ids => Object.fromEntries(ids.map(id => {
+    const box = document.getElementById(id).getBoundingClientRect();
+    return [id, [box.left, box.top, box.right]];
+}))"""
+
+
+async def test_a_phone_and_a_wide_screen_in_local_time(tmp_path: Path) -> None:
+    shots = artifact_dir("console")
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        await stack.say("rpc", ALICE, FACT)
+        await stack.say("rpc", ALICE, OTHER)
+        await stack.settle()
+        listed = await stack.result(ADMIN, "memory.list", {"scope": "alice"})
+        for width, height, name in ((420, 860, "10-phone-420px"), (1600, 1000, "11-wide-1600px")):
+            context = await browser.new_context(
+                viewport={"width": width, "height": height}, timezone_id=ZONE
+            )
+            watched = await open_console(stack, context, shots)
+            page = watched.page
+            fits = await page.evaluate(FITS)
+            assert fits["page"] <= fits["width"] == width and fits["outside"] == [], fits
+
+            await sign_in(page, ADMIN)
+            await expect(page.locator("#breaker")).to_have_text("closed")
+            # Every panel in use: a recall, Alice's episodes, the question a Delete asks.
+            await page.get_by_label("Query").fill(ASK)
+            await page.locator("#recall-scope").fill("alice")
+            await page.get_by_label("Query").press("Enter")
+            await expect(page.locator("#recall-section")).to_contain_text("4417")
+            await page.locator("#episodes-scope").fill("alice")
+            await page.locator("#episodes-scope").press("Enter")
+            rows = page.locator("#episodes-table tbody tr")
+            await expect(rows).to_have_count(2)
+            await rows.first.get_by_role("button", name="Delete episode").click()
+            await expect(page.get_by_role("button", name="Yes, delete")).to_be_visible()
+            await expect(page.locator("#events-table tbody tr.event-recall").first).to_be_visible()
+
+            fits = await page.evaluate(FITS)
+            assert fits["page"] <= fits["width"] == width, fits
+            assert fits["outside"] == [] and fits["scrollers"] == [], fits
+
+            # Times are the zone's local clock, the UTC string they came as on hover: each
+            # episode's, each event's, the status's; the panels name the zone.
+            times = await shown_times(page)
+            assert {title for _, title in times} >= {m["at"] for m in listed["memories"]}
+            assert len(times) >= len(listed["memories"]) + 3  # an event and "Refreshed" too
+            for shown, title in times:
+                assert RFC3339_MS.match(title), title
+                assert shown == local(title, ZONE_OFFSET), (shown, title)
+            # (named as the browser names it: ICU says "Asia/Katmandu")
+            zone = await page.evaluate("() => Intl.DateTimeFormat().resolvedOptions().timeZone")
+            assert "mandu" in zone
+            await expect(page.locator("#events-panel .time-zone")).to_have_text(
+                f"{zone}, UTC+05:45"
+            )
+            await expect(page.locator("#who time")).to_have_attribute("title", RFC3339_MS)
+
+            panels = ["console", "status-panel", "turns-panel", "recall-panel"]
+            panels += ["episodes-panel", "events-panel"]
+            boxes = await page.evaluate(BOXES, panels)
+            console = boxes["console"]
+            if width >= 1400:
+                # The width is used: the panels span the window (less its margins), the status
+                # beside the turns, the recall tester beside the episodes, the feed below.
+                assert console[2] - console[0] >= 0.95 * width - 40, boxes
+                status, turns = boxes["status-panel"], boxes["turns-panel"]
+                recall, episodes = boxes["recall-panel"], boxes["episodes-panel"]
+                assert status[1] == turns[1] and status[2] < turns[0], boxes
+                assert recall[1] == episodes[1] and recall[2] < episodes[0], boxes
+                assert boxes["events-panel"][1] > recall[1], boxes
+                assert boxes["events-panel"][2] - boxes["events-panel"][0] >= 0.95 * width - 40
+            else:
+                # One column: every panel starts at the same left edge, one below the other.
+                lefts = {boxes[p][0] for p in panels[1:]}
+                tops = [boxes[p][1] for p in panels[1:]]
+                assert len(lefts) == 1 and tops == sorted(tops), boxes
+            await watched.shot(name)
+
+            # Cancelled: both episodes are still there.
+            await page.get_by_role("button", name="Cancel").click()
+            await expect(rows.get_by_role("button", name="Delete episode")).to_have_count(2)
+            watched.assert_clean(ADMIN)
+            await context.close()
+        assert len((await stack.result(ADMIN, "memory.list", {"scope": "alice"}))["memories"]) == 2

@@ -103,6 +103,11 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         CREATE INDEX outbox_by_episode ON outbox (episode_id) WHERE episode_id <> '';
         """,
     ),
+    Migration(
+        3,
+        "outbox episodes keep when they happened (NULL: when they were queued)",
+        "ALTER TABLE outbox ADD COLUMN occurred_us bigint;",
+    ),
 )
 
 # The errors that mean "the database is not there" (as opposed to a bug in a query).

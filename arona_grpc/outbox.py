@@ -65,6 +65,8 @@ _SQLITE_STEPS: tuple[SqliteStep, ...] = (
     ALTER TABLE episodes ADD COLUMN episode_id TEXT NOT NULL DEFAULT '';
     CREATE INDEX IF NOT EXISTS episodes_by_id ON episodes (episode_id) WHERE episode_id != '';
     """,
+    # 4: when the episode happened (NULL in rows of earlier versions: when it was queued).
+    "ALTER TABLE episodes ADD COLUMN occurred_us INTEGER;",
 )
 
 
@@ -81,6 +83,8 @@ class OutboxEntry:
     scope_id: str = ""
     # The caller's id of the episode ("" for none).
     episode_id: str = ""
+    # When it happened, in POSIX microseconds (queued without a time: when it was queued).
+    occurred_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,16 +98,24 @@ class _Counts:
 # writeback during an outage reads the whole outbox.
 SQLITE_HAS = "SELECT 1 FROM episodes WHERE episode_id = ? AND episode_id != '' LIMIT 1"
 PG_PUT = (
-    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
-    " VALUES ($1, $2, $3, $4, $5) RETURNING seq"
+    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id, occurred_us)"
+    " VALUES ($1, $2, $3, $4, $5, $6) RETURNING seq"
 )
 # No row (seq NULL) when the episode is already queued (the same lookup as SQLITE_HAS).
 PG_PUT_UNLESS_QUEUED = (
-    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id)"
-    " SELECT $1, $2, $3, $4, $5::text WHERE NOT EXISTS"
+    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id, occurred_us)"
+    " SELECT $1, $2, $3, $4, $5::text, $6::bigint WHERE NOT EXISTS"
     " (SELECT 1 FROM outbox WHERE episode_id = $5::text AND episode_id <> '')"
     " RETURNING seq"
 )
+
+
+# The columns of an OutboxEntry, on both backends.
+_ENTRY_COLUMNS = "seq, text, node_type, scope_id, episode_id, coalesce(occurred_us, queued_us)"
+
+
+def _entry(row: Any) -> OutboxEntry:
+    return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), int(row[5]))
 
 
 class _OutboxFile:
@@ -123,7 +135,13 @@ class _OutboxFile:
         return self._counts()
 
     def put(
-        self, text: str, node_type: str, scope_id: str, episode_id: str, unless_queued: bool
+        self,
+        text: str,
+        node_type: str,
+        scope_id: str,
+        episode_id: str,
+        occurred_us: int | None,
+        unless_queued: bool,
     ) -> tuple[int | None, _Counts]:
         if self._db is None:
             self._open()
@@ -132,9 +150,10 @@ class _OutboxFile:
             return None, self._counts()
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (text, node_type, int(time.time() * 1_000_000), scope_id, episode_id),
+                "INSERT INTO episodes"
+                " (text, node_type, queued_us, scope_id, episode_id, occurred_us)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (text, node_type, int(time.time() * 1_000_000), scope_id, episode_id, occurred_us),
             )
             seq = int(cursor.lastrowid or 0)
             self._depth += 1
@@ -164,11 +183,9 @@ class _OutboxFile:
         if self._db is None:
             return None
         row = self._db.execute(
-            "SELECT seq, text, node_type, scope_id, episode_id FROM episodes ORDER BY seq LIMIT 1"
+            f"SELECT {_ENTRY_COLUMNS} FROM episodes ORDER BY seq LIMIT 1"
         ).fetchone()
-        if row is None:
-            return None
-        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
+        return _entry(row) if row is not None else None
 
     def remove(self, seq: int) -> _Counts:
         if self._db is not None:
@@ -267,9 +284,12 @@ class Outbox(_Kept):
         scope_id: str = "",
         episode_id: str = "",
         *,
+        occurred_us: int | None = None,
         unless_queued: bool = False,
     ) -> asyncio.Future[int | None]:
         """Queue one episode; a future of its sequence number.
+
+        ``occurred_us``: when it happened (POSIX microseconds); None: when it is queued.
 
         ``unless_queued``: an episode whose ``episode_id`` is already waiting is not queued
         again, and the future's result is None (one trip to the worker thread for both).
@@ -302,7 +322,7 @@ class Outbox(_Kept):
                 done.set_result(seq)
 
         self._submit(
-            self._file.put, text, node_type, scope_id, episode_id, unless_queued
+            self._file.put, text, node_type, scope_id, episode_id, occurred_us, unless_queued
         ).add_done_callback(committed)
         return done
 
@@ -383,13 +403,21 @@ class PostgresOutbox(_Kept):
         scope_id: str = "",
         episode_id: str = "",
         *,
+        occurred_us: int | None = None,
         unless_queued: bool = False,
     ) -> asyncio.Future[int | None]:
         if self._closed:
             raise OutboxClosed("the outbox is closed")
         self._unsettled += 1
         task = asyncio.get_running_loop().create_task(
-            self._put(text, node_type, scope_id, episode_id, unless_queued and bool(episode_id))
+            self._put(
+                text,
+                node_type,
+                scope_id,
+                episode_id,
+                occurred_us,
+                unless_queued and bool(episode_id),
+            )
         )
         self._writes.add(task)
         task.add_done_callback(self._settled)
@@ -400,7 +428,13 @@ class PostgresOutbox(_Kept):
         self._unsettled -= 1
 
     async def _put(
-        self, text: str, node_type: str, scope_id: str, episode_id: str, unless_queued: bool
+        self,
+        text: str,
+        node_type: str,
+        scope_id: str,
+        episode_id: str,
+        occurred_us: int | None,
+        unless_queued: bool,
     ) -> int | None:
         async def work(conn: Any) -> tuple[int | None, int, int]:
             async with conn.transaction():
@@ -411,6 +445,7 @@ class PostgresOutbox(_Kept):
                     scope_id,
                     int(time.time() * 1_000_000),
                     episode_id,
+                    occurred_us,
                 )
                 if seq is None:  # already queued: nothing changed
                     return None, self._depth, self._dropped
@@ -450,14 +485,14 @@ class PostgresOutbox(_Kept):
             " WHERE seq = (SELECT seq FROM outbox"
             "  WHERE claimed_until IS NULL OR claimed_until < now()"
             "  ORDER BY seq FOR UPDATE SKIP LOCKED LIMIT 1)"
-            " RETURNING seq, text, node_type, scope_id, episode_id",
+            f" RETURNING {_ENTRY_COLUMNS}",
             self._owner,
             self._claim_s,
         )
         if row is None:
             await self.refresh()
             return None
-        return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]))
+        return _entry(row)
 
     async def remove(self, seq: int) -> None:
         row = await self._fetchrow(

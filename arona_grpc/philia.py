@@ -94,6 +94,16 @@ _METRIC_METHODS = {
 }
 
 
+# The store property carrying when an episode happened; absent means now.
+OCCURRED_AT = "occurred_at"
+
+
+def occurred_at_text(seconds: float) -> str:
+    """POSIX ``seconds`` as Philia's ``occurred_at`` property: RFC 3339 UTC, whole seconds
+    (the fraction is dropped), ``Z``: ``"2023-05-08T13:56:00Z"``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.floor(seconds)))
+
+
 @dataclass(frozen=True)
 class PhiliaMemory:
     """One recalled node, as Philia ranks it (best first)."""
@@ -456,15 +466,22 @@ class PhiliaClient:
         )
 
     async def store(
-        self, text: str, node_type: str = "episode", *, timeout_s: float | None = None
+        self,
+        text: str,
+        node_type: str = "episode",
+        *,
+        occurred_at: float | None = None,
+        timeout_s: float | None = None,
     ) -> str:
-        """``Sync.MemoryStoreRequest``: store one node and return its id."""
-        return await self._call(
-            STORE_METHOD,
-            {"text": text, "node_type": node_type},
-            _parse_node_id,
-            timeout_s,
-        )
+        """``Sync.MemoryStoreRequest``: store one node and return its id.
+
+        ``occurred_at`` (POSIX seconds) goes as the ``occurred_at`` property (see
+        :func:`occurred_at_text`); None sends no properties (Philia takes now).
+        """
+        params: dict[str, Any] = {"text": text, "node_type": node_type}
+        if occurred_at is not None:
+            params["properties"] = {OCCURRED_AT: occurred_at_text(occurred_at)}
+        return await self._call(STORE_METHOD, params, _parse_node_id, timeout_s)
 
     async def delete(self, node_id: str, *, timeout_s: float | None = None) -> bool:
         """``Sync.MemoryDeleteRequest``: whether the node existed."""

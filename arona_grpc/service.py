@@ -32,6 +32,11 @@ Robustness, all in front of the one Philia client:
   recovery stores each one exactly once; a store whose answer was lost (a timeout,
   a link cut mid-call) may be stored twice. The healthy path (breaker closed, outbox
   empty) never touches SQLite.
+- **Dated episodes**: a writeback may say when its turn happened (``occurred_at``, POSIX
+  seconds; :func:`checked_occurred_at` says what is accepted); Philia receives it as the
+  store request's ``occurred_at`` property. Without one, the healthy path sends no property
+  (Philia dates the episode itself, now), and an episode kept in the outbox is dated when
+  the service received it: a replay after an outage never makes old turns look new.
 - **Shutdown** (:meth:`MemoryDomain.aclose`): in-flight writebacks and the replay get
   a grace period; episodes still in flight after it are kept in the outbox for the
   next start.
@@ -93,6 +98,9 @@ MAX_REPLAY_BACKOFF_S = 60.0
 OUTBOX_WATCH_S = 2.0
 # How many replayed node ids are remembered for writebacks waiting on them.
 _REPLAYED_MEMORY = 1024
+# How far ahead of the service's clock a writeback's occurred_at may be (the caller's clock
+# runs ahead): up to this it counts as now, beyond it the call is refused.
+MAX_FUTURE_SKEW_S = 300.0
 
 
 class MemoryState(enum.Enum):
@@ -246,6 +254,32 @@ def without_memory_section(text: str) -> str:
     return _BLANK_RUN.sub("\n\n", _SECTION_BLOCK.sub("", text)).strip()
 
 
+def checked_occurred_at(occurred_at: float | None, now: float) -> float | None:
+    """A writeback's ``occurred_at`` (POSIX seconds) as stored: None stays None (now); a
+    time up to :data:`MAX_FUTURE_SKEW_S` ahead of ``now`` becomes ``now``.
+
+    Raises :class:`InvalidArgument` for a time before 1970-01-01T00:00:00Z or further ahead.
+    """
+    if occurred_at is None:
+        return None
+    if not occurred_at >= 0.0:  # NaN too
+        raise InvalidArgument("occurred_at is before 1970-01-01T00:00:00Z")
+    if occurred_at > now + MAX_FUTURE_SKEW_S:
+        ahead = _rfc3339(occurred_at)
+        raise InvalidArgument(
+            f"occurred_at {ahead} is in the future (more than {MAX_FUTURE_SKEW_S:.0f} s "
+            "ahead of the memory service's clock)"
+        )
+    return min(occurred_at, now)
+
+
+def _rfc3339(seconds: float) -> str:
+    try:
+        return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return f"{seconds:.0f} s after 1970"
+
+
 def episode_text(user: str, assistant: str) -> str:
     """``User: …\\nAssistant: …`` with an empty (or blank) side left out.
 
@@ -263,8 +297,18 @@ class _Episode:
     scope_id: str
     # The caller's id of the episode ("" for none).
     episode_id: str = ""
+    # When it happened (POSIX seconds), as the caller said; None: now.
+    occurred_at: float | None = None
+    # When the service received it: the outbox dates an episode without occurred_at so.
+    received: float = 0.0
     # Set once the outbox has it: a failure after that still leaves it safe.
     kept: bool = False
+
+    @property
+    def occurred_us(self) -> int:
+        """When it happened, in POSIX microseconds, for the outbox."""
+        at = self.received if self.occurred_at is None else self.occurred_at
+        return int(at * 1_000_000)
 
 
 @dataclass
@@ -454,9 +498,17 @@ class MemoryDomain:
         return RecallOutcome(MemoryState.ENABLED, kept, section)
 
     async def writeback(
-        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+        self,
+        user: str,
+        assistant: str,
+        scope: str = "",
+        episode_id: str = "",
+        occurred_at: float | None = None,
     ) -> WritebackOutcome:
         """Store the turn as an episode, unless memory or writeback is off or it is empty.
+
+        ``occurred_at`` (POSIX seconds; None: now) is when the turn happened; see
+        :func:`checked_occurred_at` for what is refused.
 
         In ``user`` mode the episode's node type is ``episode:<scope id>`` (an empty scope is
         refused). An episode that cannot be stored now is kept in the outbox (the error says
@@ -466,6 +518,8 @@ class MemoryDomain:
         index), so the caller's next ``List`` shows it.
         """
         sid = self._scope_id(scope)
+        received = time.time()
+        occurred_at = checked_occurred_at(occurred_at, received)
         if self._client is None or self._outbox is None:
             return WritebackOutcome(stored=False)
         node_type = scoped_node_type(sid) if self._user_scoped else EPISODE_NODE_TYPE
@@ -479,7 +533,7 @@ class MemoryDomain:
         )
         if not text:
             return WritebackOutcome(stored=False)
-        episode = _Episode(text, node_type, sid, episode_id)
+        episode = _Episode(text, node_type, sid, episode_id, occurred_at, received)
         try:
             outcome = await self._writeback(episode)
         except MemoryDomainError as exc:
@@ -515,7 +569,7 @@ class MemoryDomain:
         record = self._inflight[key] = _InFlight(episode)
         self._inflight_idle.clear()
         try:
-            node_id = await self._client.store(text, node_type)
+            node_id = await self._client.store(text, node_type, occurred_at=episode.occurred_at)
         except PhiliaError as exc:
             self._judged(permit, exc)
             # Recorded before the outbox write, so Status shows the failure at once.
@@ -671,6 +725,7 @@ class MemoryDomain:
                     episode.node_type,
                     episode.scope_id,
                     episode.episode_id,
+                    occurred_us=episode.occurred_us,
                     unless_queued=True,
                 )
             )
@@ -691,7 +746,11 @@ class MemoryDomain:
         assert self._outbox is not None
         try:
             self._outbox.put(
-                episode.text, episode.node_type, episode.scope_id, episode.episode_id
+                episode.text,
+                episode.node_type,
+                episode.scope_id,
+                episode.episode_id,
+                occurred_us=episode.occurred_us,
             ).add_done_callback(_ignore_result)
         except OutboxClosed:
             logger.error("an in-flight writeback was lost: the outbox is already closed")
@@ -750,7 +809,9 @@ class MemoryDomain:
                 await self._pause(self._breaker.cooldown_left())
                 continue
             try:
-                node_id = await self._client.store(entry.text, entry.node_type)
+                node_id = await self._client.store(
+                    entry.text, entry.node_type, occurred_at=entry.occurred_us / 1_000_000
+                )
             except PhiliaError as exc:
                 self._judged(permit, exc)
                 failures += 1

@@ -122,7 +122,11 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         try:
             _adopt_request_id(context)
             outcome = await self._domain.writeback(
-                request.user, request.assistant, request.scope, request.episode_id
+                request.user,
+                request.assistant,
+                request.scope,
+                request.episode_id,
+                _occurred_at(request),
             )
             logger.debug("Writeback: %s", outcome.node_id if outcome.stored else "not stored")
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
@@ -182,6 +186,16 @@ def _adopt_request_id(context: Context) -> None:
             if request_id is not None:
                 REQUEST_ID.set(request_id)
             return
+
+
+def _occurred_at(request: pb.WritebackRequest) -> float | None:
+    """The request's ``occurred_at`` in POSIX seconds; None when unset (now)."""
+    if not request.HasField("occurred_at"):
+        return None
+    at = request.occurred_at
+    if not 0 <= at.nanos < 1_000_000_000:
+        raise InvalidArgument("occurred_at.nanos must be from 0 to 999999999")
+    return at.seconds + at.nanos / 1e9
 
 
 def _fill_recall(reply: pb.RecallResponse, outcome: RecallOutcome) -> None:
@@ -311,7 +325,9 @@ class _Exchange:
                 _fill_recall(self._out.replies.add(id=call.id).recall, outcome)
             elif kind == "writeback":
                 wb = call.writeback
-                done = await self._domain.writeback(wb.user, wb.assistant, wb.scope, wb.episode_id)
+                done = await self._domain.writeback(
+                    wb.user, wb.assistant, wb.scope, wb.episode_id, _occurred_at(wb)
+                )
                 logger.debug("Writeback: %s", done.node_id if done.stored else "not stored")
                 reply = self._out.replies.add(id=call.id).writeback
                 reply.stored = done.stored

@@ -68,6 +68,14 @@ class Journaled:
     assistant: str
     scope: str
     episode_id: str
+    # When the turn was journaled (POSIX microseconds): sent as its time when it is sent
+    # again, so a turn that waited out an outage keeps its own time. 0: unknown (now).
+    at_us: int = 0
+
+    @property
+    def occurred_at(self) -> float | None:
+        """When the turn happened, in POSIX seconds; None when unknown."""
+        return self.at_us / 1_000_000 if self.at_us else None
 
 
 def _line(entry: Journaled) -> bytes:
@@ -77,7 +85,7 @@ def _line(entry: Journaled) -> bytes:
         "assistant": entry.assistant,
         "scope": entry.scope,
         "episode_id": entry.episode_id,
-        "at_us": int(time.time() * 1_000_000),
+        "at_us": entry.at_us,
     }
     # ASCII: any str survives the trip, a lone surrogate included.
     return json.dumps(record, separators=(",", ":")).encode() + b"\n"
@@ -117,6 +125,7 @@ def read_journal(path: Path) -> list[Journaled]:
                 str(record["assistant"]),
                 str(record["scope"]),
                 str(record["episode_id"]),
+                int(record.get("at_us") or 0),
             )
         except (KeyError, TypeError, ValueError):
             logger.warning("skipped a journal line that is not an episode")
@@ -214,7 +223,9 @@ class Journal:
 
     def add(self, user: str, assistant: str, scope: str) -> Journaled:
         """Keep one episode (in the file when this returns)."""
-        entry = Journaled(self._next, user, assistant, scope, uuid.uuid4().hex)
+        entry = Journaled(
+            self._next, user, assistant, scope, uuid.uuid4().hex, int(time.time() * 1_000_000)
+        )
         self._next += 1
         line = _line(entry)
         if self._dropped:
@@ -401,7 +412,7 @@ class Journal:
                 continue  # a running process's
             orphans.append((other, fd))
             for entry in read_journal(other):
-                self._keep(entry.user, entry.assistant, entry.scope, entry.episode_id)
+                self._keep(entry.user, entry.assistant, entry.scope, entry.episode_id, entry.at_us)
                 taken += 1
         legacies = sorted(self.path.parent.glob(f"{_PREFIX}*.db"))
         for legacy in legacies:
@@ -412,8 +423,8 @@ class Journal:
             logger.info("took over %d journaled episode(s) of a stopped process", taken)
         return orphans, legacies
 
-    def _keep(self, user: str, assistant: str, scope: str, episode_id: str) -> None:
-        entry = Journaled(self._next, user, assistant, scope, episode_id)
+    def _keep(self, user: str, assistant: str, scope: str, episode_id: str, at_us: int = 0) -> None:
+        entry = Journaled(self._next, user, assistant, scope, episode_id, at_us)
         self._next += 1
         self._live[entry.id] = entry
 

@@ -271,9 +271,16 @@ class MemoryClient:
         return RecallDetail(state, reply.section, memories)
 
     async def writeback(
-        self, user: str, assistant: str, scope: str = "", episode_id: str = ""
+        self,
+        user: str,
+        assistant: str,
+        scope: str = "",
+        episode_id: str = "",
+        occurred_at: float | None = None,
     ) -> bool:
         """Hand one turn to the memory service; whether the service took it.
+
+        ``occurred_at`` (POSIX seconds) is when the turn happened; None: now.
 
         Taken: stored, not wanted (memory or writeback off, an empty turn), or kept in the
         service's outbox although the call failed (it says so in a trailer). Not taken: the
@@ -296,15 +303,20 @@ class MemoryClient:
                     request.assistant = assistant
                     request.scope = scope
                     request.episode_id = episode_id
+                    if occurred_at is not None:
+                        request.occurred_at.FromNanoseconds(int(occurred_at * 1e9))
                     reply = (await stream.reply(call_id, left_s)).writeback
             except CallFailed as exc:
                 return self._writeback_failed(exc.code, exc.details, exc.queued)
         if reply is None:
+            unary = pb.WritebackRequest(
+                user=user, assistant=assistant, scope=scope, episode_id=episode_id
+            )
+            if occurred_at is not None:
+                unary.occurred_at.FromNanoseconds(int(occurred_at * 1e9))
             try:
                 reply = await self._unary()[0].Writeback(
-                    pb.WritebackRequest(
-                        user=user, assistant=assistant, scope=scope, episode_id=episode_id
-                    ),
+                    unary,
                     timeout=left_s,
                     metadata=self._call_metadata(),
                 )

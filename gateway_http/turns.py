@@ -346,7 +346,7 @@ class TurnPipeline:
             if item.id in self._sending:
                 continue
             if not await self._memory.writeback(
-                item.user, item.assistant, item.scope, item.episode_id
+                item.user, item.assistant, item.scope, item.episode_id, item.occurred_at
             ):
                 # The service is still away: the next successful writeback tries again.
                 self._journal_behind = True

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sqlite3
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from arona_grpc import outbox as outbox_module
 from arona_grpc.config import Settings
+from arona_grpc.database import sqlite_migrate
 from arona_grpc.outbox import AnyOutbox, Outbox, OutboxClosed, open_outbox
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
@@ -96,6 +100,49 @@ async def test_overflow_drops_the_oldest_and_counts_them_across_restarts(on: Bac
     assert (again.depth, again.dropped) == (3, 2)
     assert await texts_of(again) == ["e2", "e3", "e4"]
     await again.aclose()
+
+
+async def test_an_episode_keeps_when_it_happened_across_a_reopen(on: Backend) -> None:
+    outbox = on.outbox(10)
+    before_us = int(time.time() * 1_000_000)
+    await outbox.put("dated", "episode", occurred_us=1_683_554_160_000_000)
+    await outbox.put("undated", "episode")
+    after_us = int(time.time() * 1_000_000)
+    await outbox.aclose()
+
+    again = on.outbox(10)
+    await again.load()
+    dated = await again.oldest()
+    assert dated is not None and (dated.text, dated.occurred_us) == (
+        "dated",
+        1_683_554_160_000_000,
+    )
+    await again.remove(dated.seq)
+    undated = await again.oldest()
+    # Queued without a time: dated when it was queued.
+    assert undated is not None and before_us <= undated.occurred_us <= after_us
+    await again.aclose()
+
+
+async def test_an_outbox_of_an_earlier_version_replays_with_the_queued_time(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "outbox.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    sqlite_migrate(db, outbox_module._SQLITE_STEPS[:3], "an outbox of version 3")
+    db.execute(
+        "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id)"
+        " VALUES ('from before', 'episode', 1600000000000000, '', '')"
+    )
+    db.close()
+    outbox = Outbox(tmp_path, 10)
+    await outbox.load()
+    entry = await outbox.oldest()
+    assert entry is not None and (entry.text, entry.occurred_us) == (
+        "from before",
+        1_600_000_000_000_000,
+    )
+    await outbox.aclose()
 
 
 async def test_a_full_outbox_warns_once_not_on_every_drop(on: Backend) -> None:

@@ -219,14 +219,19 @@ async def test_an_outbox_from_before_scopes_is_read_and_replayed(
                 node_type TEXT NOT NULL, queued_us INTEGER NOT NULL);
             CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
             INSERT INTO episodes (text, node_type, queued_us)
-                VALUES ('User: old turn', 'episode', 1);
+                VALUES ('User: old turn', 'episode', 1600000000000000);
             """
         )
     domain = MemoryDomain(settings_for(fake, tmp_path))
     try:
         await domain.start()
         [store] = await fake.wait_frames(STORE)
-        assert store["params"] == {"text": "User: old turn", "node_type": "episode"}
+        # Dated when it was queued (the rows of earlier versions have no time of their own).
+        assert store["params"] == {
+            "text": "User: old turn",
+            "node_type": "episode",
+            "properties": {"occurred_at": "2020-09-13T12:26:40Z"},
+        }
     finally:
         await domain.aclose()
 

@@ -128,9 +128,10 @@ async def test_an_episode_sent_again_is_found_by_the_index_on_each_backend(
             await conn.execute("SET plan_cache_mode = force_generic_plan")
             await conn.execute("SET enable_seqscan = off")
             await conn.execute(
-                f"PREPARE put_episode(text, text, text, bigint, text) AS {PG_PUT_UNLESS_QUEUED}"
+                "PREPARE put_episode(text, text, text, bigint, text, bigint)"
+                f" AS {PG_PUT_UNLESS_QUEUED}"
             )
-            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x')")
+            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x', 1)")
         finally:
             await conn.close()
         plan = " ".join(row[0] for row in rows)

@@ -8,9 +8,11 @@ episodes still queued (the rest stored after the restart).
 from __future__ import annotations
 
 import asyncio
+import calendar
 import contextlib
 import logging
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +35,8 @@ N = 6
 # re-opened for its 30 s and the replay never started. A recall that fails at once (Philia
 # refused) does not wait for any budget, so a long one changes nothing else here.
 OUTBOX_BUDGET = {"memory_recall_budget_ms": 10_000}
+# The occurred_at property Philia receives.
+RFC3339 = "%Y-%m-%dT%H:%M:%SZ"
 
 
 class Writebacks:
@@ -44,10 +48,14 @@ class Writebacks:
         self._changed = asyncio.Condition()
 
         async def counted(
-            user: str, assistant: str, scope: str = "", episode_id: str = ""
+            user: str,
+            assistant: str,
+            scope: str = "",
+            episode_id: str = "",
+            occurred_at: float | None = None,
         ) -> WritebackOutcome:
             try:
-                return await original(user, assistant, scope, episode_id)
+                return await original(user, assistant, scope, episode_id, occurred_at)
             finally:
                 async with self._changed:
                     self.done += 1
@@ -222,17 +230,21 @@ async def test_shutdown_keeps_an_in_flight_writeback_for_the_next_start(
 async def test_a_turn_answered_while_the_grpc_service_is_down_is_sent_at_the_next_start(
     tmp_path: Path,
 ) -> None:
-    """The writeback journal: the service never got the episode, the HTTP layer keeps it."""
+    """The writeback journal: the service never got the episode, the HTTP layer keeps it,
+    and sends it with the time of its turn (not the time of the next start)."""
     async with running_stack(
         tmp_path, memory_writeback=True, grpc_target=f"127.0.0.1:{closed_port()}"
     ) as stack:
+        before = int(time.time())
         turn = await stack.turn("rest", [{"role": "user", "content": "keep me too"}])
+        answered = time.time()
         assert (turn.status, turn.memory) == (200, "offline")
         # Leaving the block drains the writeback, which fails: nobody took the episode.
     assert stack.philia.frames_of(STORE) == []
 
     async with running_stack(tmp_path, memory_writeback=True) as stack:
         await asyncio.wait_for(stack.philia.wait_stored(1), 10)
-    assert [s["text"] for s in stack.philia.stored] == [
-        "User: keep me too\nAssistant: reply to: keep me too"
-    ]
+    [stored] = stack.philia.stored
+    assert stored["text"] == "User: keep me too\nAssistant: reply to: keep me too"
+    sent = calendar.timegm(time.strptime(stored["properties"]["occurred_at"], RFC3339))
+    assert before <= sent <= answered

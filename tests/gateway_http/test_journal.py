@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,23 @@ def test_any_text_survives_a_restart(tmp_path: Path) -> None:
     journal.close()
     [entry] = read_journal(tmp_path / "journal.log")
     assert (entry.user, entry.assistant, entry.scope) == (text, text, "key:ünïcode")
+
+
+def test_a_turn_keeps_the_time_it_was_journaled_across_restarts(tmp_path: Path) -> None:
+    before = time.time()
+    journal = Journal(tmp_path / "journal.log")
+    entry = journal.add("when was this?", "then", "")
+    after = time.time()
+    journal.close()
+    assert entry.occurred_at is not None and before - 1e-6 <= entry.occurred_at <= after
+    # A start rewrites the file, and a process taking over a dead one's file copies it: the
+    # episode is sent with the time of its turn, however late that is.
+    again = Journal(tmp_path / "journal.log")
+    assert [e.occurred_at for e in again.pending()] == [entry.occurred_at]
+    again.close()
+    os.rename(tmp_path / "journal.log", tmp_path / "journal-3.log")
+    taken = Journal(tmp_path / "journal.log")
+    assert [(e.user, e.occurred_at) for e in taken.pending()] == [
+        ("when was this?", entry.occurred_at)
+    ]
+    taken.close()

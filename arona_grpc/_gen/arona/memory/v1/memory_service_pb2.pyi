@@ -206,6 +206,7 @@ class WritebackRequest(_message.Message):
     ASSISTANT_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
     EPISODE_ID_FIELD_NUMBER: _builtins.int
+    OCCURRED_AT_FIELD_NUMBER: _builtins.int
     user: _builtins.str
     assistant: _builtins.str
     scope: _builtins.str
@@ -215,6 +216,15 @@ class WritebackRequest(_message.Message):
     episode whose id is already waiting in the outbox is not queued twice (the
     call fails as queued). Empty: no such check.
     """
+    @_builtins.property
+    def occurred_at(self) -> _timestamp_pb2.Timestamp:
+        """When the turn happened (history being imported, a turn sent again after an
+        outage); unset means now. Philia receives it as the episode's
+        "occurred_at" property (RFC 3339, UTC, whole seconds). Before 1970 or more
+        than 5 minutes ahead of the service's clock is INVALID_ARGUMENT; a time
+        less ahead than that (clock skew) counts as now.
+        """
+
     def __init__(
         self,
         *,
@@ -222,10 +232,11 @@ class WritebackRequest(_message.Message):
         assistant: _builtins.str = ...,
         scope: _builtins.str = ...,
         episode_id: _builtins.str = ...,
+        occurred_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "episode_id", b"episode_id", "scope", b"scope", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant", b"assistant", "episode_id", b"episode_id", "occurred_at", b"occurred_at", "scope", b"scope", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

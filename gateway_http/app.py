@@ -31,7 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
-from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, bearer
+from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import (
@@ -238,9 +238,12 @@ def create_app(
         if api_keys.open:
             logger.warning("ARONA_API_KEYS is not set: the REST /v1 endpoints are open")
         if not settings.jwt_secret:
-            logger.warning("ARONA_JWT_SECRET is not set: every JSON-RPC method is refused")
+            logger.warning(
+                "ARONA_JWT_SECRET is not set: JSON-RPC refuses every JWT%s",
+                "" if api_keys.open else " (API keys still work)",
+            )
         verifier = JwtVerifier(settings.jwt_secret)
-        dispatcher = Dispatcher(verifier)
+        dispatcher = Dispatcher(RpcAuth(verifier, api_keys))
         rest_auth = RestAuth(api_keys, verifier)
         gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)

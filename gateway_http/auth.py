@@ -1,4 +1,4 @@
-"""Caller authentication for the HTTP layer: HS256 JWTs (JSON-RPC) and API keys (REST).
+"""Caller authentication for the HTTP layer: HS256 JWTs and API keys, on REST and JSON-RPC.
 
 JWTs are verified with PyJWT pinned to HS256 only, with ``exp`` and ``sub`` required; the
 verifier fails closed when no secret is configured. REST API keys are compared in constant
@@ -241,3 +241,24 @@ class RestAuth:
         if self.keys.open:
             return None
         raise AuthError(INVALID_API_KEY_MESSAGE, reason="unknown API key")
+
+
+class RpcAuth:
+    """Who a JSON-RPC caller is: one of ``ARONA_API_KEYS`` (its principal, ``key:<name>``,
+    never an admin), or a valid JWT (its ``sub``; an admin with ``"role": "admin"``).
+
+    A key holder manages its own memories and conversations on JSON-RPC as on REST, with no
+    JWT to mint. Without ``ARONA_JWT_SECRET`` JWTs are refused (fail closed); keys still work.
+    """
+
+    def __init__(self, verifier: JwtVerifier, keys: ApiKeys | None = None) -> None:
+        self._verifier = verifier
+        self._keys = keys if keys is not None and not keys.open else None
+
+    def principal(self, token: str | None) -> Principal:
+        """The caller's principal; raise :class:`AuthError` for anything less than valid."""
+        if token and self._keys is not None:
+            key_principal = self._keys.match(token)
+            if key_principal is not None:
+                return Principal(key_principal)
+        return self._verifier.principal(token)

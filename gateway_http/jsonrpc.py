@@ -5,10 +5,15 @@ lookup, params validation (pydantic), invoking the handler, and mapping every fa
 JSON-RPC error object. It knows nothing about the methods themselves; the application registers
 them. :func:`rpc_router` carries the dispatcher over two transports:
 
-* ``POST /api/rpc`` — one request or batch per body, JWT in ``Authorization: Bearer``;
-* ``GET /api/rpc`` (WebSocket) — one request or batch per message, JWT in ``?token=`` or
-  ``Authorization``; messages are handled concurrently and handlers may push notifications
-  (``ctx.notify``) to that socket.
+* ``POST /api/rpc`` — one request or batch per body, JWT (or API key) in
+  ``Authorization: Bearer``;
+* ``GET /api/rpc`` (WebSocket) — one request or batch per message, JWT (or API key) in
+  ``?token=`` or ``Authorization``; messages are handled concurrently and handlers may push
+  notifications (``ctx.notify``) to that socket.
+
+Who the credential belongs to is the authenticator's business (:class:`Authenticator`:
+a :class:`~gateway_http.auth.JwtVerifier`, or :class:`~gateway_http.auth.RpcAuth` that
+also takes the REST API keys).
 
 Validation order per request (like a2a-python's dispatcher): envelope (-32600) -> auth (-32005)
 -> method (-32601) -> params (-32602) -> handler. Handler bugs become -32603 with the traceback
@@ -21,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import pydantic
@@ -30,7 +35,7 @@ from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
 from arona_grpc.logs import REQUEST_ID, new_request_id
-from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, JwtVerifier, Principal, bearer
+from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, Principal, bearer
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,12 @@ _MAX_FIELD_ERRORS = 5
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
+class Authenticator(Protocol):
+    def principal(self, token: str | None) -> Principal:
+        """The caller behind ``token``; raise :class:`AuthError` for anything less than valid."""
+        ...
+
+
 class RpcError(Exception):
     """An error a handler wants the caller to see as-is (code, message and optional data)."""
 
@@ -69,7 +80,7 @@ class RpcError(Exception):
 class RpcContext:
     """What a handler knows about its caller."""
 
-    user: str  # JWT sub
+    user: str  # the principal: a JWT's sub, or an API key's key:<name>
     notify: Notify | None  # WebSocket push; None over HTTP
     # The JWT carries "role": "admin".
     admin: bool = False
@@ -134,7 +145,7 @@ def _params_message(exc: pydantic.ValidationError) -> tuple[str, list[dict[str, 
 class _Auth:
     """Verifies the token at most once per body, and only if a request actually needs it."""
 
-    def __init__(self, verifier: JwtVerifier, token: str | None) -> None:
+    def __init__(self, verifier: Authenticator, token: str | None) -> None:
         self._verifier = verifier
         self._token = token
         self._result: Principal | AuthError | None = None
@@ -152,9 +163,10 @@ class _Auth:
 
 
 class Dispatcher:
-    """Routes JSON-RPC 2.0 requests to registered handlers; every method requires a valid JWT."""
+    """Routes JSON-RPC 2.0 requests to registered handlers; every method requires a valid
+    credential (a JWT, or an API key when ``verifier`` takes them)."""
 
-    def __init__(self, verifier: JwtVerifier) -> None:
+    def __init__(self, verifier: Authenticator) -> None:
         self._verifier = verifier
         self._methods: dict[str, _Method] = {}
 

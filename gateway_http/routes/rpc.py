@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,7 +23,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    field_validator,
+    model_validator,
 )
 
 from gateway_http.auth import Principal, memory_scope
@@ -47,6 +48,17 @@ P = TypeVar("P", bound=BaseModel)
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 
 
+def _sane_user(value: str) -> str:
+    problem = user_error(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+# The OpenAI `user` field, as chat.send takes it: bounded, printable.
+User = Annotated[StrictStr, AfterValidator(_sane_user)]
+
+
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -59,41 +71,44 @@ class ChatSendParams(_Params):
     conversation_id: NonEmpty | None = None
     memory: StrictBool | None = None
     # The OpenAI `user` field: narrows the caller's memory scope.
-    user: StrictStr | None = None
-
-    @field_validator("user")
-    @classmethod
-    def _sane_user(cls, value: str | None) -> str | None:
-        problem = user_error(value)
-        if problem is not None:
-            raise ValueError(problem)
-        return value
+    user: User | None = None
 
 
 class StatusParams(_Params):
     limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
 
 
-class RecallParams(_Params):
+class _ScopeParams(_Params):
+    """Whose memory a memory method acts on: the caller's own scope, ``user`` to narrow it
+    as a turn's OpenAI ``user`` field did (``<principal>/<user>``), or ``scope`` naming one
+    (another's is an admin's right in user mode)."""
+
+    scope: NonEmpty | None = None
+    user: User | None = None
+
+    @model_validator(mode="after")
+    def _one_of_scope_and_user(self) -> _ScopeParams:
+        if self.scope is not None and self.user is not None:
+            raise ValueError("give 'scope' or 'user', not both")
+        return self
+
+
+class RecallParams(_ScopeParams):
     query: NonEmpty
     limit: Annotated[StrictInt, Field(ge=1, le=100)] = RECALL_LIMIT
-    scope: NonEmpty | None = None
 
 
-class DeleteParams(_Params):
+class DeleteParams(_ScopeParams):
     node_id: NonEmpty
-    # Another scope than the caller's own (an admin's right in user mode).
-    scope: NonEmpty | None = None
 
 
-class ListParams(_Params):
+class ListParams(_ScopeParams):
     limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
     before: NonEmpty | None = None
-    scope: NonEmpty | None = None
 
 
-class ForgetParams(_Params):
-    scope: NonEmpty | None = None
+class ForgetParams(_ScopeParams):
+    pass
 
 
 class CreateConversationParams(_Params):
@@ -135,10 +150,13 @@ def _not_allowed(what: str) -> GatewayError:
 def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
     user_scoped = gw.settings.user_scoped
 
-    def scope_for(ctx: RpcContext, requested: str | None) -> str:
-        """The scope a memory method acts on: the caller's own (or one they narrowed),
-        unless an admin (or anyone, in shared mode) names another."""
+    def scope_for(ctx: RpcContext, params: _ScopeParams) -> str:
+        """The scope a memory method acts on: the caller's own (or one they narrowed, by
+        ``user`` or by naming it), unless an admin (or anyone, in shared mode) names another."""
         own = ctx.user
+        if params.user is not None:
+            return memory_scope(Principal(own), params.user) or own
+        requested = params.scope
         if requested is None:
             return own
         if requested == own or requested.startswith(own + "/"):
@@ -228,9 +246,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         if user_scoped and not ctx.admin:
             # Like memory.status: a tester for operators, who may name any scope.
             raise _not_allowed("memory.recall")
-        recall = await gw.memory.recall_detail(
-            params.query, params.limit, scope_for(ctx, params.scope)
-        )
+        recall = await gw.memory.recall_detail(params.query, params.limit, scope_for(ctx, params))
         return {
             "state": recall.state,
             "memories": [
@@ -241,17 +257,17 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         }
 
     async def memory_delete(params: DeleteParams, ctx: RpcContext) -> dict[str, Any]:
-        scope = scope_for(ctx, params.scope)
+        scope = scope_for(ctx, params)
         return {"deleted": await gw.memory.delete(params.node_id, scope)}
 
     async def memory_list(params: ListParams, ctx: RpcContext) -> dict[str, Any]:
-        scope = scope_for(ctx, params.scope)
+        scope = scope_for(ctx, params)
         # Read-your-write: the turns this process just answered are listed too.
         await gw.pipeline.writebacks_settled(scope)
         return await gw.memory.list_episodes(scope, params.limit, params.before or "")
 
     async def memory_forget(params: ForgetParams, ctx: RpcContext) -> dict[str, Any]:
-        scope = scope_for(ctx, params.scope)
+        scope = scope_for(ctx, params)
         await gw.pipeline.writebacks_settled(scope)
         return {"deleted": await gw.memory.forget(scope)}
 

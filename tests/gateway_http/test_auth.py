@@ -17,6 +17,7 @@ from gateway_http.auth import (
     JwtVerifier,
     Principal,
     RestAuth,
+    RpcAuth,
     bearer,
     memory_scope,
     mint_token,
@@ -215,6 +216,25 @@ def test_open_rest_knows_jwt_holders_and_nobody_else() -> None:
     assert rest.principal(None) is None
     assert rest.principal("Bearer unused-when-rest-is-open") is None
     assert rest.principal(f"Bearer {mint_token(OTHER_SECRET, 'alice')}") is None
+
+
+def test_json_rpc_callers_are_a_key_or_a_jwt_sub_and_keys_are_never_admins() -> None:
+    keys = ApiKeys(("team-a=sk-team-a", "sk-bare"))
+    rpc = RpcAuth(JwtVerifier(SECRET), keys)
+    assert rpc.principal("sk-team-a") == Principal("key:team-a", admin=False)
+    assert rpc.principal("sk-bare") == Principal(parse_key_entry("sk-bare")[0])
+    assert rpc.principal(mint_token(SECRET, "ops", admin=True)) == Principal("ops", admin=True)
+    for token in (None, "", "nope", "sk-team-", mint_token(OTHER_SECRET, "alice")):
+        with pytest.raises(AuthError):
+            rpc.principal(token)
+    # Without a JWT secret the keys still work, and no JWT does.
+    no_secret = RpcAuth(JwtVerifier(None), keys)
+    assert no_secret.principal("sk-team-a") == Principal("key:team-a")
+    with pytest.raises(AuthError):
+        no_secret.principal(mint_token(SECRET, "alice"))
+    # Open REST (no keys): a bearer is a JWT or nothing.
+    with pytest.raises(AuthError):
+        RpcAuth(JwtVerifier(SECRET), ApiKeys(())).principal("sk-team-a")
 
 
 def test_the_user_field_only_narrows_a_principal() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -31,10 +31,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from arona_grpc.breaker import BreakerState
-
-if TYPE_CHECKING:
-    from arona_grpc.service import MemoryDomain
+from arona_grpc.breaker import BreakerState, CircuitBreaker
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -100,6 +97,38 @@ class PhiliaMetrics(Protocol):
     def philia_call(self, method: str, outcome: str, seconds: float) -> None: ...
 
 
+class OutboxCounts(Protocol):
+    """What the metrics read from the writeback outbox."""
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+
+class PhiliaLink(Protocol):
+    """What the metrics read from the Philia client."""
+
+    @property
+    def connects(self) -> int: ...
+
+
+class WatchedService(Protocol):
+    """What the metrics read from the running service when scraped (``MemoryDomain``). Said
+    here rather than imported, so that this module stays below the client and the service
+    that record into it."""
+
+    @property
+    def breaker(self) -> CircuitBreaker: ...
+
+    @property
+    def outbox(self) -> OutboxCounts | None: ...
+
+    @property
+    def client(self) -> PhiliaLink | None: ...
+
+
 class ServiceMetrics:
     """The gRPC service's metrics; :attr:`collector` exposes them."""
 
@@ -122,10 +151,10 @@ class ServiceMetrics:
             (m, o): self._calls.labels(m, o) for m in PHILIA_METHODS for o in PHILIA_OUTCOMES
         }
         self._seconds_children = {m: self._seconds.labels(m) for m in PHILIA_METHODS}
-        self._domain: MemoryDomain | None = None
+        self._domain: WatchedService | None = None
         self.collector = OwnMetrics((self._calls, self._seconds), self._state)
 
-    def watch(self, domain: MemoryDomain) -> None:
+    def watch(self, domain: WatchedService) -> None:
         """Report ``domain``'s breaker, outbox and Philia link when scraped."""
         self._domain = domain
 

@@ -142,6 +142,19 @@ class WritebackOutcome:
     node_id: str = ""
 
 
+# Why a Delete deleted nothing (DeleteOutcome.reason).
+NOT_INDEXED = "not_indexed"  # user mode: not in the episode index (never stored, or gone)
+OTHER_SCOPE = "other_scope"  # user mode: indexed for another scope than the one named
+NOT_IN_MEMORY = "not_in_memory"  # Philia was asked and has no such node
+
+
+@dataclass(frozen=True)
+class DeleteOutcome:
+    deleted: bool
+    # Why not, when not (NOT_INDEXED, OTHER_SCOPE, NOT_IN_MEMORY); "" when deleted.
+    reason: str = ""
+
+
 @dataclass(frozen=True)
 class StatusSnapshot:
     enabled: bool
@@ -593,22 +606,30 @@ class MemoryDomain:
         self._stored(episode, node_id)
         return WritebackOutcome(stored=True, node_id=node_id)
 
-    async def delete(self, node_id: str, scope: str = "") -> bool:
-        """Delete one node; whether it existed.
+    async def delete(self, node_id: str, scope: str = "") -> DeleteOutcome:
+        """Delete one node; whether it existed, and why not when it did not.
 
-        In ``user`` mode only an episode indexed for ``scope`` is deleted: another scope's
-        node, or one this service never stored, is ``False`` without contacting Philia.
+        In ``shared`` mode any node is deleted in Philia, as the seed has it. In ``user``
+        mode only an indexed episode is: with ``scope``, one indexed for that scope (another
+        scope's node is ``OTHER_SCOPE``); without, whoever's it is, as the index says (an
+        admin's or an internal service's delete by id). A node the index does not know is
+        ``NOT_INDEXED``; neither asks Philia.
         """
         if not node_id.strip():
             raise InvalidArgument("node_id is required")
-        sid = self._scope_id(scope)
         if self._client is None or self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
-        if self._user_scoped and await self._indexed_owner(node_id) != sid:
-            return False
+        if self._user_scoped:
+            sid = await self._indexed_owner(node_id)
+            if sid is None:
+                return DeleteOutcome(False, NOT_INDEXED)
+            if scope and sid != scope_id(scope):
+                return DeleteOutcome(False, OTHER_SCOPE)
+        else:
+            sid = self._scope_id(scope)
         deleted = await self._philia_delete(node_id, sid)
         await self._unindex([node_id])
-        return deleted
+        return DeleteOutcome(True) if deleted else DeleteOutcome(False, NOT_IN_MEMORY)
 
     async def list_episodes(self, scope: str, limit: int = 0, before: str = "") -> IndexPage:
         """A page of ``scope``'s stored episodes, newest first (see :class:`IndexPage`)."""

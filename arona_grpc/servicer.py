@@ -136,8 +136,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         try:
             _adopt_request_id(context)
-            deleted = await self._domain.delete(request.node_id, request.scope)
-            return pb.DeleteResponse(deleted=deleted)
+            outcome = await self._domain.delete(request.node_id, request.scope)
+            return pb.DeleteResponse(deleted=outcome.deleted, reason=outcome.reason)
         except Exception as exc:
             await _abort(context, "Delete", exc)
 

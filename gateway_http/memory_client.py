@@ -28,6 +28,8 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE
+from arona_grpc.service import NOT_INDEXED as NOT_INDEXED  # a Delete's reasons, for rpc
+from arona_grpc.service import OTHER_SCOPE as OTHER_SCOPE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.grpc_channel import ReplicaWatch, replica_view
@@ -338,10 +340,12 @@ class MemoryClient:
         )
         return queued
 
-    async def delete(self, node_id: str, scope: str = "") -> bool:
+    async def delete(self, node_id: str, scope: str = "") -> tuple[bool, str]:
+        """Delete one node: whether it was deleted, and the service's reason when not
+        (``not_indexed``, ``other_scope``, ``not_in_memory``)."""
         request = pb.DeleteRequest(node_id=node_id, scope=scope)
         reply = await self._call(self._unary()[0].Delete, request)
-        return bool(reply.deleted)
+        return bool(reply.deleted), reply.reason
 
     async def list_episodes(self, scope: str, limit: int, before: str = "") -> dict[str, Any]:
         """``{memories: [{node_id, preview, at}], next}``: a page of a scope's episodes."""

@@ -30,7 +30,7 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
-from gateway_http.memory_client import DISABLED
+from gateway_http.memory_client import DISABLED, NOT_INDEXED, OTHER_SCOPE
 from gateway_http.routes.rest import turn_outcome
 from gateway_http.state import Gateway
 from gateway_http.turns import (
@@ -44,6 +44,10 @@ from gateway_http.upstream import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
 P = TypeVar("P", bound=BaseModel)
+
+# Why memory.delete deleted nothing in user mode, as a caller who is not an admin hears it:
+# the id is not one of theirs (another's, or nobody's).
+NOT_YOURS = "not_yours"
 
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 
@@ -257,8 +261,19 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         }
 
     async def memory_delete(params: DeleteParams, ctx: RpcContext) -> dict[str, Any]:
-        scope = scope_for(ctx, params)
-        return {"deleted": await gw.memory.delete(params.node_id, scope)}
+        if user_scoped and ctx.admin and params.scope is None and params.user is None:
+            # An admin's delete by id: the service's index says whose it is.
+            scope = ""
+        else:
+            scope = scope_for(ctx, params)
+        deleted, reason = await gw.memory.delete(params.node_id, scope)
+        if deleted or not user_scoped:
+            # Shared mode: Philia's answer is the whole story (false: no such node).
+            return {"deleted": deleted}
+        if not ctx.admin and reason in (NOT_INDEXED, OTHER_SCOPE):
+            # Whether the id is another's or nobody's is not the caller's business.
+            reason = NOT_YOURS
+        return {"deleted": False, "reason": reason}
 
     async def memory_list(params: ListParams, ctx: RpcContext) -> dict[str, Any]:
         scope = scope_for(ctx, params)

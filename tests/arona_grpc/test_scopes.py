@@ -17,7 +17,12 @@ from arona_grpc.outbox import OUTBOX_FILE
 from arona_grpc.philia import PhiliaMemory
 from arona_grpc.scopes import scope_id, scoped_node_type
 from arona_grpc.service import (
+    NOT_IN_MEMORY,
+    NOT_INDEXED,
+    OTHER_SCOPE,
     SECTION_HEADER,
+    DeleteOutcome,
+    EventKind,
     InvalidArgument,
     MemoryDomain,
     MemoryUnavailable,
@@ -126,7 +131,6 @@ async def test_user_mode_stores_and_recalls_in_the_scope_only(
         for call in (
             domain.recall("tea?", 5),
             domain.writeback("hi", "there"),
-            domain.delete("n-1"),
             domain.list_episodes(""),
             domain.forget(""),
         ):
@@ -148,11 +152,39 @@ async def test_user_mode_delete_checks_the_index_before_asking_philia(
     domain = MemoryDomain(settings_for(fake, tmp_path, memory_scope="user"))
     try:
         stored = await domain.writeback("mine", "", "alice")
-        assert await domain.delete(stored.node_id, "bob") is False
-        assert await domain.delete("n-unknown", "alice") is False
+        assert await domain.delete(stored.node_id, "bob") == DeleteOutcome(False, OTHER_SCOPE)
+        assert await domain.delete("n-unknown", "alice") == DeleteOutcome(False, NOT_INDEXED)
+        # Without a scope: whoever's the index says it is, and only an indexed node.
+        assert await domain.delete("n-unknown") == DeleteOutcome(False, NOT_INDEXED)
         assert fake.frames_of(DELETE) == []
-        assert await domain.delete(stored.node_id, "alice") is True
+        assert await domain.delete(stored.node_id, "alice") == DeleteOutcome(True)
         assert len(fake.frames_of(DELETE)) == 1
+        assert (await domain.list_episodes("alice")).episodes == ()
+    finally:
+        await domain.aclose()
+
+
+@pytest.mark.asyncio
+async def test_user_mode_delete_without_a_scope_deletes_for_the_indexed_owner(
+    fake: FakePhilia, tmp_path: Path
+) -> None:
+    domain = MemoryDomain(settings_for(fake, tmp_path, memory_scope="user"))
+    try:
+        stored = await domain.writeback("mine", "", "alice")
+        assert await domain.delete(stored.node_id) == DeleteOutcome(True)
+        [delete] = fake.frames_of(DELETE)
+        assert delete["params"] == {"node_id": stored.node_id}
+        # The event names the owner's scope; the index forgets the node.
+        assert (domain.status().events[0].kind, domain.status().events[0].scope_id) == (
+            EventKind.DELETE,
+            scope_id("alice"),
+        )
+        assert (await domain.list_episodes("alice")).episodes == ()
+        assert await domain.delete(stored.node_id) == DeleteOutcome(False, NOT_INDEXED)
+        # Indexed, but Philia no longer has it: asked, and the index forgets it.
+        lost = await domain.writeback("lost", "", "alice")
+        fake.script(DELETE, Step(result={"deleted": False}))
+        assert await domain.delete(lost.node_id) == DeleteOutcome(False, NOT_IN_MEMORY)
         assert (await domain.list_episodes("alice")).episodes == ()
     finally:
         await domain.aclose()

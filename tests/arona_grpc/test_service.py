@@ -15,6 +15,8 @@ import pytest_asyncio
 from arona_grpc.config import Settings
 from arona_grpc.philia import PhiliaMemory
 from arona_grpc.service import (
+    NOT_IN_MEMORY,
+    DeleteOutcome,
     EventKind,
     InvalidArgument,
     MemoryDomain,
@@ -252,8 +254,9 @@ async def test_writeback_fault_raises_and_is_recorded(
 @pytest.mark.asyncio
 async def test_delete(fake: FakePhilia, domain: MemoryDomain) -> None:
     stored = await domain.writeback("hi", "")
-    assert await domain.delete(stored.node_id) is True
-    assert await domain.delete("n-404") is False
+    assert await domain.delete(stored.node_id) == DeleteOutcome(True)
+    # Shared mode: Philia is asked about any node, and says it has no such one.
+    assert await domain.delete("n-404") == DeleteOutcome(False, NOT_IN_MEMORY)
     kinds = [(e.kind, e.detail) for e in domain.status().events]
     assert kinds == [
         (EventKind.DELETE, "n-404"),

@@ -57,7 +57,7 @@ async def test_a_key_lists_deletes_and_forgets_its_own_memories(tmp_path: Path) 
 
         # mia's node is not in the key's own scope; in hers it is deleted.
         kept = await stack.result(TEAM_A_KEY, "memory.delete", {"node_id": episode["node_id"]})
-        assert kept["deleted"] is False
+        assert kept == {"deleted": False, "reason": "not_yours"}
         gone = await stack.result(
             TEAM_A_KEY, "memory.delete", {"node_id": episode["node_id"], "user": "mia"}
         )

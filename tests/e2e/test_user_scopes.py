@@ -99,11 +99,11 @@ async def test_only_the_owner_or_an_admin_deletes_an_episode(tmp_path: Path) -> 
         await stack.settle()
         [mine] = (await stack.result(ALICE, "memory.list"))["memories"]
         node_id = mine["node_id"]
-        # Bob's delete of Alice's node: false, and Philia is not asked.
-        assert await stack.result(BOB, "memory.delete", {"node_id": node_id}) == {"deleted": False}
-        assert await stack.result(BOB, "memory.delete", {"node_id": "no-such-node"}) == {
-            "deleted": False
-        }
+        # Bob's delete of Alice's node: false, and Philia is not asked. Whether an id is
+        # another's or nobody's, Bob only learns that it is not his.
+        not_his = {"deleted": False, "reason": "not_yours"}
+        assert await stack.result(BOB, "memory.delete", {"node_id": node_id}) == not_his
+        assert await stack.result(BOB, "memory.delete", {"node_id": "no-such-node"}) == not_his
         refused = await stack.rpc(BOB, "memory.delete", {"node_id": node_id, "scope": "alice"})
         assert refused["error"]["code"] == -32007
         assert "4417" in (await stack.say("rest", ALICE, ASK, memory=True)).section
@@ -243,7 +243,6 @@ async def test_grpc_callers_name_the_scope(tmp_path: Path) -> None:
             for call in (
                 stub.Recall(pb.RecallRequest(query="zebra")),
                 stub.Writeback(pb.WritebackRequest(user="hi", assistant="there")),
-                stub.Delete(pb.DeleteRequest(node_id="n-1")),
                 stub.List(pb.ListRequest()),
                 stub.Forget(pb.ForgetRequest()),
             ):
@@ -259,9 +258,10 @@ async def test_grpc_callers_name_the_scope(tmp_path: Path) -> None:
             own = await stub.Recall(pb.RecallRequest(query=ASK, scope="svc:alice"))
             assert own.state == pb.MEMORY_STATE_ENABLED and "4417" in own.section
             # Another scope's delete is false and leaves it; the owner's removes it.
-            assert not (
-                await stub.Delete(pb.DeleteRequest(node_id=stored.node_id, scope="svc:bob"))
-            ).deleted
+            other_delete = await stub.Delete(
+                pb.DeleteRequest(node_id=stored.node_id, scope="svc:bob")
+            )
+            assert (other_delete.deleted, other_delete.reason) == (False, "other_scope")
             listed = await stub.List(pb.ListRequest(scope="svc:alice"))
             assert [e.node_id for e in listed.episodes] == [stored.node_id]
             assert (await stub.Forget(pb.ForgetRequest(scope="svc:alice"))).deleted == 1
@@ -301,3 +301,46 @@ async def test_shared_mode_lists_and_forgets_the_callers_own(tmp_path: Path) -> 
             "deleted": True
         }
         assert (await stack.result(ALICE, "memory.list"))["memories"] == []
+
+
+async def test_an_admin_deletes_any_indexed_node_by_its_id(tmp_path: Path) -> None:
+    async with scoped_stack(tmp_path) as stack:
+        await stack.say("rpc", ALICE, FACT)
+        await stack.say("rest", TEAM_A_KEY, "The zebra parking spot is 12", user="mia")
+        await stack.say("rpc", ADMIN, "The zebra server room code is 0000")
+        await stack.settle()
+        [alices] = (await stack.result(ADMIN, "memory.list", {"scope": "alice"}))["memories"]
+        [mias] = (await stack.result(ADMIN, "memory.list", {"scope": "key:team-a/mia"}))["memories"]
+        [own] = (await stack.result(ADMIN, "memory.list"))["memories"]
+
+        # The id alone, as just listed: the index says whose it is.
+        deleted = await stack.result(ADMIN, "memory.delete", {"node_id": alices["node_id"]})
+        assert deleted == {"deleted": True}
+        assert all("4417" not in text for text in stack.stored_texts())
+        assert (await stack.result(ALICE, "memory.list"))["memories"] == []
+        assert (await stack.say("rest", ALICE, ASK)).memory == "disabled"
+        assert await stack.result(ADMIN, "memory.delete", {"node_id": own["node_id"]}) == {
+            "deleted": True
+        }
+        # A refusal says why, without asking Philia.
+        for node_id in (alices["node_id"], "no-such-node"):
+            again = await stack.result(ADMIN, "memory.delete", {"node_id": node_id})
+            assert again == {"deleted": False, "reason": "not_indexed"}
+        named = await stack.result(
+            ADMIN, "memory.delete", {"node_id": mias["node_id"], "scope": "alice"}
+        )
+        assert named == {"deleted": False, "reason": "other_scope"}
+        status = await stack.result(ADMIN, "memory.status")
+        deletes = [e for e in status["events"] if e["kind"] == "delete"]
+        # Each delete event names the owner's scope id, not the admin's.
+        assert [e["scope_id"] for e in deletes] == [scope_id("ops"), scope_id("alice")]
+
+        # gRPC: a Delete without a scope is the same delete by id.
+        async with grpc.aio.insecure_channel(stack.grpc.target) as channel:
+            stub = pb_grpc.MemoryServiceStub(channel)
+            by_id = await stub.Delete(pb.DeleteRequest(node_id=mias["node_id"]))
+            assert (by_id.deleted, by_id.reason) == (True, "")
+            unknown = await stub.Delete(pb.DeleteRequest(node_id=mias["node_id"]))
+            assert (unknown.deleted, unknown.reason) == (False, "not_indexed")
+        assert all("parking" not in text for text in stack.stored_texts())
+        assert (await stack.result(TEAM_A_KEY, "memory.list", {"user": "mia"}))["memories"] == []

@@ -272,8 +272,10 @@ class DeleteRequest(_message.Message):
     SCOPE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     scope: _builtins.str
-    """In user scope mode only an episode stored for this scope is deleted;
-    another's or an unknown id is deleted=false without contacting Philia.
+    """In user scope mode only an episode in the service's index is deleted, and
+    with a scope only one stored for this scope: another's or an unknown id is
+    deleted=false without contacting Philia. Without a scope, the index says
+    whose it is (a delete by id, for an operator or an internal service).
     """
     def __init__(
         self,
@@ -294,15 +296,23 @@ class DeleteResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DELETED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     deleted: _builtins.bool
+    reason: _builtins.str
+    """Why deleted is false: "not_indexed" (user mode: not in the episode index,
+    never stored by this service or already deleted), "other_scope" (user
+    mode: stored for another scope than the one named), "not_in_memory"
+    (Philia has no such node). Empty when deleted.
+    """
     def __init__(
         self,
         *,
         deleted: _builtins.bool = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,502 @@
+"""Recall measured on LoCoMo, through the gateway's gRPC ``MemoryService``.
+
+LoCoMo (Maharana et al., ACL 2024) is 10 long conversations between two people (5,882 dialog
+turns over up to 35 sessions months apart) with questions whose evidence turns are named
+(``"D1:3"``: session 1, turn 3). Its file is not in this repository (licence CC BY-NC 4.0):
+get ``data/locomo10.json`` from the public LoCoMo repository (github.com/snap-research/locomo)
+and pass its path::
+
+    python -m bench.recall_locomo --data PATH/locomo10.json [--out bench/results/locomo.md]
+
+What it does, for each of two conditions:
+
+- starts the stack as ``make run`` does (``arona-gateway up``: the embedded store with its
+  default ranking, ``hybrid`` when the semantic extra is installed, and the gRPC service), in a
+  fresh data folder, with ``ARONA_MEMORY_SCOPE=user`` so each conversation is a scope of its
+  own (``locomo/<sample id>``): a scope recalls only its own episodes, as two users of one
+  gateway would;
+- writes every dialog turn back through gRPC ``Writeback`` (``user`` = ``"<speaker>: <text>"``,
+  plus ``[shares <photo caption>]`` for a shared photo; nothing as ``assistant``), in order,
+  conversations side by side;
+- asks each question of categories 1-4 with evidence (1,536) through gRPC ``Recall`` (limit
+  10, the conversation's scope), one at a time, timing each call;
+- maps each recalled memory back to its dialog turn(s) by its text.
+
+The conditions: **undated** (every turn written now) and **dated** (each turn's
+``WritebackRequest.occurred_at`` is its session's date, the sessions shifted together so that
+the last one ended a day before the questions are asked).
+
+Figures: evidence recall R@k (the share of a question's evidence turns among the first k
+memories, averaged) and hit@k (at least one evidence turn among the first k), per category
+(LoCoMo's numbering: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop) and over
+categories 1-4, for all ten conversations and for each half (conversations 1-5, on which the
+store's settings were chosen, and 6-10); and the recall's p50 and p99 as the client sees it.
+
+``--ranking lexical`` runs the store's lexical ranking instead (its own row), and ``--direct``
+skips the gateway: the same texts and scopes written to and asked of a store opened in this
+process (for trying store settings quickly; figures of record go through gRPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from arona_grpc.scopes import scope_id, scoped_node_type
+from arona_grpc.service import ELLIPSIS, episode_text
+from bench.loadgen import percentile
+from bench.procs import Proc, clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+KS = (1, 5, 10)
+LIMIT = 10
+# The conversations settings were chosen on (the first five of the file); the others are
+# held out.
+TUNING_HALF = 5
+CONDITIONS = ("undated", "dated")
+SCOPE_PREFIX = "locomo/"
+# Turns written at once (one conversation each: a conversation's turns go in order).
+WRITERS = 4
+STARTUP_S = 120.0
+# A dialog id as LoCoMo writes it, tolerating its few typos ("D:11:26", "D30:05").
+_DIA_ID = re.compile(r"D:?(\d+):0*(\d+)")
+_SESSION_DATE = "%I:%M %p on %d %B, %Y"
+
+
+@dataclass(frozen=True)
+class Turn:
+    dia_id: str
+    session: int
+    text: str  # what is written back as the user's side of the turn
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    category: int
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    name: str
+    turns: tuple[Turn, ...]
+    questions: tuple[Question, ...]
+    sessions: dict[int, datetime]
+
+    @property
+    def scope(self) -> str:
+        return SCOPE_PREFIX + self.name
+
+
+@dataclass
+class Answer:
+    """One question's outcome: the dialog ids of each recalled memory, in order."""
+
+    conversation: int  # index in the file
+    question: Question
+    recalled: list[frozenset[str]]
+    elapsed_ms: float
+
+
+@dataclass
+class Run:
+    condition: str
+    grpc: bool
+    answers: list[Answer] = field(default_factory=list)
+    write_s: float = 0.0
+    unmapped: int = 0  # recalled memories whose text matched no turn
+
+
+def load(path: Path) -> list[Conversation]:
+    """The conversations of a LoCoMo file, with their questions of categories 1-4 that name
+    evidence."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    conversations = []
+    for sample in data:
+        conv = sample["conversation"]
+        turns: list[Turn] = []
+        sessions: dict[int, datetime] = {}
+        number = 1
+        while f"session_{number}" in conv:
+            sessions[number] = datetime.strptime(
+                conv[f"session_{number}_date_time"], _SESSION_DATE
+            ).replace(tzinfo=UTC)
+            for turn in conv[f"session_{number}"]:
+                turns.append(Turn(_dia_id(turn["dia_id"]), number, turn_text(turn)))
+            number += 1
+        questions = []
+        for qa in sample["qa"]:
+            evidence = tuple(
+                dict.fromkeys(
+                    f"D{m.group(1)}:{m.group(2)}"
+                    for item in qa.get("evidence", [])
+                    for m in _DIA_ID.finditer(str(item))
+                )
+            )
+            if qa.get("category") in CATEGORIES and evidence:
+                questions.append(Question(str(qa["question"]), int(qa["category"]), evidence))
+        conversations.append(
+            Conversation(str(sample["sample_id"]), tuple(turns), tuple(questions), sessions)
+        )
+    return conversations
+
+
+def _dia_id(raw: str) -> str:
+    found = _DIA_ID.search(raw)
+    if found is None:
+        raise ValueError(f"not a dialog id: {raw!r}")
+    return f"D{found.group(1)}:{found.group(2)}"
+
+
+def turn_text(turn: dict[str, Any]) -> str:
+    """A dialog turn as written back: ``<speaker>: <text>``, and the caption of a photo."""
+    text = f"{turn['speaker']}: {turn['text'].strip()}"
+    caption = turn.get("blip_caption")
+    if caption:
+        text += f" [shares {caption}]"
+    return text
+
+
+def turn_times(conversation: Conversation, asked_at: float) -> dict[str, datetime]:
+    """Each turn's time in the dated condition: its session's, every session moved by the
+    same amount so that the last one ended a day before ``asked_at``."""
+    last = max(conversation.sessions.values())
+    shift = datetime.fromtimestamp(asked_at, UTC) - timedelta(days=1) - last
+    return {turn.dia_id: conversation.sessions[turn.session] + shift for turn in conversation.turns}
+
+
+class TextMap:
+    """Stored memory text -> the dialog ids it holds (identical turns are one memory)."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        self._ids: dict[str, set[str]] = {}
+        for turn in conversation.turns:
+            self._ids.setdefault(stored_text(turn), set()).add(turn.dia_id)
+
+    def ids(self, text: str) -> frozenset[str] | None:
+        found = self._ids.get(text)
+        if found is None and text.endswith(ELLIPSIS):
+            # Cut by the gateway's cap on one memory's length.
+            prefix = text[: -len(ELLIPSIS)]
+            found = {
+                i for stored, ids in self._ids.items() if stored.startswith(prefix) for i in ids
+            }
+        return frozenset(found) if found else None
+
+
+def stored_text(turn: Turn) -> str:
+    """The episode the gateway stores for a turn written back as the user's side."""
+    return episode_text(turn.text, "")
+
+
+# -- scoring -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scores:
+    questions: int
+    recall: dict[int, float]  # k -> mean evidence recall at k, in percent
+    hit: dict[int, float]  # k -> share of questions with an evidence turn in the first k
+
+
+def score(answers: Iterable[Answer]) -> Scores:
+    recall = {k: 0.0 for k in KS}
+    hit = {k: 0.0 for k in KS}
+    n = 0
+    for answer in answers:
+        n += 1
+        evidence = set(answer.question.evidence)
+        for k in KS:
+            found = set().union(*answer.recalled[:k]) & evidence
+            recall[k] += len(found) / len(evidence)
+            hit[k] += 1.0 if found else 0.0
+    if n == 0:
+        return Scores(0, {k: 0.0 for k in KS}, {k: 0.0 for k in KS})
+    return Scores(
+        n, {k: 100 * v / n for k, v in recall.items()}, {k: 100 * v / n for k, v in hit.items()}
+    )
+
+
+def table(run: Run) -> list[str]:
+    """Per category and overall, for all conversations; then overall per half."""
+    lines = [
+        "| category | questions | R@1 | R@5 | R@10 | hit@1 | hit@5 | hit@10 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows: list[tuple[str, Scores]] = [
+        (f"{c} {name}", score(a for a in run.answers if a.question.category == c))
+        for c, name in CATEGORIES.items()
+    ]
+    rows.append(("**1-4**", score(run.answers)))
+    rows.append(
+        (
+            f"1-4, conversations 1-{TUNING_HALF} (tuning)",
+            score(a for a in run.answers if a.conversation < TUNING_HALF),
+        )
+    )
+    rows.append(
+        (
+            f"1-4, conversations {TUNING_HALF + 1}-10 (held out)",
+            score(a for a in run.answers if a.conversation >= TUNING_HALF),
+        )
+    )
+    for label, s in rows:
+        cells = [f"{s.recall[k]:.1f}" for k in KS] + [f"{s.hit[k]:.1f}" for k in KS]
+        lines.append(f"| {label} | {s.questions} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def latency_line(run: Run, via: str) -> str:
+    times = sorted(a.elapsed_ms for a in run.answers)
+    if not times:
+        return "no recall"
+    return (
+        f"recall {via}: p50 {statistics.median(times):.1f} ms, p99"
+        f" {percentile(times, 0.99):.1f} ms ({len(times)} calls, one at a time); turns written in"
+        f" {run.write_s:.0f} s"
+    )
+
+
+# -- through the gateway -----------------------------------------------------------------------
+
+
+def start_stack(work: Path, ranking: str | None) -> tuple[Proc, str]:
+    """``arona-gateway up`` in a fresh data folder, users' memories kept apart; its gRPC
+    target."""
+    env = {
+        "ARONA_DATA_DIR": str(work / "data"),
+        "ARONA_HTTP_PORT": "0",
+        "ARONA_GRPC_PORT": "0",
+        "ARONA_MEMORY_SCOPE": "user",
+        "ARONA_LOG_LEVEL": "warning",
+    }
+    if ranking is not None:
+        env["ARONA_STORE_RANKING"] = ranking
+    proc = Proc(
+        "gateway",
+        [sys.executable, "-m", "gateway_http.cli", "up"],
+        work,
+        env=clean_env(env),
+        cwd=ROOT,
+    )
+    found = proc.wait_for(r"gRPC\s+(\S+:\d+)", STARTUP_S)
+    return proc, found.group(1)
+
+
+async def _grpc_run(
+    conversations: Sequence[Conversation], target: str, condition: str, progress: bool
+) -> Run:
+    import grpc
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+    from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+
+    run = Run(condition, grpc=True)
+    asked_at = time.time()
+    dated = condition == "dated"
+    if dated and not dated_writebacks():
+        raise SystemExit("the dated condition needs WritebackRequest.occurred_at")
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.MemoryServiceStub(channel)
+        gate = asyncio.Semaphore(WRITERS)
+
+        async def write(conversation: Conversation) -> None:
+            times = turn_times(conversation, asked_at) if dated else {}
+            async with gate:
+                for turn in conversation.turns:
+                    request = pb.WritebackRequest(user=turn.text, scope=conversation.scope)
+                    if dated:
+                        stamp = Timestamp()
+                        stamp.FromDatetime(times[turn.dia_id])
+                        request.occurred_at.CopyFrom(stamp)
+                    reply = await stub.Writeback(request, timeout=60)
+                    if not reply.stored:
+                        raise SystemExit(f"turn {turn.dia_id} of {conversation.name} not stored")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(write(c) for c in conversations))
+        run.write_s = time.perf_counter() - started
+        for index, conversation in enumerate(conversations):
+            texts = TextMap(conversation)
+            for question in conversation.questions:
+                began = time.perf_counter()
+                reply = await stub.Recall(
+                    pb.RecallRequest(query=question.text, limit=LIMIT, scope=conversation.scope),
+                    timeout=60,
+                )
+                elapsed = (time.perf_counter() - began) * 1000
+                if reply.state == pb.MEMORY_STATE_OFFLINE:
+                    raise SystemExit(f"recall offline for {question.text!r}")
+                run.answers.append(
+                    Answer(
+                        index,
+                        question,
+                        _recalled(texts, [m.text for m in reply.memories], run),
+                        elapsed,
+                    )
+                )
+            if progress:
+                print(f"  {condition}: {conversation.name} asked", file=sys.stderr, flush=True)
+    return run
+
+
+def _recalled(texts: TextMap, recalled: list[str], run: Run) -> list[frozenset[str]]:
+    out = []
+    for text in recalled:
+        ids = texts.ids(text)
+        if ids is None:
+            run.unmapped += 1
+            ids = frozenset()
+        out.append(ids)
+    return out
+
+
+def dated_writebacks() -> bool:
+    """Whether this gateway's ``WritebackRequest`` carries ``occurred_at``."""
+    from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+
+    return "occurred_at" in pb.WritebackRequest.DESCRIPTOR.fields_by_name
+
+
+def grpc_run(
+    conversations: Sequence[Conversation], condition: str, ranking: str | None, progress: bool
+) -> Run:
+    with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
+        proc, target = start_stack(Path(tmp), ranking)
+        try:
+            return asyncio.run(_grpc_run(conversations, target, condition, progress))
+        finally:
+            proc.stop()
+
+
+# -- in this process (settings trials) ---------------------------------------------------------
+
+
+def direct_run(
+    conversations: Sequence[Conversation], condition: str, ranking: str, workdir: Path
+) -> Run:
+    """The same texts, scopes and times, written to and asked of a store in this process."""
+    from arona_store.store import MemoryStore, NewNode
+
+    run = Run(condition, grpc=False)
+    asked_at = time.time()
+    store = MemoryStore.open(workdir / f"locomo-{condition}-{ranking}.db", ranking=ranking)  # type: ignore[arg-type]
+    try:
+        started = time.perf_counter()
+        for conversation in conversations:
+            node_type = scoped_node_type(scope_id(conversation.scope))
+            times = turn_times(conversation, asked_at) if condition == "dated" else {}
+            for turn in conversation.turns:
+                when = times.get(turn.dia_id)
+                properties = {} if when is None else {"occurred_at": when.isoformat()}
+                store.add_many(
+                    [
+                        NewNode(
+                            stored_text(turn),
+                            node_type,
+                            created_at=when,
+                            properties=properties,
+                        )
+                    ],
+                    refresh=True,
+                )
+        run.write_s = time.perf_counter() - started
+        for index, conversation in enumerate(conversations):
+            node_type = scoped_node_type(scope_id(conversation.scope))
+            texts = TextMap(conversation)
+            for question in conversation.questions:
+                began = time.perf_counter()
+                hits = store.query(question.text, LIMIT, node_type=node_type)
+                elapsed = (time.perf_counter() - began) * 1000
+                run.answers.append(
+                    Answer(index, question, _recalled(texts, [h.text for h in hits], run), elapsed)
+                )
+    finally:
+        store.close()
+    return run
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def report(runs: Sequence[Run], ranking: str, via: str) -> str:
+    lines = [
+        "# Recall on LoCoMo",
+        "",
+        f"`python -m bench.recall_locomo` ({via}), ranking `{ranking}`,"
+        f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. Evidence recall over the questions of"
+        " categories 1-4 that name evidence; Recall limit 10; one scope per conversation.",
+    ]
+    for run in runs:
+        lines += ["", f"## {run.condition}", ""]
+        lines += table(run)
+        lines += ["", latency_line(run, "through gRPC" if run.grpc else "in this process")]
+        if run.unmapped:
+            lines.append(f"{run.unmapped} recalled memories matched no dialog turn")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="LoCoMo's locomo10.json")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--ranking",
+        choices=("hybrid", "lexical"),
+        help="the store's ranking (default: as make run)",
+    )
+    parser.add_argument("--conditions", help="undated,dated (default: both)")
+    parser.add_argument("--direct", action="store_true", help="a store in this process, no gRPC")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
+    conditions = [c for c in (args.conditions or ",".join(CONDITIONS)).split(",") if c]
+    if args.conditions is None and not args.direct and not dated_writebacks():
+        print("WritebackRequest has no occurred_at here: undated only", file=sys.stderr)
+        conditions = ["undated"]
+    if not conditions or any(c not in CONDITIONS for c in conditions):
+        parser.error(f"--conditions: a list of {', '.join(CONDITIONS)}")
+    if not args.data.is_file():
+        parser.error(
+            f"{args.data} not found: get data/locomo10.json from the public LoCoMo repository"
+            " (github.com/snap-research/locomo)"
+        )
+    conversations = load(args.data)
+    runs = []
+    if args.direct:
+        from arona_store.ranking import ranking_from_env
+
+        ranking = args.ranking or ranking_from_env(os.environ)
+        with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
+            runs = [direct_run(conversations, c, ranking, Path(tmp)) for c in conditions]
+        via = "a store in this process"
+    else:
+        from arona_store.ranking import ranking_from_env
+
+        ranking = args.ranking or ranking_from_env(os.environ)
+        runs = [grpc_run(conversations, c, args.ranking, not args.quiet) for c in conditions]
+        via = "through gRPC Writeback and Recall, `arona-gateway up`"
+    text = report(runs, ranking, via)
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -307,22 +307,33 @@ _SCOPE_WORDS = {
 
 
 def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: str | None) -> str:
+    """What ``up`` prints once it serves: its addresses, a JWT, and hints that work as
+    printed in the mode it started in (run them from the directory ``up`` was started in)."""
     from gateway_http.auth import mint_token
 
-    token = mint_token(jwt_secret, "dev", UP_TOKEN_TTL_S)
+    settings = running.settings
+    # In user mode memory.status (and the console) are an admin's: the dev token is one, so
+    # everything the banner offers works with it.
+    admin = settings.user_scoped
+    token = mint_token(jwt_secret, "dev", UP_TOKEN_TTL_S, admin=admin)
     http = running.http_url or ""
     grpc_target = running.grpc_target or ""
     body = json.dumps(
         {"model": "echo", "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
     )
-    scope = running.settings.memory_scope
+    status = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "memory.status"})
+    bearer = '-H "Authorization: Bearer $JWT" '
+    # A turn needs a caller when REST takes keys (else 401) or memory is per user (else a
+    # turn of nobody, which recalls and stores nothing); the JWT is one on REST as well.
+    chat_bearer = bearer if settings.user_scoped or settings.api_keys else ""
+    scope = settings.memory_scope
     lines = [
         "Arona Memory Gateway is up.",
         f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
-        f"  console  {http}/console  (sign in with `arona-gateway token --sub ops --admin`)",
+        f"  console  {http}/console  (sign in with the JWT below)",
         f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
     ]
-    if running.settings.metrics:
+    if settings.metrics:
         lines.append(f"  metrics  {http}/metrics  (Prometheus; ARONA_METRICS)")
     lines += [
         f"  scope    {scope}  ({_SCOPE_WORDS[scope]}; ARONA_MEMORY_SCOPE)",
@@ -330,22 +341,39 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
     if store_url is not None:
         lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
     else:
-        lines.append(f"  memory   {redact_url(running.settings.memory_url or '')}")
+        lines.append(f"  memory   {redact_url(settings.memory_url or '')}")
     if upstream_echo:
         lines.append("  model    echo  (development default: replies show the recalled memories)")
+    role = ", admin" if admin else ""
     lines += [
         "",
-        f"JWT for JSON-RPC (sub=dev, valid 24 h): {token}",
+        f"JWT for JSON-RPC (sub=dev{role}, valid 24 h): {token}",
         "",
-        "Try it:",
-        f"  curl -si {http}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"-d {shlex.quote(body)}",
-        f"  grpcurl {_grpcurl_flags(running.settings)}{grpc_target} "
+        "Try it (in this directory; the first line puts the JWT in $JWT):",
+        f"  JWT={token}",
+        f"  curl -si {http}/v1/chat/completions {chat_bearer}"
+        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  curl -s {http}/api/rpc {bearer}-d {shlex.quote(status)}",
+        f"  {_beside_python('grpcurl')} {_grpcurl_flags(settings)}{grpc_target} "
         "arona.memory.v1.MemoryService/Status",
         "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def _beside_python(name: str) -> str:
+    """How to run the command ``name`` installed beside this Python (``make`` installs
+    grpcurl into ``.venv/bin``, which is not on the PATH): a path relative to the current
+    directory when it is below it, else absolute; plain ``name`` when it is not there."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    try:
+        relative = path.absolute().relative_to(Path.cwd())
+    except ValueError:
+        return shlex.quote(str(path.absolute()))
+    return shlex.quote(str(relative) if len(relative.parts) > 1 else f"./{relative}")
 
 
 def _grpcurl_flags(settings: Settings) -> str:

@@ -7,8 +7,11 @@ the memory and the conversation survive a restart of the process.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -20,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.grpcurl import grpcurl_path, run_grpcurl
 
 # Up to 17 s a test on a loaded 2-core box.
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -227,3 +232,101 @@ async def test_up_shows_both_parts_metrics_on_one_listener(tmp_path: Path) -> No
         recalls = ("arona_philia_calls_total", (("method", "query"), ("outcome", "ok")))
         assert samples[recalls] == 1
         assert samples["arona_memory_breaker_state", (("state", "closed"),)] == 1
+
+
+def _hints(banner: str) -> list[str]:
+    """The lines under "Try it", as printed (without their indent)."""
+    lines = banner.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Try it")) + 1
+    hints: list[str] = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        hints.append(line.strip())
+    return hints
+
+
+def _is_the_installed_grpcurl(path: str) -> bool:
+    return Path(path).is_file() and os.path.samefile(path, grpcurl_path())
+
+
+@dataclass
+class CurlReply:
+    status: int
+    headers: dict[str, str]
+    body: str
+
+
+async def _curl(assignment: str, line: str, jwt: str) -> CurlReply:
+    """Run a banner's curl line as a user would: in a shell after the JWT line (or, on a
+    machine without curl, the same request through httpx)."""
+    if shutil.which("curl") is not None:
+        process = await asyncio.create_subprocess_exec(
+            "bash",
+            "-ec",
+            f"{assignment}\n{line}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode == 0, err.decode()
+        text = out.decode()
+    else:
+        args = shlex.split(line.replace("$JWT", jwt))
+        assert args[0] == "curl"
+        url = next(a for a in args[1:] if a.startswith("http"))
+        headers = dict(args[i + 1].split(": ", 1) for i, a in enumerate(args) if a == "-H")
+        data = args[args.index("-d") + 1]
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(url, content=data, headers=headers)
+        head = "".join(f"{k}: {v}\r\n" for k, v in response.headers.items())
+        text = f"HTTP/1.1 {response.status_code}\r\n{head}\r\n{response.text}"
+        if "-i" not in line.split():
+            text = response.text
+    if not text.startswith("HTTP/"):
+        return CurlReply(200, {}, text)
+    head, _, body = text.partition("\r\n\r\n")
+    status_line, *header_lines = head.split("\r\n")
+    headers = {}
+    for header in header_lines:
+        name, _, value = header.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return CurlReply(int(status_line.split()[1]), headers, body)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {},
+        {"ARONA_API_KEYS": "team-a=sk-team-a"},
+        {"ARONA_MEMORY_SCOPE": "user"},
+        {"ARONA_MEMORY_SCOPE": "user", "ARONA_API_KEYS": "team-a=sk-team-a"},
+    ],
+    ids=["shared", "shared-keys", "user", "user-keys"],
+)
+async def test_the_banners_hints_work_as_printed(tmp_path: Path, mode: dict[str, str]) -> None:
+    async with gateway_up(tmp_path / "data", mode) as up, httpx.AsyncClient(timeout=30) as client:
+        assignment, chat, status, grpcurl = _hints(up.banner)
+        assert assignment == f"JWT={up.jwt}"
+        first = await _curl(assignment, chat, up.jwt)
+        assert first.status == 200, first
+        assert first.headers["x-arona-memory"] == "disabled"
+        await wait_for_writebacks(up, client, 1)
+        # The same line again recalls the first turn: it was a caller's, stored and recalled
+        # in that caller's memory.
+        again = await _curl(assignment, chat, up.jwt)
+        assert (again.status, again.headers["x-arona-memory"]) == (200, "enabled"), again
+        assert (
+            "User: I prefer oolong tea"
+            in json.loads(again.body)["choices"][0]["message"]["content"]
+        )
+        # The JWT line may read memory.status, in user mode too.
+        reply = json.loads((await _curl(assignment, status, up.jwt)).body)
+        assert reply["result"]["enabled"] is True, reply
+        assert reply["result"]["scope"] == mode.get("ARONA_MEMORY_SCOPE", "shared")
+        # grpcurl by the path printed, relative to where `up` runs (here, this directory).
+        args = shlex.split(grpcurl)
+        assert _is_the_installed_grpcurl(args[0]), args[0]
+        ran = await run_grpcurl(*args[1:])
+        assert ran.returncode == 0, ran.stderr
+        assert json.loads(ran.stdout)["enabled"] is True

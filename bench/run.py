@@ -71,6 +71,13 @@ SETTLE_WINDOW_S = 0.1
 SETTLE_IDLE_SHARE = 0.05
 SETTLE_MAX_S = 5.0
 BLACKHOLE_TIMEOUT_S = "0.5"
+# The gateways that use the run's shared lexical-ranking store.
+LEXICAL_STORE_GATEWAYS = frozenset(
+    {"gw_on", "gw_unary", "gw_nometrics", "gw_nojournal", "gw_workers", "gw_pg"}
+)
+# What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
+# and recall alone inside the store process.
+PARTS = ("turns", "recall", "store-recall")
 PY = sys.executable
 
 
@@ -192,6 +199,9 @@ class Options:
     litellm_note: str
     out: Path
     keep: bool
+    # Only these configurations (their keys; None: all) and only these parts (PARTS).
+    rows: frozenset[str] | None = None
+    parts: frozenset[str] = frozenset(PARTS)
 
 
 @dataclass
@@ -573,60 +583,85 @@ def execute(run: Run) -> None:
     log(f"working in {work}")
     up = run.start("upstream", [PY, "-m", "bench.upstream"])
     run.ports["upstream"] = int(up.wait_for(r"READY (\d+)", 30).group(1))
-    litellm_proc = start_litellm(run, o.litellm) if o.litellm else None
-
-    started = time.monotonic()
-    nodes = preload(work / "store" / "memory.db", o.nodes)
-    log(f"store preloaded with {nodes} episodes in {time.monotonic() - started:.1f} s")
-    store_url = start_store(run, "store", work / "store")
     hybrid = semantic_available()
-    if hybrid:
+    if not hybrid:
+        run.notes.append("Row 3h not measured: the semantic extra is not installed.")
+    configs = [
+        c
+        for c in CONFIGS
+        if (o.rows is None or c.key in o.rows)
+        and (c.target != "litellm" or o.litellm is not None)
+        and (c.target != "gw_hybrid" or hybrid)
+    ]
+    if "turns" not in o.parts:
+        configs = []
+    needed = {c.target for c in configs}
+    if "recall" in o.parts:
+        needed.add("gw_on")  # recall alone goes through its gRPC service
+    litellm_proc = start_litellm(run, o.litellm) if "litellm" in needed and o.litellm else None
+
+    memory: dict[str, str] = {}
+    if needed & LEXICAL_STORE_GATEWAYS:
+        started = time.monotonic()
+        nodes = preload(work / "store" / "memory.db", o.nodes)
+        log(f"store preloaded with {nodes} episodes in {time.monotonic() - started:.1f} s")
+        store_url = start_store(run, "store", work / "store")
+        memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
+    if "gw_hybrid" in needed:
         recall_bench.preload(work / "store_hybrid" / "memory.db", o.nodes, "hybrid")
         hybrid_url = start_store(run, "store_hybrid", work / "store_hybrid", ranking="hybrid")
-    else:
-        run.notes.append("Row 3h not measured: the semantic extra is not installed.")
-    # The user-scope gateway's store: the same episodes, spread over USER_SCOPES users, the
-    # benchmark's caller being one of them.
-    preload(work / "store_user" / "memory.db", o.nodes, user_node_types())
-    user_store_url = start_store(run, "store_user", work / "store_user")
-    hole = run.start("blackhole", [PY, "-m", "bench.blackhole"])
-    hole_port = int(hole.wait_for(r"READY (\d+)", 30).group(1))
+    if "gw_user" in needed:
+        # The user-scope gateway's store: the same episodes, spread over USER_SCOPES users,
+        # the benchmark's caller being one of them.
+        preload(work / "store_user" / "memory.db", o.nodes, user_node_types())
+        user_store_url = start_store(run, "store_user", work / "store_user")
+    if "gw_blackhole" in needed:
+        hole = run.start("blackhole", [PY, "-m", "bench.blackhole"])
+        hole_port = int(hole.wait_for(r"READY (\d+)", 30).group(1))
 
-    start_gateway(run, "gw_off", {})
-    memory = {"ARONA_MEMORY_URL": store_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
-    start_gateway(run, "gw_on", memory)
-    # The same gateway on the unary Recall and Writeback calls instead of the streams.
-    start_gateway(run, "gw_unary", {**memory, "ARONA_GRPC_STREAMS": "0"})
-    if hybrid:
+    if "gw_off" in needed:
+        start_gateway(run, "gw_off", {})
+    if "gw_on" in needed:
+        start_gateway(run, "gw_on", memory)
+    if "gw_unary" in needed:
+        # The same gateway on the unary Recall and Writeback calls instead of the streams.
+        start_gateway(run, "gw_unary", {**memory, "ARONA_GRPC_STREAMS": "0"})
+    if "gw_hybrid" in needed:
         start_gateway(
             run, "gw_hybrid", {"ARONA_MEMORY_URL": hybrid_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}
         )
-    # The same gateway without metrics: what recording them costs a turn.
-    start_gateway(run, "gw_nometrics", {**memory, "ARONA_METRICS": "false"})
-    start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
-    start_workers(run, "gw_workers", memory, 2)
-    database_url = start_postgres(run)
-    if database_url is not None:
-        start_gateway(run, "gw_pg", {**memory, "ARONA_DATABASE_URL": database_url})
-    start_gateway(
-        run,
-        "gw_user",
-        {
-            "ARONA_MEMORY_URL": user_store_url,
-            "ARONA_MEMORY_TOKEN": STORE_TOKEN,
-            "ARONA_MEMORY_SCOPE": "user",
-            "ARONA_API_KEYS": f"{USER_KEY_NAME}={USER_KEY}",
-        },
-    )
-    start_gateway(
-        run,
-        "gw_blackhole",
-        {
-            "ARONA_MEMORY_URL": f"ws://127.0.0.1:{hole_port}/ws",
-            "ARONA_MEMORY_TOKEN": STORE_TOKEN,
-            "ARONA_MEMORY_TIMEOUT_S": BLACKHOLE_TIMEOUT_S,
-        },
-    )
+    if "gw_nometrics" in needed:
+        # The same gateway without metrics: what recording them costs a turn.
+        start_gateway(run, "gw_nometrics", {**memory, "ARONA_METRICS": "false"})
+    if "gw_nojournal" in needed:
+        start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
+    if "gw_workers" in needed:
+        start_workers(run, "gw_workers", memory, 2)
+    if "gw_pg" in needed:
+        database_url = start_postgres(run)
+        if database_url is not None:
+            start_gateway(run, "gw_pg", {**memory, "ARONA_DATABASE_URL": database_url})
+    if "gw_user" in needed:
+        start_gateway(
+            run,
+            "gw_user",
+            {
+                "ARONA_MEMORY_URL": user_store_url,
+                "ARONA_MEMORY_TOKEN": STORE_TOKEN,
+                "ARONA_MEMORY_SCOPE": "user",
+                "ARONA_API_KEYS": f"{USER_KEY_NAME}={USER_KEY}",
+            },
+        )
+    if "gw_blackhole" in needed:
+        start_gateway(
+            run,
+            "gw_blackhole",
+            {
+                "ARONA_MEMORY_URL": f"ws://127.0.0.1:{hole_port}/ws",
+                "ARONA_MEMORY_TOKEN": STORE_TOKEN,
+                "ARONA_MEMORY_TIMEOUT_S": BLACKHOLE_TIMEOUT_S,
+            },
+        )
     if litellm_proc is not None:
         try:
             wait_http(run.ports["litellm"], "/health/liveliness", 180, litellm_proc)
@@ -637,38 +672,40 @@ def execute(run: Run) -> None:
             litellm_proc.stop()
             litellm_proc = None
 
-    # Recall alone against the freshly loaded store, before writebacks grow it.
-    measure_recall(run, run.grpc_targets["gw_on"], nodes)
+    if "recall" in o.parts:
+        # Recall alone against the freshly loaded store, before writebacks grow it.
+        measure_recall(run, run.grpc_targets["gw_on"], o.nodes)
 
     configs = [
         c
-        for c in CONFIGS
+        for c in configs
         if (c.target != "litellm" or litellm_proc is not None)
         and (c.target != "gw_pg" or "gw_pg" in run.ports)
-        and (c.target != "gw_hybrid" or hybrid)
     ]
-    for concurrency in CONCURRENCIES:
+    for concurrency in CONCURRENCIES if configs else ():
         measure_interleaved(run, concurrency, configs)
-    state = breaker_state(run.grpc_targets["gw_blackhole"])
-    run.notes.append(
-        f"Blackholed Philia: recall timeout {BLACKHOLE_TIMEOUT_S} s; the gateway's circuit "
-        f"breaker was **{state}** after the run."
-    )
+    if "gw_blackhole" in needed:
+        state = breaker_state(run.grpc_targets["gw_blackhole"])
+        run.notes.append(
+            f"Blackholed Philia: recall timeout {BLACKHOLE_TIMEOUT_S} s; the gateway's circuit "
+            f"breaker was **{state}** after the run."
+        )
     run.stop_all()
 
-    started = time.monotonic()
-    big = preload(work / "store_big" / "memory.db", o.big_nodes)
-    log(f"big store preloaded with {big} episodes in {time.monotonic() - started:.1f} s")
-    big_url = start_store(run, "store_big", work / "store_big")
-    start_gateway(
-        run,
-        "grpc_big",
-        {"ARONA_MEMORY_URL": big_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN},
-        only="grpc",
-    )
-    measure_recall(run, run.grpc_targets["grpc_big"], big)
-    run.stop_all()
-    if semantic_available():
+    if "recall" in o.parts:
+        started = time.monotonic()
+        big = preload(work / "store_big" / "memory.db", o.big_nodes)
+        log(f"big store preloaded with {big} episodes in {time.monotonic() - started:.1f} s")
+        big_url = start_store(run, "store_big", work / "store_big")
+        start_gateway(
+            run,
+            "grpc_big",
+            {"ARONA_MEMORY_URL": big_url, "ARONA_MEMORY_TOKEN": STORE_TOKEN},
+            only="grpc",
+        )
+        measure_recall(run, run.grpc_targets["grpc_big"], big)
+        run.stop_all()
+    if "store-recall" in o.parts and hybrid:
         run.store_recall = recall_bench.measure_sizes(
             work / "store_recall", (o.nodes, o.big_nodes), calls=40 if o.quick else 400
         )
@@ -1011,6 +1048,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
     parser.add_argument("--out", type=Path, help="Markdown file to write")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    parser.add_argument(
+        "--rows",
+        help="only these configurations, by key, comma-separated (e.g. direct,mem_on,litellm;"
+        f" all: {','.join(c.key for c in CONFIGS)})",
+    )
+    parser.add_argument(
+        "--parts",
+        help=f"only these parts of the run, comma-separated (default all: {','.join(PARTS)})",
+    )
     return parser
 
 
@@ -1025,7 +1071,18 @@ def options(argv: Sequence[str] | None) -> Options:
     note = "skipped (--no-litellm)"
     if not args.no_litellm:
         litellm, note = find_litellm(args.litellm)
-    default_out = RESULTS_DIR / ("quick.md" if quick else "latest.md")
+    rows = parts = None
+    if args.rows:
+        rows = frozenset(key.strip() for key in args.rows.split(",") if key.strip())
+        unknown = rows - {c.key for c in CONFIGS}
+        if unknown:
+            _parser().error(f"unknown --rows: {', '.join(sorted(unknown))}")
+    if args.parts:
+        parts = frozenset(part.strip() for part in args.parts.split(",") if part.strip())
+        if parts - set(PARTS):
+            _parser().error(f"unknown --parts: {', '.join(sorted(parts - set(PARTS)))}")
+    partial = rows is not None or parts is not None
+    default_out = RESULTS_DIR / ("quick.md" if quick or partial else "latest.md")
     return Options(
         quick=quick,
         nodes=pick(args.nodes, 10_000, 1_000),
@@ -1038,6 +1095,8 @@ def options(argv: Sequence[str] | None) -> Options:
         litellm_note=note,
         out=args.out or default_out,
         keep=bool(args.keep),
+        rows=rows,
+        parts=parts if parts is not None else frozenset(PARTS),
     )
 
 

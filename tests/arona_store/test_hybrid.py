@@ -260,6 +260,38 @@ def test_a_changed_model_file_is_refused(tmp_path: Path) -> None:
         Embedder.load(tokenizer_path=tokenizer)
 
 
+@needs_semantic
+def test_int8_products_keep_the_vectors_and_a_text_gets_one_vector_whatever_beside_it(
+    embedder: object,
+) -> None:
+    import numpy as np
+
+    from arona_store.embedding import (
+        MODEL_SHA256,
+        Embedder,
+        installed_model_path,
+        int8_products,
+        read_verified,
+    )
+
+    assert isinstance(embedder, Embedder)
+    _, rewritten = int8_products(read_verified(installed_model_path(), MODEL_SHA256))
+    # Every weight product of the six layers: Q, K, V, the attention output and the two
+    # feed-forward ones.
+    assert rewritten == 36
+    texts = [FACT, PARAPHRASE, DISTRACTOR, TEA_DE, "User: what is my job?\nAssistant: A nurse."]
+    exact = Embedder.load(int8=False).embed(texts)
+    fast = embedder.embed(texts)
+    cosines = (exact * fast).sum(axis=1)
+    assert cosines.min() > 0.98, cosines
+    # What a recall depends on: the paraphrase is still far closer to its fact than the
+    # distractor is.
+    assert fast[1] @ fast[0] - fast[1] @ fast[2] > 0.5 * (exact[1] @ exact[0] - exact[1] @ exact[2])
+    # A text's vector does not depend on the texts embedded with it.
+    alone = np.vstack([embedder.embed([text]) for text in texts])
+    assert np.array_equal(alone, fast)
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 

@@ -219,13 +219,19 @@ class LexicalRanker:
 
     def relevances(self, expression: str, seqs: list[int]) -> dict[int, float]:
         """The lexical relevance (no recency) of the nodes ``seqs`` that match
-        ``expression``."""
+        ``expression``.
+
+        ``+rowid`` keeps the list away from FTS5: given ``rowid IN (...)``, SQLite runs the
+        full-text query once per listed row, and ``bm25()`` counts every match of every word
+        again each time (40 rows: 3-6 ms at 10,000 nodes, 15-36 ms at 100,000). So FTS5 walks
+        the matches once and SQLite keeps the listed ones: the same scores, 0.2-0.5 and
+        2-3.5 ms."""
         marks = ", ".join("?" * len(seqs))
         return {
             seq: relevance_of(bm25)
             for seq, bm25 in self._reader.execute(
                 "SELECT rowid, bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?"
-                f" AND rowid IN ({marks})",
+                f" AND +rowid IN ({marks})",
                 [expression, *seqs],
             )
         }

@@ -280,8 +280,7 @@ def checked_occurred_at(occurred_at: float | None, now: float) -> float | None:
     if occurred_at > now + MAX_FUTURE_SKEW_S:
         ahead = _rfc3339(occurred_at)
         raise InvalidArgument(
-            f"occurred_at {ahead} is in the future (more than {MAX_FUTURE_SKEW_S:.0f} s "
-            "ahead of the memory service's clock)"
+            f"occurred_at {ahead} is in the future (more than {MAX_FUTURE_SKEW_S:.0f} s from now)"
         )
     return min(occurred_at, now)
 

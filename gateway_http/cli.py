@@ -1,4 +1,5 @@
-"""The ``arona-gateway`` command line: ``up``, ``serve``, ``store``, ``token``, ``check-memory``.
+"""The ``arona-gateway`` command line: ``up``, ``serve``, ``store``, ``token``, ``check-memory``,
+``import``.
 
 The entry point is the only place that configures logging and reads the
 environment (once, into :class:`~arona_grpc.config.Settings`). Every part runs
@@ -549,7 +550,28 @@ def _parser() -> argparse.ArgumentParser:
         "check-memory",
         help="check that the configured Philia keeps users' memories apart (exit 0 if so)",
     )
+    _import_parser(sub)
     return parser
+
+
+def _import_parser(sub: Any) -> None:
+    imports = sub.add_parser(
+        "import",
+        help="store chat history (OpenAI messages, one conversation or turn a line) as dated "
+        "episodes through the gRPC service; resumable (exit 1 if any line was bad)",
+    )
+    imports.add_argument("file", type=Path, help="the JSON lines file (see the README)")
+    imports.add_argument(
+        "--user",
+        help="whose memory: the principal a chat would have (a JWT sub, key:NAME); a line's "
+        "'user' narrows it as in a chat request; without it, shared memory or the line's user",
+    )
+    imports.add_argument(
+        "--progress", type=Path, help="the progress file (default: FILE.progress beside FILE)"
+    )
+    imports.add_argument(
+        "--check", action="store_true", help="only check the file: report bad lines, store nothing"
+    )
 
 
 # gRPC releases whose EventEngine client and listener were measured against the older I/O
@@ -646,6 +668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_token(env, args.sub, args.ttl, args.admin))
         elif args.command == "check-memory":
             return _check_memory_sync(env)
+        elif args.command == "import":
+            from gateway_http.importing import import_command
+
+            return import_command(
+                settings, args.file, user=args.user, progress=args.progress, check=args.check
+            )
         elif args.command == "migrate":
             _run(_migrate(env))
         elif args.command == "up":

@@ -95,12 +95,36 @@ def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
     return None
 
 
+def _gateway_error(exc: grpc.aio.AioRpcError) -> GatewayError:
+    """A failed call as the HTTP layer's error: the service's own message for client
+    mistakes, a generic one otherwise (transport details are not for clients)."""
+    kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
+    if _trailer(exc, ERROR_CODE_KEY) == DATABASE_UNAVAILABLE:
+        return GatewayError(
+            ErrorKind.UNAVAILABLE, "the database is unavailable", DATABASE_UNAVAILABLE
+        )
+    if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():
+        return GatewayError(kind, exc.details() or "")
+    return GatewayError(kind, _GENERIC[kind])
+
+
 @dataclass(frozen=True)
 class Recall:
     state: str
     section: str
     # Memories in the section.
     count: int = 0
+
+
+@dataclass(frozen=True)
+class KeptEpisode:
+    """What the memory service did with an episode handed over for good (an import)."""
+
+    # Stored now, as node_id; False with queued: kept in its outbox, stored when Philia
+    # answers again; False without: memory or writeback is off, or the turn was empty.
+    stored: bool
+    node_id: str = ""
+    queued: bool = False
 
 
 @dataclass(frozen=True)
@@ -333,6 +357,36 @@ class MemoryClient:
             self._metrics.writeback("not_stored")
         return True
 
+    async def keep_episode(
+        self,
+        user: str,
+        assistant: str,
+        scope: str,
+        episode_id: str,
+        occurred_at: float | None,
+        timeout_s: float,
+    ) -> KeptEpisode:
+        """One unary ``Writeback`` whose outcome the caller must know (an import, not a turn).
+
+        A failure after which the service kept the episode in its outbox is a
+        :class:`KeptEpisode` too (``queued``); any other failure raises
+        :class:`GatewayError`, with the service's own message for bad input.
+        """
+        request = pb.WritebackRequest(
+            user=user, assistant=assistant, scope=scope, episode_id=episode_id
+        )
+        if occurred_at is not None:
+            request.occurred_at.FromNanoseconds(int(occurred_at * 1e9))
+        try:
+            reply = await self._unary()[0].Writeback(
+                request, timeout=timeout_s, metadata=self._call_metadata()
+            )
+        except grpc.aio.AioRpcError as exc:
+            if _trailer(exc, QUEUED_KEY) == "1":
+                return KeptEpisode(stored=False, queued=True)
+            raise _gateway_error(exc) from None
+        return KeptEpisode(stored=reply.stored, node_id=reply.node_id)
+
     def _writeback_failed(self, code: grpc.StatusCode, details: str, queued: bool) -> bool:
         self._metrics.writeback("failed")
         self._writeback_log.failed(
@@ -435,14 +489,5 @@ class MemoryClient:
                 request, timeout=self._rpc_timeout_s, metadata=self._call_metadata()
             )
         except grpc.aio.AioRpcError as exc:
-            kind = GRPC_TO_KIND.get(exc.code(), ErrorKind.INTERNAL)
             logger.warning("memory service call failed: %s", exc.code().name)
-            if _trailer(exc, ERROR_CODE_KEY) == DATABASE_UNAVAILABLE:
-                raise GatewayError(
-                    ErrorKind.UNAVAILABLE, "the database is unavailable", DATABASE_UNAVAILABLE
-                ) from None
-            # The service's own messages for client mistakes are meant for the client;
-            # transport details (addresses, resolver text) are not.
-            if kind in (ErrorKind.BAD_INPUT, ErrorKind.NOT_CONFIGURED) and exc.details():
-                raise GatewayError(kind, exc.details() or "") from None
-            raise GatewayError(kind, _GENERIC[kind]) from None
+            raise _gateway_error(exc) from None

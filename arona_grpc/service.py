@@ -32,6 +32,11 @@ Robustness, all in front of the one Philia client:
   recovery stores each one exactly once; a store whose answer was lost (a timeout,
   a link cut mid-call) may be stored twice. The healthy path (breaker closed, outbox
   empty) never touches SQLite.
+- **Episode ids**: a caller's id of an episode makes sending it again safe. One waiting in
+  the outbox is not queued twice; one stored lately (the last :data:`_REPLAYED_MEMORY`,
+  by a writeback or the replay) is answered with its node id and not stored again, so a
+  caller that lost the answer (an import killed mid-call, a journal sent again after a
+  crash) stores nothing twice while this process runs.
 - **Dated episodes**: a writeback may say when its turn happened (``occurred_at``, POSIX
   seconds; :func:`checked_occurred_at` says what is accepted); Philia receives it as the
   store request's ``occurred_at`` property. Without one, the healthy path sends no property
@@ -384,8 +389,9 @@ class MemoryDomain:
         self._wake = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[str]] = {}
         self._replayed: OrderedDict[int, str] = OrderedDict()
-        # Callers' episode ids the replay stored lately, with their node ids.
-        self._replayed_ids: OrderedDict[str, str] = OrderedDict()
+        # Callers' episode ids stored lately (a writeback or the replay), with their node ids:
+        # the same episode sent again (its caller never got the answer) is that one.
+        self._stored_ids: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[int, _InFlight] = {}
         self._inflight_idle = asyncio.Event()
         self._inflight_idle.set()
@@ -560,10 +566,11 @@ class MemoryDomain:
         assert self._client is not None and self._outbox is not None
         text, node_type, sid = episode.text, episode.node_type, episode.scope_id
         if episode.episode_id:
-            replayed = self._replayed_ids.get(episode.episode_id)
-            if replayed is not None:
-                # Sent again after the outbox already stored it: the same episode.
-                return WritebackOutcome(stored=True, node_id=replayed)
+            stored = self._stored_ids.get(episode.episode_id)
+            if stored is not None:
+                # Sent again after it was stored (the answer was lost, or the outbox stored
+                # it meanwhile): the same episode, not a second copy.
+                return WritebackOutcome(stored=True, node_id=stored)
         if self._closing:
             await self._keep(episode)
             raise MemoryUnavailable("the memory service is stopping; the episode is queued")
@@ -854,11 +861,8 @@ class MemoryDomain:
                 raise
             failures = 0
             self._breaker.success(permit)
-            if entry.episode_id:
-                # Known before the row goes: the same episode sent again meanwhile is this one.
-                self._replayed_ids[entry.episode_id] = node_id
-                if len(self._replayed_ids) > _REPLAYED_MEMORY:
-                    self._replayed_ids.popitem(last=False)
+            # Known before the row goes: the same episode sent again meanwhile is this one.
+            self._remember_id(entry.episode_id, node_id)
             try:
                 await self._outbox.remove(entry.seq)
             except Exception as exc:
@@ -949,8 +953,16 @@ class MemoryDomain:
             return ""
         return scope_id(scope)
 
+    def _remember_id(self, episode_id: str, node_id: str) -> None:
+        if episode_id:
+            self._stored_ids[episode_id] = node_id
+            if len(self._stored_ids) > _REPLAYED_MEMORY:
+                self._stored_ids.popitem(last=False)
+
     def _stored(self, episode: _Episode, node_id: str) -> None:
-        """Philia stored ``episode`` as ``node_id``: an event, and an index entry."""
+        """Philia stored ``episode`` as ``node_id``: an event, its id remembered, and an
+        index entry."""
+        self._remember_id(episode.episode_id, node_id)
         self._record(EventKind.WRITEBACK, node_id, episode.scope_id)
         if self._index is not None and episode.scope_id:
             self._index.record(node_id, episode.scope_id, episode.text)

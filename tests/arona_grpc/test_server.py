@@ -101,6 +101,20 @@ async def test_writeback_and_delete(fake: FakePhilia, stub: pb_grpc.MemoryServic
 
 
 @pytest.mark.asyncio
+async def test_an_episode_sent_again_after_it_was_stored_is_not_stored_twice(
+    fake: FakePhilia, stub: pb_grpc.MemoryServiceAsyncStub
+) -> None:
+    # Its caller never got the first answer (killed, a lost reply) and sends it again.
+    request = pb.WritebackRequest(user="once", assistant="only", episode_id="ep-7")
+    first = await stub.Writeback(request)
+    again = await stub.Writeback(request)
+    assert (again.stored, again.node_id) == (True, first.node_id)
+    assert len(fake.frames_of(STORE)) == 1
+    other = await stub.Writeback(pb.WritebackRequest(user="once", assistant="only"))
+    assert other.node_id != first.node_id  # without an id, no such check
+
+
+@pytest.mark.asyncio
 async def test_status_reports_events_newest_first(stub: pb_grpc.MemoryServiceAsyncStub) -> None:
     await stub.Recall(pb.RecallRequest(query="first"))
     await stub.Writeback(pb.WritebackRequest(user="u"))

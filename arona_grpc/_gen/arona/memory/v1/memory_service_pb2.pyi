@@ -214,7 +214,8 @@ class WritebackRequest(_message.Message):
     episode_id: _builtins.str
     """The caller's own id for this episode, so that sending it again is safe: an
     episode whose id is already waiting in the outbox is not queued twice (the
-    call fails as queued). Empty: no such check.
+    call fails as queued), and one this service stored lately is answered with
+    its node id, not stored again. Empty: no such check.
     """
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp:

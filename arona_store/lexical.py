@@ -388,24 +388,31 @@ class LexicalRanker:
     ) -> tuple[list[str], list[int] | None, bool]:
         """Choose the words worth matching on a large store (read lock held).
 
-        Returns the kept words (none when the only rare ones are held by no node), a lower
-        bound of how many nodes hold each (None on a small store, where nothing is counted) and
-        whether all of the words are common.
+        Returns the kept words (none when no node holds any of them), a lower bound of how many
+        nodes hold each (None on a small store, where nothing is counted) and whether all of the
+        words are common.
 
         A word found in at least half the nodes gets an IDF clamped to almost zero by FTS5, so
         it adds nothing to BM25, yet every node holding it would have to be scored (in an
         episode store ``user`` matches every node). Such words are dropped when rarer ones
         remain; the only loss is that nodes matching nothing but common words no longer fill up
-        a short result list. When every word is common, the rarest is kept and the caller ranks
-        its matches by recency alone, which is what the formula yields for a BM25 of ~0.
+        a short result list. When every word some node holds is common, the rarest is kept and
+        the caller ranks its matches by recency alone, which is what the formula yields for a
+        BM25 of ~0. A word no node holds (its count is exact when zero) matches nothing and adds
+        nothing to any BM25: it is left out, and never counts as a rarer word (a question
+        whose other words are all common would otherwise find nothing at all).
         """
         if total < PRUNE_MIN_NODES:
             return terms, None, False
-        counted = [(*self._docs_with(term, changes), term) for term in terms]
+        counted = [
+            (docs, low, term)
+            for docs, low, term in (self._docs_with(t, changes) + (t,) for t in terms)
+            if docs > 0
+        ]
+        if not counted:
+            return [], None, False
         if any(docs * 2 < total for docs, _, _ in counted):
-            # A word no node holds (its count is exact when zero) matches nothing and adds
-            # nothing to any BM25: leaving it out keeps the bound on relevance tight.
-            kept = [(low, term) for docs, low, term in counted if 0 < docs and docs * 2 < total]
+            kept = [(low, term) for docs, low, term in counted if docs * 2 < total]
             return [term for _, term in kept], [low for low, _ in kept], False
         rarest = min(counted)
         return [rarest[2]], [rarest[1]], True

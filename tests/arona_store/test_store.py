@@ -152,6 +152,25 @@ def test_large_store_ranks_rare_words_over_words_in_every_node(store: MemoryStor
     assert [h.score for h in common] == sorted((h.score for h in common), reverse=True)
 
 
+def test_a_question_whose_known_words_are_all_common_finds_their_memories(
+    store: MemoryStore,
+) -> None:
+    # Most of the store repeats one question (a load test's writebacks); a new question of the
+    # same words plus one no memory holds ("2067") must still recall them, not nothing.
+    store.add_many(
+        (f"note {i} about errands", "episode", NOW - timedelta(days=1)) for i in range(400)
+    )
+    store.add_many(
+        (f"User: which tea do I prefer in the morning {i}", "episode", NOW - timedelta(minutes=i))
+        for i in range(PRUNE_MIN_NODES)
+    )
+    hits = store.query("which tea do I prefer in the morning 2067", 5, now=NOW)
+    assert [h.text for h in hits] == [
+        f"User: which tea do I prefer in the morning {i}" for i in range(5)
+    ]
+    assert store.query("which xylophone 2067", 5, now=NOW) == []
+
+
 def test_concurrent_callers_from_threads_are_safe(store: MemoryStore) -> None:
     errors: list[BaseException] = []
 

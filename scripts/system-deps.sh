@@ -31,6 +31,11 @@ fi
 
 [ "${#missing[@]}" -eq 0 ] && exit 0
 
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "make test needs ${missing[*]} (/usr/bin/chromium; PostgreSQL's initdb and pg_ctl)" \
+        "and installs them only with apt-get, which this machine lacks: install them yourself" >&2
+    exit 1
+fi
 command_line="apt-get update && apt-get install -y ${missing[*]}"
 if [ "$(id -u)" -eq 0 ]; then
     as_root=()
@@ -39,11 +44,6 @@ elif command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then
 else
     echo "make test needs the Debian packages ${missing[*]} and cannot install them (not root," \
         "no password-less sudo): run  sudo sh -c '$command_line'  and make test again" >&2
-    exit 1
-fi
-if ! command -v apt-get >/dev/null 2>&1; then
-    echo "make test needs ${missing[*]} (/usr/bin/chromium; PostgreSQL's initdb and pg_ctl)" \
-        "and installs them only with apt-get, which this machine lacks: install them yourself" >&2
     exit 1
 fi
 

@@ -175,11 +175,14 @@ async def run_parts(
     stop: asyncio.Event | None = None,
     listen_fd: int | None = None,
     worker: int = 0,
+    supervised: bool = False,
 ) -> None:
     """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal.
 
     ``listen_fd`` is a listening socket handed down by ``serve --workers``; ``worker`` is
-    this HTTP worker's number among them.
+    this HTTP worker's number among them. ``supervised`` (the gRPC service of ``serve
+    --workers``): no signal stops it, the end of its stdin does
+    (:func:`gateway_http.workers.stop_when_supervisor_closes`).
     """
     from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
     from arona_grpc.server import GrpcServer
@@ -194,8 +197,14 @@ async def run_parts(
         except (DatabaseUnavailable, SchemaRefused) as exc:
             raise StartupError(str(exc)) from None
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    unwatch: Callable[[], None] | None = None
+    if supervised:
+        from gateway_http.workers import stop_when_supervisor_closes
+
+        unwatch = stop_when_supervisor_closes(stop)
+    else:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     running = Running(settings)
     metrics_collectors = []
     grpc_server: GrpcServer | None = None
@@ -253,8 +262,11 @@ async def run_parts(
                 http_task.result()
             raise StartupError("the HTTP gateway failed to start (see the log above)")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        if unwatch is not None:
+            unwatch()
+        else:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
         if http_server is not None and http_task is not None:
             http_server.should_exit = True
             with contextlib.suppress(SystemExit, Exception, asyncio.CancelledError):
@@ -428,7 +440,11 @@ def _serve_workers(env: Mapping[str, str], workers: int, *, grpc_part: bool) -> 
 
 
 async def _serve(
-    env: Mapping[str, str], only: str | None, listen_fd: int | None = None, worker: int = 0
+    env: Mapping[str, str],
+    only: str | None,
+    listen_fd: int | None = None,
+    worker: int = 0,
+    supervised: bool = False,
 ) -> None:
     settings = Settings.from_env(env)
 
@@ -447,6 +463,7 @@ async def _serve(
         on_ready=ready,
         listen_fd=listen_fd,
         worker=worker,
+        supervised=supervised,
     )
 
 
@@ -533,6 +550,7 @@ def _parser() -> argparse.ArgumentParser:
     # Set by the supervisor of --workers for its children.
     serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
     store = sub.add_parser("store", help="run the embedded Philia-compatible store alone")
     store.add_argument("--host", default="127.0.0.1")
     store.add_argument("--port", type=int, default=STORE_DEFAULT_PORT)
@@ -644,6 +662,11 @@ def _check_memory_sync(env: Mapping[str, str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "supervised", False):
+        # Before anything else: a group-wide SIGTERM arriving while it starts is ignored too.
+        from gateway_http.workers import ignore_stop_signals
+
+        ignore_stop_signals()
     env = os.environ
     prefer_grpc_iomgr(env)
     try:
@@ -685,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.only == "grpc":
                     raise StartupError("--workers is for the HTTP layer; not with --only grpc")
                 return _serve_workers(env, args.workers, grpc_part=args.only != "http")
-            _run(_serve(env, args.only, args.listen_fd, args.worker))
+            _run(_serve(env, args.only, args.listen_fd, args.worker, args.supervised))
         else:
             _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError, RankingError) as exc:

@@ -9,10 +9,18 @@ forked from a process that holds threads or sockets it should not share.
 SIGTERM or SIGINT drains everything in order: the workers first (in-flight turns finish,
 writebacks get their grace), then the gRPC service (its outbox is kept). A child that dies
 on its own stops the others, and the supervisor exits non-zero with one line saying which.
+
+The order holds when the signal reaches every process at once too (systemd's default
+``KillMode=control-group``, Ctrl-C in a terminal, ``kill -- -PGID``): the gRPC service
+ignores SIGINT and SIGTERM and stops only when its standard input, a pipe from the
+supervisor, closes. The supervisor closes it once the workers have ended (or when it dies
+itself, so the service never outlives it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import signal
 import socket
@@ -20,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from arona_grpc.config import Settings
 
@@ -31,6 +39,8 @@ _HTTP_READY = re.compile(r"Application startup (complete)")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# The hidden ``serve`` flag of a child that stops when the supervisor closes its stdin.
+SUPERVISED_FLAG = "--supervised"
 
 
 class WorkersError(RuntimeError):
@@ -52,11 +62,13 @@ class _Child:
         self._ready_line = ready
         self.ready = threading.Event()
         self.address: str | None = None
+        # A supervised child is stopped by closing its stdin, not by a signal.
+        self.supervised = SUPERVISED_FLAG in argv
         self.process = subprocess.Popen(
             list(argv),
             env=dict(env),
             pass_fds=tuple(fds),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if self.supervised else subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
@@ -79,9 +91,13 @@ class _Child:
         if not self.ready.wait(timeout_s) or self.process.poll() is not None:
             raise WorkersError(f"the {self.name} did not start (see its log above)")
 
-    def signal(self, sig: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
+    def stop(self) -> None:
+        """Ask the child to stop: close its stdin (supervised) or send it SIGTERM."""
+        if self.supervised:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        elif self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float) -> int:
         try:
@@ -128,9 +144,8 @@ def run_workers(
         if grpc_part:
             port = settings.grpc_port or _free_port(settings.grpc_host)
             grpc_env["ARONA_GRPC_PORT"] = str(port)
-            grpc_service = _Child(
-                "gRPC service", [*command, "--only", "grpc"], grpc_env, (), _GRPC_READY
-            )
+            argv = [*command, "--only", "grpc", SUPERVISED_FLAG]
+            grpc_service = _Child("gRPC service", argv, grpc_env, (), _GRPC_READY)
             children.append(grpc_service)
             grpc_service.wait_ready(START_TIMEOUT_S)
             grpc_target = grpc_service.address
@@ -175,12 +190,13 @@ def _watch(children: list[_Child], stop: threading.Event) -> _Child | None:
 
 
 def _stop_all(children: list[_Child]) -> None:
-    """HTTP workers first (they drain their turns), then the gRPC service."""
+    """HTTP workers first (they drain their turns and hand over their writebacks), then the
+    gRPC service."""
     workers = [c for c in children if c.name.startswith("HTTP")]
     services = [c for c in children if not c.name.startswith("HTTP")]
     for group in (workers, services):
         for child in group:
-            child.signal(signal.SIGTERM)
+            child.stop()
         for child in group:
             child.wait(STOP_TIMEOUT_S)
 
@@ -190,3 +206,35 @@ def listen_fd_socket(fd: int) -> socket.socket:
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
     return sock
+
+
+def ignore_stop_signals() -> None:
+    """A supervised child: SIGINT and SIGTERM meant for the whole process group are the
+    supervisor's to act on (it stops this child after the HTTP workers)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_when_supervisor_closes(stop: asyncio.Event) -> Callable[[], None]:
+    """Set ``stop`` when stdin, the supervisor's pipe, reaches its end (closed by the
+    supervisor, or the supervisor is gone); returns the function that stops watching."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        try:
+            more = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            more = b""
+        if not more:
+            loop.remove_reader(fd)
+            stop.set()
+
+    loop.add_reader(fd, readable)
+
+    def unwatch() -> None:
+        loop.remove_reader(fd)
+
+    return unwatch

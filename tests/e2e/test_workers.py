@@ -4,34 +4,30 @@ third, the SQLite files shared, SIGTERM draining all of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.fake_philia import FakePhilia
+from tests.support.fake_upstream import FakeUpstream, Stream
+
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
+PHILIA_TOKEN = "philia-secret-token"
 
 
 def _children(pid: int) -> list[str]:
     """The command lines of a process's children (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == pid:
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return [argv for _, argv in _child_pids(pid)]
 
 
 async def test_two_workers_share_one_port_and_one_conversation_database(tmp_path: Path) -> None:
@@ -97,3 +93,186 @@ async def _drain(process: asyncio.subprocess.Process, log: list[str]) -> None:
     assert process.stderr is not None
     async for raw in process.stderr:
         log.append(raw.decode().rstrip())
+
+
+async def test_sigterm_to_the_process_group_drains_the_workers_before_the_grpc_service(
+    tmp_path: Path,
+) -> None:
+    """What systemd's default ``KillMode=control-group`` and Ctrl-C in a terminal do: every
+    process gets the signal at once. Turns in flight still finish, their writebacks reach
+    Philia through the gRPC service, and that service stops only after both workers."""
+    turns = 4
+    async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
+        streams = [Stream(pieces=["one ", "two ", "three"], pause_after=1) for _ in range(turns)]
+        upstream.script(*streams)
+        philia.memories = [{"text": "I prefer oolong tea", "score": 0.8, "node_type": "entity"}]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+        env.update(
+            ARONA_DATA_DIR=str(tmp_path),
+            ARONA_HTTP_PORT="0",
+            ARONA_GRPC_PORT="0",
+            ARONA_MEMORY_URL=philia.url,
+            ARONA_MEMORY_TOKEN=PHILIA_TOKEN,
+            ARONA_UPSTREAM_URL=upstream.base_url,
+        )
+        process = await asyncio.create_subprocess_exec(
+            COMMAND,
+            "serve",
+            "--workers",
+            "2",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, as under systemd
+        )
+        log: list[str] = []
+        try:
+            url = await _serving_url(process, log)
+            lines = _LogLines(process, log)
+            async with asyncio.TaskGroup() as group:
+                replies = [
+                    group.create_task(_streamed_turn(url, f"turn {i}")) for i in range(turns)
+                ]
+                for stream in streams:
+                    await asyncio.wait_for(stream.paused.wait(), 30)
+                os.killpg(process.pid, signal.SIGTERM)
+                # Both workers have the signal (and wait for their open streams).
+                await lines.wait_for("uvicorn.error: Shutting down", 2)
+                for stream in streams:
+                    stream.resume.set()
+            for reply in replies:
+                status, text = reply.result()
+                assert (status, text) == (200, "one two three")
+            await asyncio.wait_for(process.wait(), 60)
+            await lines.ended()
+        finally:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        text = "\n".join(log)
+        assert process.returncode == 0, text
+        # Every answered turn reached Philia now, none waits in a journal for the next start.
+        assert sorted(s["text"] for s in philia.stored) == sorted(
+            f"User: turn {i}\nAssistant: one two three" for i in range(turns)
+        ), text
+        assert "no stream to the memory service is open" not in text
+        assert "Traceback" not in text
+        # By the time on each line (the three processes' lines interleave as they are copied).
+        worker_ends = [_logged_at(line) for line in log if "Application shutdown complete" in line]
+        (service_end,) = [_logged_at(line) for line in log if "MemoryService stopped" in line]
+        assert len(worker_ends) == 2 and max(worker_ends) <= service_end, text
+
+
+def _logged_at(line: str) -> datetime:
+    """The time at the start of a log line (``2026-12-02 04:24:56,757 INFO …``)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+
+async def _serving_url(process: asyncio.subprocess.Process, log: list[str]) -> str:
+    assert process.stderr is not None
+    while True:
+        raw = await asyncio.wait_for(process.stderr.readline(), 60)
+        assert raw, "\n".join(log)
+        log.append(raw.decode().rstrip())
+        found = re.search(r"serving on (http://\S+) \(\d+ HTTP workers\)", log[-1])
+        if found:
+            return found.group(1)
+
+
+class _LogLines:
+    """The rest of a process's stderr, read into ``log`` as it comes."""
+
+    def __init__(self, process: asyncio.subprocess.Process, log: list[str]) -> None:
+        self._log = log
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._read(process))
+
+    async def _read(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stderr is not None
+        async for raw in process.stderr:
+            self._log.append(raw.decode().rstrip())
+            self._changed.set()
+
+    async def wait_for(self, text: str, count: int, timeout_s: float = 30.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while sum(text in line for line in self._log) < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def ended(self) -> None:
+        await asyncio.wait_for(self._task, 30)
+
+
+async def _streamed_turn(url: str, text: str) -> tuple[int, str]:
+    """One streamed chat turn on a connection of its own, in a conversation of its own (a
+    streamed REST turn is written back in a conversation): its status and its content."""
+    content = ""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        created = await client.post("/v1/conversations", json={})
+        body = {
+            "model": "fake-model",
+            "stream": True,
+            "conversation_id": created.json()["id"],
+            "messages": [{"role": "user", "content": text}],
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        content += choice["delta"].get("content") or ""
+        return response.status_code, content
+
+
+async def test_the_grpc_service_does_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
+    """It ignores stop signals, so it must end by itself when ``serve`` is SIGKILLed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(ARONA_DATA_DIR=str(tmp_path), ARONA_HTTP_PORT="0", ARONA_GRPC_PORT="0")
+    process = await asyncio.create_subprocess_exec(
+        COMMAND,
+        "serve",
+        "--workers",
+        "2",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    log: list[str] = []
+    try:
+        await _serving_url(process, log)
+        (service,) = [pid for pid, argv in _child_pids(process.pid) if "--only grpc" in argv]
+        ended = _process_end(service)
+        process.kill()
+        await asyncio.wait_for(ended, 30)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the HTTP workers, orphaned
+        await process.wait()
+
+
+def _child_pids(pid: int) -> list[tuple[int, str]]:
+    """Each child of a process: its pid and command line (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    found.append((int(entry.name), argv))
+    return found
+
+
+def _process_end(pid: int) -> asyncio.Future[None]:
+    """Done when process ``pid`` (not a child of ours) has ended: its pidfd turns readable."""
+    loop = asyncio.get_running_loop()
+    fd = os.pidfd_open(pid)
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        if not ended.done():
+            ended.set_result(None)
+
+    loop.add_reader(fd, readable)
+    return ended

@@ -590,6 +590,12 @@ def _import_parser(sub: Any) -> None:
     imports.add_argument(
         "--check", action="store_true", help="only check the file: report bad lines, store nothing"
     )
+    imports.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="turns sent at a time (default 32; 1: strictly one after another)",
+    )
 
 
 # gRPC releases whose EventEngine client and listener were measured against the older I/O
@@ -695,7 +701,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway_http.importing import import_command
 
             return import_command(
-                settings, args.file, user=args.user, progress=args.progress, check=args.check
+                settings,
+                args.file,
+                user=args.user,
+                progress=args.progress,
+                check=args.check,
+                concurrency=args.concurrency,
             )
         elif args.command == "migrate":
             _run(_migrate(env))

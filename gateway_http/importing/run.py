@@ -1,18 +1,19 @@
 """``arona-gateway import FILE``: chat history into memory, through the gRPC service.
 
 Each line of the file (:mod:`~gateway_http.importing.lines`) is checked whole before any of
-its turns is sent; each turn is one ``Writeback`` with its ``occurred_at`` and an episode id of
-its own, in the order of the file, and is noted in the progress file
-(:mod:`~gateway_http.importing.ledger`) once the service has it, so a run stopped anywhere
-goes on where it stopped and sends no turn twice. What the service refuses as bad input
-makes the line bad: the turns of that line stored already are deleted again, so a bad line
-leaves nothing behind. The service being away (``UNAVAILABLE``, a timeout) is waited out for
-a while, then the import stops, to be run again.
+its turns is sent. Each turn is one ``Writeback`` with its ``occurred_at`` and an episode id of
+its own, started in the order of the file, up to :data:`WINDOW` at a time, and is noted in the
+progress file (:mod:`~gateway_http.importing.ledger`) once the service has it, so a run
+stopped anywhere goes on where it stopped. What the service refuses as bad input makes the
+line bad: the turns of that line stored already are deleted again, so a bad line leaves
+nothing behind. The service being away (``UNAVAILABLE``, a timeout) is waited out for about
+30 s, then the import stops, to be run again.
 
-A turn is stored exactly once even across a SIGKILL: the one turn whose answer the kill cut
-off is sent again with the same text, time and episode id, which the memory service's
-outbox knows while it waits there and the embedded store keeps as one memory (another Philia
-may keep two copies of that one turn).
+A turn is stored once even across a SIGKILL: the turns whose answers the kill cut off are sent
+again with the same text, time and episode id, which the memory service knows (one it stored
+lately, or one waiting in its outbox, is not stored again). Only if the service restarted
+in between may such a turn, at most :data:`WINDOW` of them, be stored again (the embedded
+store then still keeps one copy).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ RETRIES = 6
 FIRST_RETRY_S = 0.5
 # A Writeback waits for one Philia store (and, during an outage, for the outbox).
 CALL_MARGIN_S = 2.0
+# Turns sent at a time. A store commits the writes that come together in one transaction
+# (the embedded store waits 10 ms for company), so one at a time would be about 70 turns/s;
+# 32 at a time, about 1,500 (lexical store, loaded 2-core machine).
+WINDOW = 32
 
 
 class ImportStopped(Exception):
@@ -67,6 +72,7 @@ def import_command(
     user: str | None = None,
     progress: Path | None = None,
     check: bool = False,
+    concurrency: int = WINDOW,
 ) -> int:
     """Run an import from the command line; its exit code (0, 1: bad lines, 2: stopped,
     130: interrupted)."""
@@ -76,7 +82,13 @@ def import_command(
     try:
         return asyncio.run(
             run_import(
-                settings, file, user=user, progress_path=progress, check=check, out=sys.stdout
+                settings,
+                file,
+                user=user,
+                progress_path=progress,
+                check=check,
+                window=concurrency,
+                out=sys.stdout,
             )
         )
     except ImportStopped as exc:
@@ -91,10 +103,15 @@ async def run_import(
     user: str | None = None,
     progress_path: Path | None = None,
     check: bool = False,
+    window: int = WINDOW,
     out: TextIO,
     err: TextIO | None = None,
 ) -> int:
+    """Import ``file``; the exit code (see :func:`import_command`). Raises
+    :class:`ImportStopped` when it cannot run or go on (after printing how far it got)."""
     err = err if err is not None else sys.stderr
+    if window < 1:
+        raise ImportStopped("--concurrency must be at least 1")
     if user is not None:
         problem = user_error(user) if user else "--user must not be empty"
         if problem is not None:
@@ -103,18 +120,18 @@ async def run_import(
     # Part of every turn's key: the same file imported elsewhere is imported again there.
     destination = f"{settings.grpc_targets[0]}\n{user or ''}"
     shown = Progress(err, total)
-    tally = Tally()
     if check:
+        bad = 0
         for number, raw in _lines(file):
             try:
                 parse_line(raw, principal=user, destination=destination)
             except BadLine as exc:
-                tally.bad += 1
+                bad += 1
                 shown.say(f"{file}:{number}: {exc}")
             shown.line_done()
         shown.finish()
-        print(f"checked {total:,} lines: {tally.bad:,} bad", file=out)
-        return 1 if tally.bad else 0
+        print(f"checked {total:,} lines: {bad:,} bad", file=out)
+        return 1 if bad else 0
     try:
         ledger = Ledger(progress_path or file.with_name(file.name + ".progress"))
     except LedgerError as exc:
@@ -124,76 +141,104 @@ async def run_import(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     channel = open_memory_channel(settings)
+    client = MemoryClient(
+        channel,
+        recall_budget_s=settings.recall_budget_s,
+        rpc_timeout_s=settings.memory_timeout_s,
+        metadata=memory_call_metadata(settings),
+    )
+    importer = _Importer(settings, client, ledger, shown, stop, window)
     try:
-        importer = _Importer(
-            settings,
-            MemoryClient(
-                channel,
-                recall_budget_s=settings.recall_budget_s,
-                rpc_timeout_s=settings.memory_timeout_s,
-                metadata=memory_call_metadata(settings),
-            ),
-            ledger,
-            stop,
-        )
         user_scoped = await importer.check_service()
         for number, raw in _lines(file):
-            if stop.is_set():
+            if importer.halted:
                 break
             try:
                 line = parse_line(raw, principal=user, destination=destination)
-                if user_scoped and not line.scope:
-                    raise BadLine(
-                        "no user: the memory service keeps each user's memory apart "
-                        "(ARONA_MEMORY_SCOPE=user); pass --user or give the line a 'user'"
-                    )
-                pending = [turn for turn in line.turns if not ledger.done(turn.key)]
-                if not pending:
-                    tally.skipped += 1
-                    shown.line_done()
-                    continue
-                stored = await importer.send(line, pending, tally)
-            except _Interrupted:
-                break
             except BadLine as exc:
-                tally.bad += 1
-                shown.say(f"{file}:{number}: {exc}")
-                shown.line_done()
+                importer.bad(file, number, str(exc))
                 continue
-            tally.imported += 1
-            shown.line_done(stored)
+            if user_scoped and not line.scope:
+                importer.bad(
+                    file,
+                    number,
+                    "no user: the memory service keeps each user's memory apart "
+                    "(ARONA_MEMORY_SCOPE=user); pass --user or give the line a 'user'",
+                )
+                continue
+            await importer.start(file, number, line)
+        await importer.drain()
         shown.finish()
-    except ImportStopped:
-        # How far it got, before the reason.
+    except BaseException:
+        await importer.drain()
         shown.finish()
-        print(_summary(tally), file=out)
+        if shown.lines:
+            print(_summary(importer.tally), file=out)  # how far it got
         raise
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         ledger.close()
         await channel.close(None)
-    print(_summary(tally), file=out)
-    if stop.is_set():
+    print(_summary(importer.tally), file=out)
+    if importer.failure is not None:
+        raise importer.failure
+    if stop.is_set() and shown.lines < total:
         print(
             f"stopped after {shown.lines:,} of {total:,} lines; run the same command again "
             "to go on",
             file=out,
         )
         return 130
-    return 1 if tally.bad else 0
+    return 1 if importer.tally.bad else 0
+
+
+@dataclass
+class _Line:
+    """One line on its way: its turns in flight, and what became of the others."""
+
+    file: Path
+    number: int
+    line: ImportLine
+    in_flight: int = 0
+    sent: int = 0
+    # Every turn not imported yet has been started.
+    started: bool = False
+    # Some turn was not sent (the import stopped): the line is for the next run.
+    unfinished: bool = False
+    # Why the service refused one of its turns.
+    refused: str | None = None
+    done: bool = False
 
 
 class _Importer:
+    """Sends turns, up to ``window`` at a time, in the order of the file."""
+
     def __init__(
-        self, settings: Settings, client: MemoryClient, ledger: Ledger, stop: asyncio.Event
+        self,
+        settings: Settings,
+        client: MemoryClient,
+        ledger: Ledger,
+        shown: Progress,
+        stop: asyncio.Event,
+        window: int,
     ) -> None:
         self._client = client
         self._ledger = ledger
-        # Ctrl-C or SIGTERM: the line under way is finished, unless the service is away.
+        self._shown = shown
+        # Ctrl-C or SIGTERM: no more turns are started; those under way finish.
         self._stop = stop
+        self._slots = asyncio.Semaphore(window)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._target = settings.grpc_targets[0]
         self._timeout_s = settings.memory_timeout_s + CALL_MARGIN_S
+        self.tally = Tally()
+        # Why the import cannot go on (the service away too long, the credentials refused).
+        self.failure: ImportStopped | None = None
+
+    @property
+    def halted(self) -> bool:
+        return self._stop.is_set() or self.failure is not None
 
     async def check_service(self) -> bool:
         """Whether the service keeps each user's memory apart; :class:`ImportStopped` when
@@ -219,22 +264,79 @@ class _Importer:
             )
         return bool(status["scope"] == "user")
 
-    async def send(self, line: ImportLine, pending: list[Turn], tally: Tally) -> int:
-        """Send the turns of ``line`` not imported yet; how many were stored or queued."""
-        sent = 0
+    def bad(self, file: Path, number: int, reason: str) -> None:
+        self.tally.bad += 1
+        self._shown.say(f"{file}:{number}: {reason}")
+        self._shown.line_done()
+
+    async def start(self, file: Path, number: int, line: ImportLine) -> None:
+        """Start sending the turns of ``line`` not imported yet (waiting for room in the
+        window); its outcome is counted and shown once they have all ended."""
+        pending = [turn for turn in line.turns if not self._ledger.done(turn.key)]
+        if not pending:
+            self.tally.skipped += 1
+            self._shown.line_done()
+            return
+        state = _Line(file, number, line)
         for turn in pending:
-            try:
-                kept = await self._keep(line, turn)
-            except BadLine as exc:
-                raise BadLine(await self._undo(line, str(exc))) from None
+            await self._slots.acquire()
+            if self.halted or state.refused is not None:
+                self._slots.release()
+                state.unfinished = state.refused is None
+                break
+            state.in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._send(state, turn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        state.started = True
+        await self._settle(state)
+
+    async def drain(self) -> None:
+        """Wait for every turn (and line) under way."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    async def _send(self, state: _Line, turn: Turn) -> None:
+        try:
+            kept = await self._keep(state.line, turn)
             if not kept.stored and not kept.queued:
                 # Nothing to store (the service found no text), unless writeback went off.
                 await self.check_service()
-            self._ledger.mark(turn.key, kept.node_id)
-            tally.queued += kept.queued
-            sent += 1
-        tally.episodes += sent
-        return sent
+            try:
+                self._ledger.mark(turn.key, kept.node_id)
+            except OSError as exc:
+                raise ImportStopped(
+                    f"cannot write the progress file {self._ledger.path}: {exc.strerror or exc}"
+                ) from None
+            self.tally.queued += kept.queued
+            state.sent += 1
+        except BadLine as exc:
+            if state.refused is None:
+                state.refused = str(exc)
+        except ImportStopped as exc:
+            state.unfinished = True
+            if self.failure is None:
+                self.failure = exc
+        except _Interrupted:
+            state.unfinished = True
+        finally:
+            self._slots.release()
+            state.in_flight -= 1
+        await self._settle(state)
+
+    async def _settle(self, state: _Line) -> None:
+        """Count and show a line once every turn started for it has ended (once)."""
+        if state.done or not state.started or state.in_flight:
+            return
+        state.done = True
+        if state.refused is not None:
+            self.bad(state.file, state.number, await self._undo(state.line, state.refused))
+        elif not state.unfinished:
+            self.tally.imported += 1
+            self.tally.episodes += state.sent
+            self._shown.line_done(state.sent)
+        else:
+            self.tally.episodes += state.sent
 
     async def _keep(self, line: ImportLine, turn: Turn) -> KeptEpisode:
         delay_s = FIRST_RETRY_S
@@ -260,7 +362,7 @@ class _Importer:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay_s):
                     await self._stop.wait()
-            if self._stop.is_set():
+            if self.halted:
                 raise _Interrupted
             delay_s *= 2
         raise AssertionError("unreachable")  # pragma: no cover
@@ -294,15 +396,19 @@ class _Importer:
 
 
 def _summary(tally: Tally) -> str:
-    text = f"imported {tally.imported:,} lines ({tally.episodes:,} episodes"
+    text = f"imported {_many(tally.imported, 'line')} ({_many(tally.episodes, 'episode')}"
     if tally.queued:
         text += f", {tally.queued:,} of them queued in the memory service's outbox"
     text += ")"
     if tally.skipped:
-        text += f"; {tally.skipped:,} lines already imported"
+        text += f"; {_many(tally.skipped, 'line')} already imported"
     if tally.bad:
-        text += f"; {tally.bad:,} bad lines (listed above; nothing of them is stored)"
+        text += f"; {_many(tally.bad, 'bad line')} (listed above; nothing of them is stored)"
     return text
+
+
+def _many(count: int, thing: str) -> str:
+    return f"{count:,} {thing}" + ("" if count == 1 else "s")
 
 
 def _lines(file: Path) -> Iterator[tuple[int, bytes]]:

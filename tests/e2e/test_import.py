@@ -147,23 +147,17 @@ async def test_conversations_and_turns_are_stored_with_their_times(
     assert run.code == 0, run.err
     assert run.out.strip() == "imported 3 lines (4 episodes)"
     stored = service.philia.stored
-    assert [(s["text"], s.get("properties")) for s in stored[:3]] == [
-        (
-            "User: I moved to Lisbon last week.\nAssistant: Congratulations on the move!",
-            {"occurred_at": "2023-05-08T13:56:00Z"},
-        ),
-        (
-            "User: My cat is called Miso.\nAssistant: Miso is a lovely name.",
-            {"occurred_at": "2023-05-08T14:02:00Z"},
-        ),
-        (
-            "User: I like oolong.\nAssistant: Noted: oolong.",
-            {"occurred_at": "2023-05-08T13:57:00Z"},
-        ),
-    ]
-    # Undated: the service's own time, as for a chat turn.
-    assert stored[3]["text"] == "User: an undated turn\nAssistant: ok"
-    assert "properties" not in stored[3]
+    # Undated: no property, the service's own time, as for a chat turn.
+    assert {s["text"]: s.get("properties") for s in stored} == {
+        "User: I moved to Lisbon last week.\nAssistant: Congratulations on the move!": {
+            "occurred_at": "2023-05-08T13:56:00Z"
+        },
+        "User: My cat is called Miso.\nAssistant: Miso is a lovely name.": {
+            "occurred_at": "2023-05-08T14:02:00Z"
+        },
+        "User: I like oolong.\nAssistant: Noted: oolong.": {"occurred_at": "2023-05-08T13:57:00Z"},
+        "User: an undated turn\nAssistant: ok": None,
+    }
     assert {s["node_type"] for s in stored} == {"episode"}
     # Not a terminal: plain progress lines, the last one at 100 %.
     progress = [line for line in run.err.splitlines() if line.startswith("import: ")]
@@ -231,7 +225,7 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
     assert run.out.strip() == (
         "imported 2 lines (2 episodes); 11 bad lines (listed above; nothing of them is stored)"
     )
-    assert [s["text"] for s in service.philia.stored] == [
+    assert sorted(s["text"] for s in service.philia.stored) == [
         "User: first good line\nAssistant: ok",
         "User: last good line\nAssistant: ok",
     ]
@@ -252,12 +246,16 @@ async def test_a_users_history_goes_into_their_scope(tmp_path: Path, service: Se
     )
     run = await run_import(tmp_path, service.grpc.target, "--user", "key:team-a", str(history))
     assert run.code == 0, run.err
-    node_types = [s["node_type"] for s in service.philia.stored]
+    node_types = {s["text"]: s["node_type"] for s in service.philia.stored}
     # The scopes a chat of key team-a with "user": "bob", and without, would have.
-    assert node_types == [
-        scoped_node_type(scope_id("key:team-a/bob")),
-        scoped_node_type(scope_id("key:team-a")),
-    ]
+    assert node_types == {
+        "User: I am Bob and I play the cello\nAssistant: Nice!": scoped_node_type(
+            scope_id("key:team-a/bob")
+        ),
+        "User: a turn of the principal itself\nAssistant: ok": scoped_node_type(
+            scope_id("key:team-a")
+        ),
+    }
     async with grpc.aio.insecure_channel(service.grpc.target) as channel:
         page = await pb_grpc.MemoryServiceStub(channel).List(pb.ListRequest(scope="key:team-a/bob"))
     assert [e.preview for e in page.episodes] == [
@@ -335,10 +333,15 @@ async def test_a_sigkill_mid_import_then_a_rerun_stores_each_turn_once(
         for i in range(lines)
         for t in range(turns)
     }
-    # The 26th store (line 8, its second turn) never gets an answer: the import is killed
-    # while it waits, half-way through a conversation.
-    killed_at = 26
-    service.philia.script(STORE, *(Step() for _ in range(killed_at - 1)), Step(action="hang"))
+    # Philia stalls after 25 stores: the next 32 (as many as the import sends at a time,
+    # from line 8's second turn on) get no answer, and the import is killed while they wait,
+    # half-way through conversations. (A store Philia makes after its caller left is a lost
+    # answer: the service keeps the episode in its outbox, and a Philia that does not
+    # recognise the same episode, unlike the embedded store, may then keep two copies.)
+    answered, stalled = 25, 32
+    service.philia.script(
+        STORE, *(Step() for _ in range(answered)), *(Step(action="hang") for _ in range(stalled))
+    )
     process = await asyncio.create_subprocess_exec(
         COMMAND,
         "import",
@@ -348,12 +351,12 @@ async def test_a_sigkill_mid_import_then_a_rerun_stores_each_turn_once(
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        await asyncio.wait_for(service.philia.wait_frames(STORE, killed_at), 60)
+        await asyncio.wait_for(service.philia.wait_frames(STORE, answered + stalled), 60)
     finally:
         process.send_signal(signal.SIGKILL)
         await process.wait()
     assert process.returncode == -signal.SIGKILL
-    assert len(service.philia.stored) == killed_at - 1
+    assert len(service.philia.stored) == answered
 
     run = await run_import(tmp_path, service.grpc.target, str(history))
     assert run.code == 0, run.err
@@ -372,12 +375,14 @@ async def test_ctrl_c_finishes_the_line_under_way_and_a_rerun_goes_on(
         tmp_path / "history.jsonl",
         *(conversation(f"line {i} asks", "ok", f"line {i} again", "ok") for i in range(6)),
     )
-    # The third store (line 1, its first turn) hangs until the service gives up on it (5 s)
-    # and keeps it in its outbox; Ctrl-C comes meanwhile.
+    # One turn at a time. The third store (line 1, its first turn) hangs until the service
+    # gives up on it (5 s) and keeps it in its outbox; Ctrl-C comes meanwhile.
     service.philia.script(STORE, Step(), Step(), Step(action="hang"))
     process = await asyncio.create_subprocess_exec(
         COMMAND,
         "import",
+        "--concurrency",
+        "1",
         str(history),
         env=env_for(tmp_path, service.grpc.target),
         stdout=asyncio.subprocess.PIPE,
@@ -387,14 +392,15 @@ async def test_ctrl_c_finishes_the_line_under_way_and_a_rerun_goes_on(
     process.send_signal(signal.SIGINT)
     out, _ = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 130
+    # The turn under way ends (queued); no other is started: line 1 is half done.
     assert out.decode().splitlines() == [
-        "imported 2 lines (4 episodes, 1 of them queued in the memory service's outbox)",
-        "stopped after 2 of 6 lines; run the same command again to go on",
+        "imported 1 line (3 episodes, 1 of them queued in the memory service's outbox)",
+        "stopped after 1 of 6 lines; run the same command again to go on",
     ]
     run = await run_import(tmp_path, service.grpc.target, str(history))
     assert (run.code, run.out.strip()) == (
         0,
-        "imported 4 lines (8 episodes); 2 lines already imported",
+        "imported 5 lines (9 episodes); 1 line already imported",
     )
     texts = Counter(s["text"] for s in service.philia.stored)
     assert sorted(texts) == sorted(

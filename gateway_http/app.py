@@ -50,7 +50,8 @@ from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
-from gateway_http.upstream import ChatBackend, build_backend
+from gateway_http.upstream.backend import ChatBackend
+from gateway_http.upstream.routing import build_backend
 
 logger = logging.getLogger(__name__)
 

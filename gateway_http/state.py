@@ -12,7 +12,7 @@ from gateway_http.conversations import ConversationStore
 from gateway_http.jsonrpc import Dispatcher
 from gateway_http.memory_client import MemoryClient
 from gateway_http.turns import TurnPipeline
-from gateway_http.upstream import ChatBackend
+from gateway_http.upstream.backend import ChatBackend
 
 
 @dataclass

@@ -32,13 +32,9 @@ from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
 from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
+from gateway_http.messages import is_memory_section, last_user_text, message_text
 from gateway_http.metrics import GatewayMetrics, NoMetrics
-from gateway_http.upstream import (
-    ChatBackend,
-    is_memory_section,
-    last_user_text,
-    message_text,
-)
+from gateway_http.upstream.backend import ChatBackend
 from gateway_http.views import conversation_errors
 
 logger = logging.getLogger(__name__)

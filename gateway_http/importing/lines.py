@@ -41,7 +41,7 @@ from arona_grpc.service import MAX_FUTURE_SKEW_S
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
 from gateway_http.errors import GatewayError
-from gateway_http.upstream import message_text
+from gateway_http.messages import message_text
 
 # Roles whose messages carry no part of a turn's episode.
 _SKIPPED_ROLES = frozenset({"system", "developer", "tool", "function"})

@@ -20,7 +20,7 @@ from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.memory_client import DISABLED
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.turns import PreparedTurn, TurnRequest
-from gateway_http.upstream import UpstreamError
+from gateway_http.upstream.backend import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
 logger = logging.getLogger(__name__)

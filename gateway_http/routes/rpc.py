@@ -40,7 +40,7 @@ from gateway_http.turns import (
     delta_text,
     first_choice,
 )
-from gateway_http.upstream import UpstreamError
+from gateway_http.upstream.backend import UpstreamError
 from gateway_http.views import conversation_errors, conversation_view
 
 P = TypeVar("P", bound=BaseModel)

@@ -18,14 +18,11 @@ import pytest_asyncio
 from fastapi import FastAPI
 
 from arona_grpc.config import ConfigError
-from gateway_http.upstream import (
-    EchoModel,
-    OpenAIUpstream,
-    UpstreamError,
-    build_backend,
-    is_memory_section,
-    message_text,
-)
+from gateway_http.messages import is_memory_section, message_text
+from gateway_http.upstream.backend import UpstreamError
+from gateway_http.upstream.client import OpenAIUpstream
+from gateway_http.upstream.echo import EchoModel
+from gateway_http.upstream.routing import build_backend
 from tests.support.fake_upstream import (
     Complete,
     Fail,

@@ -1,15 +1,11 @@
-"""Chat backends: the OpenAI-compatible upstream client and the built-in ``echo`` model.
+"""The OpenAI-compatible upstream client.
 
-This module owns everything the gateway sends to, and reads back from, the LLM that answers a
-turn. :class:`OpenAIUpstream` talks to any OpenAI-compatible API over one shared
+:class:`OpenAIUpstream` talks to any OpenAI-compatible API over one shared
 ``aiohttp.ClientSession`` (one keep-alive connection pool for the life of the process, plain
-http or TLS, proxies from the environment); :class:`EchoModel` is the deterministic development
-default used when no upstream is configured: it repeats the last user message and shows the
-memory section it received, so recall is visible without an LLM.
-
-Both speak plain ``dict`` request and response bodies in OpenAI's shape. Every failure surfaces
-as :class:`UpstreamError` whose message is safe to show a client: it never carries the API key or
-credentials from the upstream URL.
+http or TLS, proxies from the environment). It speaks plain ``dict`` request and response bodies
+in OpenAI's shape; every failure surfaces as :class:`~gateway_http.upstream.backend.UpstreamError`
+whose message is safe to show a client: it never carries the API key or credentials from the
+upstream URL.
 """
 
 from __future__ import annotations
@@ -17,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
@@ -29,10 +23,9 @@ from yarl import URL
 
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
+from gateway_http.upstream.backend import UpstreamError
 
 logger = logging.getLogger(__name__)
-
-MEMORY_SECTION_HEADER = "## Relevant Long-Term Memories"
 
 # Upstream error texts are shown to clients; keep them short and on one line.
 _MAX_DETAIL_CHARS = 300
@@ -48,77 +41,9 @@ _MAX_CONNECTIONS = 1000
 # request sent on one just as the server closes it fails with nothing received.
 _KEEPALIVE_S = 4.0
 _USER_AGENT = "arona-gateway"
-_ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
-_WORDS = re.compile(r"\s*\S+\s*")
 _WHITESPACE = re.compile(r"\s+")
 # What a host may be made of once yarl has IDNA-encoded it (IPv6 literals and zone ids included).
 _HOST = re.compile(r"[A-Za-z0-9._~%:-]+")
-
-
-class UpstreamError(Exception):
-    """The upstream could not answer.
-
-    ``status`` is the upstream's HTTP status, or ``None`` when it was unreachable, timed out or
-    sent something that is not a valid reply. ``message`` is safe to show to the client.
-    """
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-class ChatBackend(Protocol):
-    """What the turn pipeline needs from whatever answers a chat turn."""
-
-    name: str
-
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Answer ``body`` (an OpenAI chat request) with a ``chat.completion`` dict."""
-        ...
-
-    def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Yield the ``chat.completion.chunk`` dicts of a streamed answer, in order.
-
-        The returned iterator is an async generator: close it (``contextlib.aclosing`` or
-        ``aclose()``) when stopping early so the upstream request is cancelled at once.
-        """
-        ...
-
-    async def models(self) -> dict[str, Any]:
-        """The ``{"object": "list", "data": [...]}`` model listing."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release connections; the backend is unusable afterwards."""
-        ...
-
-
-def message_text(message: Any) -> str:
-    """The text of one chat message: string content, or the ``text`` parts of a content list
-    joined by ``\\n``; anything else is ``""``."""
-    if not isinstance(message, dict):
-        return ""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict)
-            and part.get("type") == "text"
-            and isinstance(part.get("text"), str)
-        )
-    return ""
-
-
-def last_user_text(messages: list[Any]) -> str:
-    """The text of the last ``user`` message (``""`` when there is none)."""
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            return message_text(message)
-    return ""
 
 
 class OpenAIUpstream:
@@ -462,159 +387,3 @@ def _has_finish_reason(chunk: dict[str, Any]) -> bool:
     if not isinstance(choices, list):
         return False
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
-
-
-# A whole injected section, exactly as the gRPC service renders it: the header line, then
-# one or more ``- [score] text`` bullets, each memory's own further lines indented by two.
-_INJECTED_SECTION = re.compile(
-    re.escape(MEMORY_SECTION_HEADER) + r"(?:\n(?:- \[-?\d+\.\d\d\] [^\n]*|  [^\n]*))+\n?"
-)
-
-
-def is_memory_section(message: Any) -> bool:
-    """Whether ``message`` is a memory section the gateway injected: a ``system`` message
-    whose whole text is one rendered section, nothing before or after it.
-
-    A turn that carries one already gets no second one. Anything else that mentions the
-    header (a user quoting it, an assistant's echo of an earlier section in the stored
-    history, a longer system prompt) is not the gateway's section.
-    """
-    return (
-        isinstance(message, dict)
-        and message.get("role") == "system"
-        and _INJECTED_SECTION.fullmatch(message_text(message)) is not None
-    )
-
-
-def memory_section(text: str) -> str | None:
-    """The ``## Relevant Long-Term Memories`` section inside ``text``, verbatim, or ``None``.
-
-    The section runs from its header to the next heading of the same or a higher level (memory
-    lines can never start one: their continuation lines are indented) or the end of the text.
-    """
-    lines = text.split("\n")
-    for start, line in enumerate(lines):
-        if line.rstrip() == MEMORY_SECTION_HEADER:
-            end = start + 1
-            while end < len(lines) and not lines[end].startswith(("# ", "## ")):
-                end += 1
-            return "\n".join(lines[start:end]).rstrip()
-    return None
-
-
-class EchoModel:
-    """The built-in development model: deterministic, no dependencies, model id ``echo``.
-
-    Its reply is ``Echo: <last user text>``, followed by a blank line and the memory section
-    when a system message carries one.
-    """
-
-    name = "echo"
-
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        messages = _messages(body)
-        content = _echo_content(messages)
-        prompt_tokens = _prompt_tokens(messages)
-        completion_tokens = len(content.split())
-        return {
-            "id": _completion_id(),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": _model(body),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-
-    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        messages = _messages(body)
-        content = _echo_content(messages)
-        base = {
-            "id": _completion_id(),
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": _model(body),
-        }
-
-        def chunk(delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            return {**base, "choices": [choice]}
-
-        yield chunk({"role": "assistant", "content": ""})
-        # Word-sized pieces so a client can see the answer arrive token by token.
-        for piece in _WORDS.findall(content) or ([content] if content else []):
-            yield chunk({"content": piece})
-        yield chunk({}, "stop")
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage") is True:
-            prompt_tokens = _prompt_tokens(messages)
-            completion_tokens = len(content.split())
-            yield {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
-            }
-
-    async def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": "echo", "object": "model", "created": _ECHO_CREATED, "owned_by": "arona"}
-            ],
-        }
-
-    async def aclose(self) -> None:
-        return None
-
-
-def _messages(body: dict[str, Any]) -> list[Any]:
-    messages = body.get("messages")
-    return messages if isinstance(messages, list) else []
-
-
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    return model if isinstance(model, str) and model else "echo"
-
-
-def _completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def _prompt_tokens(messages: list[Any]) -> int:
-    return sum(len(message_text(m).split()) for m in messages)
-
-
-def _echo_content(messages: list[Any]) -> str:
-    content = f"Echo: {last_user_text(messages)}"
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") == "system":
-            section = memory_section(message_text(message))
-            if section:
-                # The header and the first line of each memory. A memory's
-                # continuation lines are left out: they may hold an earlier
-                # echoed section, and since the reply is written back as an
-                # episode, echoing them would nest sections without end.
-                shown = [ln for ln in section.split("\n") if not ln.startswith("  ")]
-                return f"{content}\n\n" + "\n".join(shown)
-    return content
-
-
-def build_backend(upstream_url: str | None, api_key: str | None) -> ChatBackend:
-    """The upstream when ``upstream_url`` is set, otherwise the ``echo`` model."""
-    if upstream_url:
-        return OpenAIUpstream(upstream_url, api_key)
-    return EchoModel()

@@ -1,0 +1,129 @@
+"""The built-in ``echo`` model: the development backend used when no upstream is configured.
+
+It is deterministic and needs nothing: it repeats the last user message and shows the memory
+section it received, so recall is visible without an LLM.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from gateway_http.messages import last_user_text, memory_section, message_text
+
+_ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
+_WORDS = re.compile(r"\s*\S+\s*")
+
+
+class EchoModel:
+    """The built-in development model: deterministic, no dependencies, model id ``echo``.
+
+    Its reply is ``Echo: <last user text>``, followed by a blank line and the memory section
+    when a system message carries one.
+    """
+
+    name = "echo"
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = _messages(body)
+        content = _echo_content(messages)
+        prompt_tokens = _prompt_tokens(messages)
+        completion_tokens = len(content.split())
+        return {
+            "id": _completion_id(),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": _model(body),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        messages = _messages(body)
+        content = _echo_content(messages)
+        base = {
+            "id": _completion_id(),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": _model(body),
+        }
+
+        def chunk(delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            return {**base, "choices": [choice]}
+
+        yield chunk({"role": "assistant", "content": ""})
+        # Word-sized pieces so a client can see the answer arrive token by token.
+        for piece in _WORDS.findall(content) or ([content] if content else []):
+            yield chunk({"content": piece})
+        yield chunk({}, "stop")
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            prompt_tokens = _prompt_tokens(messages)
+            completion_tokens = len(content.split())
+            yield {
+                **base,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }
+
+    async def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": "echo", "object": "model", "created": _ECHO_CREATED, "owned_by": "arona"}
+            ],
+        }
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _messages(body: dict[str, Any]) -> list[Any]:
+    messages = body.get("messages")
+    return messages if isinstance(messages, list) else []
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else "echo"
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _prompt_tokens(messages: list[Any]) -> int:
+    return sum(len(message_text(m).split()) for m in messages)
+
+
+def _echo_content(messages: list[Any]) -> str:
+    content = f"Echo: {last_user_text(messages)}"
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") == "system":
+            section = memory_section(message_text(message))
+            if section:
+                # The header and the first line of each memory. A memory's
+                # continuation lines are left out: they may hold an earlier
+                # echoed section, and since the reply is written back as an
+                # episode, echoing them would nest sections without end.
+                shown = [ln for ln in section.split("\n") if not ln.startswith("  ")]
+                return f"{content}\n\n" + "\n".join(shown)
+    return content

@@ -33,6 +33,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # these fit Philia's frame budget whatever the text).
 DEFAULT_EPISODE_CHARS = 32_000
 DEFAULT_QUERY_CHARS = 4_000
+# The HTTP edge (gateway_http.edge): a request's head and body, a WebSocket message, and how
+# long each may take to arrive.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+# Longer than the idle time of the clients and proxies in front (the OpenAI SDK's pool keeps
+# connections 5 s, load balancers commonly 60 s): the side that closes first must be the
+# client, or a request sent as the gateway closes the connection fails.
+DEFAULT_KEEPALIVE_S = 65.0
+# JSON-RPC: the calls one batch may hold.
+DEFAULT_RPC_MAX_BATCH = 50
+# memory.status: the characters an event's detail keeps (a recall's question, an error).
+DEFAULT_STATUS_DETAIL_CHARS = 300
 
 
 class ConfigError(ValueError):
@@ -95,6 +109,18 @@ class Settings:
     memory_outbox_claim_s: float = 30.0
     # The HTTP layer journals each episode before answering (durable before answered).
     writeback_journal: bool = True
+    # The HTTP edge (gateway_http.edge): request body and WebSocket message, header block,
+    # how long a request's head and its body may take to arrive, and how long an idle
+    # connection is kept.
+    http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    http_max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    http_keepalive_s: float = DEFAULT_KEEPALIVE_S
+    # JSON-RPC calls in one batch; a longer batch is refused whole (-32600).
+    rpc_max_batch: int = DEFAULT_RPC_MAX_BATCH
+    # Characters of a memory.status event's detail; a longer one is shortened.
+    memory_status_detail_chars: int = DEFAULT_STATUS_DETAIL_CHARS
 
     @property
     def memory_enabled(self) -> bool:
@@ -179,6 +205,23 @@ class Settings:
             database_url=_database_url(env),
             memory_outbox_claim_s=_positive_float(env, "ARONA_MEMORY_OUTBOX_CLAIM_S", 30.0),
             writeback_journal=_strict_bool(env, "ARONA_WRITEBACK_JOURNAL", True),
+            http_max_body_bytes=_positive_int(
+                env, "ARONA_HTTP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES
+            ),
+            http_max_header_bytes=_positive_int(
+                env, "ARONA_HTTP_MAX_HEADER_BYTES", DEFAULT_MAX_HEADER_BYTES
+            ),
+            http_header_timeout_s=_positive_float(
+                env, "ARONA_HTTP_HEADER_TIMEOUT_S", DEFAULT_HEADER_TIMEOUT_S
+            ),
+            http_body_timeout_s=_positive_float(
+                env, "ARONA_HTTP_BODY_TIMEOUT_S", DEFAULT_BODY_TIMEOUT_S
+            ),
+            http_keepalive_s=_positive_float(env, "ARONA_HTTP_KEEPALIVE_S", DEFAULT_KEEPALIVE_S),
+            rpc_max_batch=_positive_int(env, "ARONA_RPC_MAX_BATCH", DEFAULT_RPC_MAX_BATCH),
+            memory_status_detail_chars=_positive_int(
+                env, "ARONA_MEMORY_STATUS_DETAIL_CHARS", DEFAULT_STATUS_DETAIL_CHARS
+            ),
         )
 
     @property

@@ -244,7 +244,7 @@ def create_app(
                 "" if api_keys.open else " (API keys still work)",
             )
         verifier = JwtVerifier(settings.jwt_secret)
-        dispatcher = Dispatcher(RpcAuth(verifier, api_keys))
+        dispatcher = Dispatcher(RpcAuth(verifier, api_keys), settings.rpc_max_batch)
         rest_auth = RestAuth(api_keys, verifier)
         gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)
@@ -274,7 +274,9 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(rest.router)
-    app.include_router(rpc_router(lambda: app.state.gateway.dispatcher))
+    app.include_router(
+        rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
+    )
     app.include_router(console.router)
     if settings.metrics:
         _add_metrics_route(app, metrics, settings)

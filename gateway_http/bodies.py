@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-MAX_BODY_BYTES = 1 << 20
+from arona_grpc.config import DEFAULT_MAX_BODY_BYTES
+
+# The default of ARONA_HTTP_MAX_BODY_BYTES; the app reads its own from the settings.
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 
 
 async def read_limited(request: Request, limit: int = MAX_BODY_BYTES) -> bytes | None:

@@ -48,11 +48,6 @@ DEV_SECRETS_FILE = "dev-secrets.json"
 STORE_DB_FILE = "memory.db"
 STORE_DEFAULT_PORT = 8424
 HTTP_GRACE_S = 10.0
-# How long an idle client connection is kept open. Longer than the idle time of the clients
-# and proxies in front (the OpenAI SDK's pool keeps connections 5 s, load balancers commonly
-# 60 s): the side that closes first must be the client, or a request sent as the gateway
-# closes the connection fails. uvicorn's own default is 5 s.
-HTTP_KEEPALIVE_S = 65
 GRPC_GRACE_S = 5.0
 UP_TOKEN_TTL_S = 24 * 3600
 # Allocations (net, of objects the cycle collector tracks) between two collections of its
@@ -187,6 +182,7 @@ async def run_parts(
     from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
+    from gateway_http.edge import uvicorn_options
 
     stop = stop or asyncio.Event()
     pool: Any | None = None
@@ -241,8 +237,9 @@ async def run_parts(
                 # Access logs would print WebSocket URLs, which may carry a JWT.
                 access_log=False,
                 timeout_graceful_shutdown=int(HTTP_GRACE_S),
-                timeout_keep_alive=HTTP_KEEPALIVE_S,
                 lifespan="on",
+                # The header, body, WebSocket message and idle limits (gateway_http.edge).
+                **uvicorn_options(settings),
             )
             http_server = _Uvicorn(config)
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))

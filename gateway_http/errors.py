@@ -26,6 +26,11 @@ class ErrorKind(enum.Enum):
     NOT_ALLOWED = "not_allowed"
     NOT_FOUND = "not_found"
     TOO_LARGE = "too_large"
+    # Refused at the HTTP edge: a header block over its limit, a request that did not arrive
+    # in time, a chat body that is not JSON.
+    HEADERS_TOO_LARGE = "headers_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
+    UNSUPPORTED_MEDIA = "unsupported_media_type"
     UPSTREAM = "upstream"
     INTERNAL = "internal"
 
@@ -49,6 +54,9 @@ TABLE: dict[ErrorKind, Mapping] = {
     ErrorKind.NOT_ALLOWED: Mapping(403, "permission_error", -32007),
     ErrorKind.NOT_FOUND: Mapping(404, "invalid_request_error", -32000),
     ErrorKind.TOO_LARGE: Mapping(413, "invalid_request_error", -32600),
+    ErrorKind.HEADERS_TOO_LARGE: Mapping(431, "invalid_request_error", -32600),
+    ErrorKind.REQUEST_TIMEOUT: Mapping(408, "invalid_request_error", -32600),
+    ErrorKind.UNSUPPORTED_MEDIA: Mapping(415, "invalid_request_error", -32600),
     ErrorKind.UPSTREAM: Mapping(502, "upstream_error", -32000),
     ErrorKind.INTERNAL: Mapping(500, "server_error", -32603),
 }

@@ -32,8 +32,10 @@ import orjson
 import pydantic
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
+from arona_grpc.config import DEFAULT_RPC_MAX_BATCH
 from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, Principal, bearer
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
@@ -166,9 +168,12 @@ class Dispatcher:
     """Routes JSON-RPC 2.0 requests to registered handlers; every method requires a valid
     credential (a JWT, or an API key when ``verifier`` takes them)."""
 
-    def __init__(self, verifier: Authenticator) -> None:
+    def __init__(self, verifier: Authenticator, max_batch: int = DEFAULT_RPC_MAX_BATCH) -> None:
         self._verifier = verifier
         self._methods: dict[str, _Method] = {}
+        # Calls one batch may hold (ARONA_RPC_MAX_BATCH): each answer is bounded, so this
+        # bounds the batch's answer.
+        self._max_batch = max_batch
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -204,6 +209,15 @@ class Dispatcher:
         if isinstance(payload, list):
             if not payload:
                 return _encode(_error(None, INVALID_REQUEST, "Invalid Request: empty batch"))
+            if len(payload) > self._max_batch:
+                return _encode(
+                    _error(
+                        None,
+                        INVALID_REQUEST,
+                        f"Invalid Request: a batch holds at most {self._max_batch} calls, "
+                        f"this one {len(payload)}",
+                    )
+                )
             # Sequential on purpose: a client batching conversations.create then .get expects
             # the effects in order, and a batch response waits for its slowest member anyway.
             responses: list[dict[str, Any]] = []
@@ -307,17 +321,20 @@ class Dispatcher:
         return {"jsonrpc": "2.0", "result": result, "id": id_}
 
 
-def _too_large() -> bytes:
-    return _encode(
-        _error(None, INVALID_REQUEST, f"Invalid Request: body exceeds {MAX_BODY_BYTES} bytes")
-    )
+def _too_large(limit: int) -> bytes:
+    return _encode(_error(None, INVALID_REQUEST, f"Invalid Request: body exceeds {limit} bytes"))
 
 
 class _RpcSocket:
     """One WebSocket connection: concurrent message handling with serialized sends."""
 
-    def __init__(self, websocket: WebSocket, dispatcher: Dispatcher, token: str | None) -> None:
+    def __init__(
+        self, websocket: WebSocket, dispatcher: Dispatcher, token: str | None, max_bytes: int
+    ) -> None:
         self._ws = websocket
+        # uvicorn refuses a larger message before it is read (gateway_http.edge); this is
+        # the backstop under a server configured otherwise.
+        self._max_bytes = max_bytes
         self._dispatcher = dispatcher
         self._token = token
         self._send_lock = asyncio.Lock()
@@ -346,8 +363,8 @@ class _RpcSocket:
             data: bytes | None = text.encode("utf-8") if text is not None else message.get("bytes")
             if data is None:
                 continue
-            if len(data) > MAX_BODY_BYTES:
-                await self._send(_too_large())
+            if len(data) > self._max_bytes:
+                await self._send(_too_large(self._max_bytes))
                 continue
             task = asyncio.create_task(self._handle(data))
             self._tasks.add(task)
@@ -383,15 +400,24 @@ class _RpcSocket:
                 logger.debug("JSON-RPC WebSocket closed while sending")
 
 
-def rpc_router(get_dispatcher: Callable[[], Dispatcher]) -> APIRouter:
-    """Routes for ``/api/rpc`` over HTTP POST and WebSocket, serving ``get_dispatcher()``."""
+def rpc_router(
+    get_dispatcher: Callable[[], Dispatcher], max_body_bytes: int = MAX_BODY_BYTES
+) -> APIRouter:
+    """Routes for ``/api/rpc`` over HTTP POST and WebSocket, serving ``get_dispatcher()``;
+    a body or WebSocket message over ``max_body_bytes`` is refused."""
     router = APIRouter()
 
     @router.post(RPC_PATH, response_class=Response)
     async def rpc_post(request: Request) -> Response:
-        body = await read_limited(request, MAX_BODY_BYTES)
+        try:
+            body = await read_limited(request, max_body_bytes)
+        except ClientDisconnect:
+            # Gone before its body was whole (or given up on by the edge): nobody reads this.
+            return Response(status_code=499)
         if body is None:
-            return Response(_too_large(), status_code=413, media_type="application/json")
+            return Response(
+                _too_large(max_body_bytes), status_code=413, media_type="application/json"
+            )
         token = bearer(request.headers.get("authorization"))
         try:
             response = await get_dispatcher().handle(body, token)
@@ -408,6 +434,6 @@ def rpc_router(get_dispatcher: Callable[[], Dispatcher]) -> APIRouter:
         token = bearer(websocket.headers.get("authorization")) or (
             websocket.query_params.get("token") or None
         )
-        await _RpcSocket(websocket, get_dispatcher(), token).run()
+        await _RpcSocket(websocket, get_dispatcher(), token, max_body_bytes).run()
 
     return router

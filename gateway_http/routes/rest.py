@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from gateway_http.auth import ANONYMOUS, AuthError, Principal, memory_scope
-from gateway_http.bodies import MAX_BODY_BYTES, read_limited
+from gateway_http.bodies import read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.memory_client import DISABLED
@@ -44,9 +45,15 @@ class ClientGone(Exception):
     """The client disconnected before its reply was ready; nobody reads the answer."""
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 as soon as it grows past ``limit``."""
-    body = await read_limited(request, limit)
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 as soon as it grows past the gateway's limit
+    (``ARONA_HTTP_MAX_BODY_BYTES``); :class:`ClientGone` when the client leaves (or the edge
+    gives up on it, gateway_http.edge) before it is whole."""
+    limit = gateway_of(request).settings.http_max_body_bytes
+    try:
+        body = await read_limited(request, limit)
+    except ClientDisconnect:
+        raise ClientGone() from None
     if body is None:
         raise GatewayError(
             ErrorKind.TOO_LARGE, f"request body is larger than {limit} bytes", "request_too_large"

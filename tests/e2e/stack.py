@@ -26,6 +26,7 @@ from arona_grpc.server import GrpcServer
 from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app
 from gateway_http.auth import mint_token
+from gateway_http.edge import uvicorn_options
 from tests.support.fake_philia import FakePhilia
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.uvicorn_server import serve_app
@@ -206,7 +207,7 @@ async def running_stack(
             )
             app = create_app(settings, pool=pool)
             async with (
-                serve_app(app) as base_url,
+                serve_app(app, options=uvicorn_options(settings)) as base_url,
                 httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,
             ):
                 yield Stack(philia, upstream, grpc, settings, base_url, http, app=app)

@@ -43,12 +43,14 @@ async def serve_app(
     startup_timeout_s: float = 10.0,
     graceful_shutdown_s: int = 2,
     log_level: str = "warning",
+    options: dict[str, Any] | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``127.0.0.1`` port 0 and yield its base URL ``http://127.0.0.1:<port>``.
 
     The app's lifespan runs (start-up before the URL is yielded, shutdown on exit). A start-up
     failure raises ``RuntimeError``. On exit, responses still running after
     ``graceful_shutdown_s`` seconds are cancelled, so a hanging handler cannot hang the test.
+    ``options`` are more ``uvicorn.Config`` options (the gateway's edge limits).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -67,6 +69,7 @@ async def serve_app(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=graceful_shutdown_s,
+        **(options or {}),
     )
     server = _TestServer(config)
 

@@ -68,7 +68,7 @@ from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
-from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query
+from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class EventKind(enum.Enum):
 @dataclass(frozen=True)
 class MemoryEvent:
     kind: EventKind
-    # The query (recall), the node id (writeback, delete) or a message (error).
+    # The query (recall), the node id (writeback, delete) or a message (error), shortened to
+    # ARONA_MEMORY_STATUS_DETAIL_CHARS.
     detail: str
     at: datetime
     # The hashed id of the scope concerned; "" when none.
@@ -943,6 +944,9 @@ class MemoryDomain:
         return self._client.redact(text) if self._client is not None else text
 
     def _record(self, kind: EventKind, detail: str, sid: str) -> None:
+        # A detail (a recall's question, an error) is kept short: Status answers up to a
+        # hundred of them, and a question may be thousands of characters.
+        detail = shortened(detail, self._settings.memory_status_detail_chars)
         self._events.append((kind, detail, time.time(), sid))
 
     def _scope_id(self, scope: str) -> str:

@@ -67,7 +67,7 @@ from arona_grpc.episodes import EpisodeIndex, IndexPage, IndexUnavailable, open_
 from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
-from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_id, scoped_node_type
+from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_error, scope_id, scoped_node_type
 from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
 
 logger = logging.getLogger(__name__)
@@ -630,7 +630,7 @@ class MemoryDomain:
             sid = await self._indexed_owner(node_id)
             if sid is None:
                 return DeleteOutcome(False, NOT_INDEXED)
-            if scope and sid != scope_id(scope):
+            if scope and sid != scope_id(_checked(scope)):
                 return DeleteOutcome(False, OTHER_SCOPE)
         else:
             sid = self._scope_id(scope)
@@ -642,13 +642,14 @@ class MemoryDomain:
         """A page of ``scope``'s stored episodes, newest first (see :class:`IndexPage`)."""
         if not scope:
             raise InvalidArgument("scope is required")
+        sid = scope_id(_checked(scope))
         if before and not (before.isascii() and before.isdigit() and len(before) <= 18):
             raise InvalidArgument("before must be a cursor returned as next")
         if self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
         limit = min(limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
         try:
-            return await self._index.page(scope_id(scope), limit, int(before) if before else None)
+            return await self._index.page(sid, limit, int(before) if before else None)
         except IndexUnavailable as exc:
             raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
@@ -662,7 +663,7 @@ class MemoryDomain:
             raise InvalidArgument("scope is required")
         if self._client is None or self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
-        sid = scope_id(scope)
+        sid = scope_id(_checked(scope))
         try:
             node_ids = await self._index.node_ids(sid)
         except IndexUnavailable as exc:
@@ -955,7 +956,7 @@ class MemoryDomain:
             if self._user_scoped:
                 raise InvalidArgument("scope is required when ARONA_MEMORY_SCOPE=user")
             return ""
-        return scope_id(scope)
+        return scope_id(_checked(scope))
 
     def _remember_id(self, episode_id: str, node_id: str) -> None:
         if episode_id:
@@ -1012,3 +1013,12 @@ def _ignore_result(future: asyncio.Future[int | None]) -> None:
     # the outbox has already logged it.
     if not future.cancelled():
         future.exception()
+
+
+def _checked(scope: str) -> str:
+    """``scope`` when it names ``<principal>[/<user>]`` (:func:`scope_error`); else
+    INVALID_ARGUMENT saying what is wrong."""
+    problem = scope_error(scope)
+    if problem is not None:
+        raise InvalidArgument(problem)
+    return scope

@@ -7,7 +7,9 @@ itself never ends up in the conversation database or in logs.
 
 Nothing here logs or echoes a token or key: :class:`AuthError` messages are fixed strings that
 are safe to send to the caller, and :attr:`AuthError.reason` is a fixed, secret-free label for
-the operator's logs.
+the operator's logs. A token whose signature holds but whose ``sub`` could collide with
+another principal (:func:`arona_grpc.scopes.subject_error`) is :class:`InvalidSubject`, whose
+message says what a ``sub`` must be: its issuer has to mint it differently.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jwt
+
+from arona_grpc.scopes import subject_error
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,13 @@ class AuthError(Exception):
         self.reason = reason or message
 
 
+class InvalidSubject(AuthError):
+    """A validly signed JWT whose ``sub`` is not a principal (the message says why)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="subject not allowed")
+
+
 def bearer(authorization: str | None) -> str | None:
     """Return the credential of an ``Authorization: Bearer <x>`` header, else ``None``."""
     if not authorization:
@@ -119,8 +130,11 @@ class JwtVerifier:
             # Defensive: garbage that trips the decoder below PyJWT's own error types.
             raise AuthError(reason="malformed") from None
         sub = claims.get("sub")
-        if not isinstance(sub, str) or not sub.strip():
-            raise AuthError(reason="empty subject")
+        if not isinstance(sub, str):
+            raise AuthError(reason="subject not a string")
+        problem = subject_error(sub)
+        if problem is not None:
+            raise InvalidSubject(problem)
         return Principal(sub, admin=claims.get("role") == ADMIN_ROLE)
 
 
@@ -136,8 +150,9 @@ def mint_token(secret: str, sub: str, ttl_s: int = 3600, *, admin: bool = False)
     ``admin`` adds ``"role": "admin"``."""
     if not secret:
         raise ValueError("a JWT secret is required to mint a token")
-    if not sub or not sub.strip():
-        raise ValueError("sub must be a non-empty string")
+    problem = subject_error(sub)
+    if problem is not None:
+        raise ValueError(problem.replace("the token's 'sub'", "sub"))
     if ttl_s <= 0:
         raise ValueError("ttl_s must be positive")
     now = int(time.time())
@@ -236,6 +251,10 @@ class RestAuth:
         if self._verifier.configured and credential.count(".") == 2:
             try:
                 return self._verifier.principal(credential)
+            except InvalidSubject:
+                # Signed by our issuer, but not a principal: refused even on an open REST,
+                # so that the issuer hears of it.
+                raise
             except AuthError as exc:
                 logger.debug("REST bearer refused as a JWT: %s", exc.reason)
         if self.keys.open:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from arona_grpc.scopes import user_error as _scope_user_error
 from gateway_http.errors import bad_input
-
-# The OpenAI `user` field narrows a caller's memory scope: bounded, printable.
-MAX_USER_CHARS = 256
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # The gateway's own fields: read here, never forwarded upstream.
@@ -42,11 +40,8 @@ def user_error(user: Any) -> str | None:
         return None
     if not isinstance(user, str):
         return "'user' must be a string"
-    if len(user) > MAX_USER_CHARS:
-        return f"'user' must be at most {MAX_USER_CHARS} characters"
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in user):
-        return "'user' must not contain control characters"
-    return None
+    problem = _scope_user_error(user)
+    return None if problem is None else f"'user' {problem}"
 
 
 def split_body(body: Any) -> tuple[dict[str, Any], bool | None, str | None]:

@@ -689,8 +689,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "calls its own gRPC listener over TLS and checks its certificate"
                 )
         if args.command == "token":
-            if args.ttl <= 0 or not args.sub:
-                raise StartupError("--sub must be non-empty and --ttl positive")
+            from arona_grpc.scopes import subject_error
+
+            if args.ttl <= 0:
+                raise StartupError("--ttl must be positive")
+            problem = subject_error(args.sub)
+            if problem is not None:
+                raise StartupError(problem.replace("the token's 'sub'", "--sub"))
             print(_token(env, args.sub, args.ttl, args.admin))
         elif args.command == "check-memory":
             return _check_memory_sync(env)

@@ -37,7 +37,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from arona_grpc.config import DEFAULT_RPC_MAX_BATCH
 from arona_grpc.logs import REQUEST_ID, new_request_id
-from gateway_http.auth import AUTH_REQUIRED_MESSAGE, AuthError, Principal, bearer
+from gateway_http.auth import (
+    AUTH_REQUIRED_MESSAGE,
+    AuthError,
+    InvalidSubject,
+    Principal,
+    bearer,
+)
 from gateway_http.bodies import MAX_BODY_BYTES, read_limited
 
 logger = logging.getLogger(__name__)
@@ -285,6 +291,8 @@ class Dispatcher:
         # 2) Auth, for every method (including unknown ones: do not reveal what exists).
         try:
             user = auth.user()
+        except InvalidSubject as exc:
+            return _error(id_, AUTH_REQUIRED, exc.message)
         except AuthError:
             return _error(id_, AUTH_REQUIRED, AUTH_REQUIRED_MESSAGE)
 

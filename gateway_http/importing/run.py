@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from arona_grpc.config import Settings
-from gateway_http.chat_request import user_error
+from arona_grpc.scopes import principal_error
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import memory_call_metadata, open_memory_channel
 from gateway_http.importing.display import Progress
@@ -113,9 +113,10 @@ async def run_import(
     if window < 1:
         raise ImportStopped("--concurrency must be at least 1")
     if user is not None:
-        problem = user_error(user) if user else "--user must not be empty"
+        # A principal, as a chat's caller is: a line's `user` narrows it after a '/'.
+        problem = principal_error(user)
         if problem is not None:
-            raise ImportStopped(problem.replace("'user'", "--user"))
+            raise ImportStopped(f"--user (a JWT sub or key:NAME) {problem}")
     total = _count_lines(file)
     # Part of every turn's key: the same file imported elsewhere is imported again there.
     destination = f"{settings.grpc_targets[0]}\n{user or ''}"

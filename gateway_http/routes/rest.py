@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from gateway_http.auth import ANONYMOUS, AuthError, Principal, memory_scope
+from gateway_http.auth import ANONYMOUS, AuthError, InvalidSubject, Principal, memory_scope
 from gateway_http.bodies import read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
@@ -66,6 +66,8 @@ def rest_caller(gw: Gateway, request: Request) -> Principal | None:
     caller shows no valid JWT. A bearer that is neither, with keys set, is a 401."""
     try:
         return gw.rest_auth.principal(request.headers.get("authorization"))
+    except InvalidSubject as exc:
+        raise GatewayError(ErrorKind.AUTH, exc.message, "invalid_subject") from None
     except AuthError:
         raise GatewayError(
             ErrorKind.AUTH, "Invalid or missing API key", "invalid_api_key"

@@ -10,8 +10,8 @@ Memory-path robustness knobs: ``ARONA_MEMORY_BREAKER_FAILURES`` (consecutive
 Philia failures that open the breaker, default 3), ``ARONA_MEMORY_BREAKER_COOLDOWN_S``
 (how long it stays open before one probe, default 5), ``ARONA_MEMORY_RECALL_BUDGET_MS``
 (how long a turn waits for recall, default the RPC timeout) and
-``ARONA_MEMORY_OUTBOX_MAX`` (episodes kept in ``<ARONA_DATA_DIR>/outbox.db`` while
-Philia is down, default 1000; beyond it the oldest are dropped and counted).
+``ARONA_MEMORY_OUTBOX_MAX_MB`` (what the episodes kept in ``<ARONA_DATA_DIR>/outbox.db``
+while Philia is down may take, default 256 MB; beyond it the oldest are dropped and counted).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ DEFAULT_KEEPALIVE_S = 65.0
 DEFAULT_RPC_MAX_BATCH = 50
 # memory.status: the characters an event's detail keeps (a recall's question, an error).
 DEFAULT_STATUS_DETAIL_CHARS = 300
+MB = 2**20
+DEFAULT_OUTBOX_MAX_MB = 256
 
 
 class ConfigError(ValueError):
@@ -63,8 +65,9 @@ class Settings:
     memory_breaker_cooldown_s: float = 5.0
     # None = the RPC timeout.
     memory_recall_budget_ms: int | None = None
-    # Episodes kept for replay while Philia is down; the oldest are dropped beyond it.
-    memory_outbox_max: int = 1000
+    # What the episodes kept for replay while Philia is down may take, in bytes
+    # (ARONA_MEMORY_OUTBOX_MAX_MB); the oldest are dropped beyond it.
+    memory_outbox_max_bytes: int = DEFAULT_OUTBOX_MAX_MB * MB
     # Characters of each side of an episode, and of a recall question, sent to Philia
     # (arona_grpc.sizes: a longer side is shortened with a marker, a longer question
     # recalled by its last part).
@@ -170,7 +173,7 @@ class Settings:
             memory_breaker_failures=_positive_int(env, "ARONA_MEMORY_BREAKER_FAILURES", 3),
             memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),
             memory_recall_budget_ms=_optional_positive_int(env, "ARONA_MEMORY_RECALL_BUDGET_MS"),
-            memory_outbox_max=_positive_int(env, "ARONA_MEMORY_OUTBOX_MAX", 1000),
+            memory_outbox_max_bytes=_outbox_max_bytes(env),
             memory_max_episode_chars=_positive_int(
                 env, "ARONA_MEMORY_MAX_EPISODE_CHARS", DEFAULT_EPISODE_CHARS
             ),
@@ -362,6 +365,16 @@ def _memory_scope(env: Mapping[str, str]) -> str:
     if raw not in SCOPE_MODES:
         raise ConfigError(f"ARONA_MEMORY_SCOPE must be 'shared' or 'user', got {raw!r}")
     return raw
+
+
+def _outbox_max_bytes(env: Mapping[str, str]) -> int:
+    if _str(env, "ARONA_MEMORY_OUTBOX_MAX") is not None:
+        logger.warning(
+            "ARONA_MEMORY_OUTBOX_MAX is no longer used: the outbox is bounded by the bytes its "
+            "episodes take, ARONA_MEMORY_OUTBOX_MAX_MB (default %d)",
+            DEFAULT_OUTBOX_MAX_MB,
+        )
+    return _positive_int(env, "ARONA_MEMORY_OUTBOX_MAX_MB", DEFAULT_OUTBOX_MAX_MB) * MB
 
 
 def _log_format(env: Mapping[str, str]) -> str:

@@ -108,6 +108,34 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         "outbox episodes keep when they happened (NULL: when they were queued)",
         "ALTER TABLE outbox ADD COLUMN occurred_us bigint;",
     ),
+    Migration(
+        4,
+        "the outbox is bounded by bytes, counts kept exact, and a dead-letter list",
+        """
+        ALTER TABLE outbox ADD COLUMN bytes bigint NOT NULL DEFAULT 0;
+        UPDATE outbox SET bytes = octet_length(text) + octet_length(node_type)
+            + octet_length(scope_id) + octet_length(episode_id) + 100;
+        INSERT INTO outbox_counters (name, value)
+            SELECT 'bytes', coalesce(sum(bytes), 0) FROM outbox
+            UNION ALL SELECT 'depth', count(*) FROM outbox
+            UNION ALL SELECT 'dead_letters', 0
+            UNION ALL SELECT 'dropped', 0
+            ON CONFLICT (name) DO UPDATE
+            SET value = CASE WHEN excluded.name IN ('bytes', 'depth') THEN excluded.value
+                ELSE outbox_counters.value END;
+        CREATE TABLE outbox_dead_letters (
+            seq         bigserial PRIMARY KEY,
+            text        text NOT NULL,
+            node_type   text NOT NULL,
+            scope_id    text NOT NULL DEFAULT '',
+            episode_id  text NOT NULL DEFAULT '',
+            queued_us   bigint NOT NULL,
+            occurred_us bigint,
+            dead_us     bigint NOT NULL,
+            reason      text NOT NULL
+        );
+        """,
+    ),
 )
 
 # The errors that mean "the database is not there" (as opposed to a bug in a query).

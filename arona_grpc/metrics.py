@@ -1,9 +1,9 @@
 """Prometheus metrics of the gRPC service, and the exposition pieces both layers share.
 
 Declared here (names, help, buckets), recorded where the event happens: Philia calls by
-the Philia client (:meth:`ServiceMetrics.philia_call`); the breaker state, the outbox depth
-and drops and the Philia reconnects are read from the running service when scraped, so
-they cost nothing per turn.
+the Philia client (:meth:`ServiceMetrics.philia_call`), replayed episodes by the replay; the
+breaker state, the outbox's depth, bytes, drops and dead letters and the Philia reconnects are
+read from the running service when scraped, so they cost nothing per turn.
 
 Metric objects are made per instance and registered nowhere globally, so several services
 (tests) can live in one process. :class:`OwnMetrics` is the collector of one layer: in one
@@ -106,6 +106,12 @@ class OutboxCounts(Protocol):
     @property
     def dropped(self) -> int: ...
 
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def dead_letters(self) -> int: ...
+
 
 class PhiliaLink(Protocol):
     """What the metrics read from the Philia client."""
@@ -151,8 +157,13 @@ class ServiceMetrics:
             (m, o): self._calls.labels(m, o) for m in PHILIA_METHODS for o in PHILIA_OUTCOMES
         }
         self._seconds_children = {m: self._seconds.labels(m) for m in PHILIA_METHODS}
+        self._replayed = Counter(
+            "arona_outbox_replayed",
+            "Episodes the outbox replay stored in Philia (by this process).",
+            registry=None,
+        )
         self._domain: WatchedService | None = None
-        self.collector = OwnMetrics((self._calls, self._seconds), self._state)
+        self.collector = OwnMetrics((self._calls, self._seconds, self._replayed), self._state)
 
     def watch(self, domain: WatchedService) -> None:
         """Report ``domain``'s breaker, outbox and Philia link when scraped."""
@@ -161,6 +172,9 @@ class ServiceMetrics:
     def philia_call(self, method: str, outcome: str, seconds: float) -> None:
         self._call_children[method, outcome].inc()
         self._seconds_children[method].observe(seconds)
+
+    def outbox_replayed(self, count: int) -> None:
+        self._replayed.inc(count)
 
     def registry(self) -> CollectorRegistry:
         """A registry holding only these metrics (the gRPC service's own listener)."""
@@ -191,6 +205,17 @@ class ServiceMetrics:
             "arona_outbox_dropped",
             "Episodes dropped from the full outbox (oldest first), as the outbox counts them.",
             value=float(outbox.dropped if outbox is not None else 0),
+        )
+        yield GaugeMetricFamily(
+            "arona_outbox_bytes",
+            "Bytes the episodes waiting in the outbox take (ARONA_MEMORY_OUTBOX_MAX_MB bounds it).",
+            value=float(outbox.bytes if outbox is not None else 0),
+        )
+        yield CounterMetricFamily(
+            "arona_outbox_dead_letters",
+            "Episodes Philia refused for what they are (too large, invalid), moved to the "
+            "dead-letter list, as the outbox counts them.",
+            value=float(outbox.dead_letters if outbox is not None else 0),
         )
         client = domain.client
         yield CounterMetricFamily(

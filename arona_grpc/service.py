@@ -65,7 +65,7 @@ from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import SCOPE_SHARED, Settings
 from arona_grpc.episodes import EpisodeIndex, IndexPage, IndexUnavailable, open_index
 from arona_grpc.metrics import ServiceMetrics
-from arona_grpc.outbox import AnyOutbox, OutboxClosed, open_outbox
+from arona_grpc.outbox import AnyOutbox, DeadLetter, OutboxClosed, OutboxEntry, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
 from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_error, scope_id, scoped_node_type
 from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
@@ -80,6 +80,10 @@ MAX_RECALL_LIMIT = 100
 EVENT_BUFFER_SIZE = 100
 # The code of an error caused by the database (PostgreSQL) being unreachable.
 DATABASE_UNAVAILABLE = "database_unavailable"
+# The code of a writeback Philia refused for what it is (kept in the dead-letter list).
+DEAD_LETTER = "dead_letter"
+# A dead letter's reason is cut to this many characters.
+MAX_DEAD_LETTER_REASON = 200
 DEFAULT_STATUS_LIMIT = 50
 DEFAULT_LIST_LIMIT = 50
 MAX_LIST_LIMIT = 100
@@ -96,8 +100,11 @@ DEADLINE_MARGIN_S = 0.05
 # Philia did not answer in time, which counts against the breaker like a timeout. A recall
 # cancelled earlier was abandoned (the client left) and counts for nothing.
 CUT_OFF_SHARE = 0.75
-# Replay gives up after this many failed stores in a row, until kicked again.
+# Replay gives up after this many failed attempts in a row, until kicked again.
 MAX_REPLAY_FAILURES = 5
+# Episodes a replay sends Philia at once (pipelined over the one link): the embedded store
+# commits up to 64 stores in one transaction, so two of its batches per round trip.
+REPLAY_BATCH = 128
 MAX_REPLAY_BACKOFF_S = 60.0
 # How often a replica looks at a shared (PostgreSQL) outbox for episodes to replay.
 OUTBOX_WATCH_S = 2.0
@@ -171,6 +178,10 @@ class StatusSnapshot:
     outbox_depth: int = 0
     outbox_dropped: int = 0
     scope_mode: str = SCOPE_SHARED
+    outbox_bytes: int = 0
+    dead_letters: int = 0
+    # The newest dead letters, newest first (no text).
+    recent_dead_letters: tuple[DeadLetter, ...] = ()
 
 
 class MemoryDomainError(Exception):
@@ -592,6 +603,10 @@ class MemoryDomain:
             node_id = await self._client.store(text, node_type, occurred_at=episode.occurred_at)
         except PhiliaError as exc:
             self._judged(permit, exc)
+            if exc.permanent:
+                # Sending it again would be refused again: kept aside, not queued.
+                already_kept, record.kept = record.kept, True
+                raise await self._bury(episode, exc, queued=already_kept) from None
             # Recorded before the outbox write, so Status shows the failure at once.
             error = self._fault("writeback", exc, sid, " (queued in the outbox)")
             if not record.kept:
@@ -701,6 +716,9 @@ class MemoryDomain:
             outbox_depth=outbox.depth if outbox is not None else 0,
             outbox_dropped=outbox.dropped if outbox is not None else 0,
             scope_mode=self._settings.memory_scope,
+            outbox_bytes=outbox.bytes if outbox is not None else 0,
+            dead_letters=outbox.dead_letters if outbox is not None else 0,
+            recent_dead_letters=outbox.recent_dead_letters if outbox is not None else (),
         )
 
     async def aclose(self, grace_s: float = 5.0) -> None:
@@ -820,56 +838,113 @@ class MemoryDomain:
             self._replay_task = task
 
     async def _replay(self) -> None:
-        """Store the outbox oldest first; stop when empty, closing or failing repeatedly."""
+        """Store the outbox oldest first, a batch at a time; stop when empty, closing or
+        failing repeatedly.
+
+        A batch's stores go out together over the one link (pipelined: Philia takes them as
+        fast as it can answer); the ones stored leave the outbox in one transaction, one
+        refused for what it is goes to the dead-letter list, and the rest wait for the next
+        attempt. While the breaker is half open, the batch is its one probe call.
+        """
         assert self._client is not None and self._outbox is not None
         failures = 0
         while not self._closing:
             try:
-                entry = await self._outbox.oldest()
+                entries = await self._outbox.oldest(REPLAY_BATCH)
             except Exception as exc:  # the outbox's database is away; a later kick retries
                 logger.warning("outbox replay paused: %s", self._safe(str(exc)))
                 return
-            if entry is None:
+            if not entries:
                 return
             permit = self._breaker.admit()
             if permit is None:
-                await self._release(entry.seq)
+                await self._release(*(entry.seq for entry in entries))
                 self._fail_waiters("writeback queued in the outbox: memory breaker open")
                 await self._pause(self._breaker.cooldown_left())
                 continue
-            try:
-                node_id = await self._client.store(
+            if permit.probe and len(entries) > 1:
+                # The probe is one call: the rest waits for its verdict.
+                await self._release(*(entry.seq for entry in entries[1:]))
+                entries = entries[:1]
+            stores = [
+                self._client.store(
                     entry.text, entry.node_type, occurred_at=entry.occurred_us / 1_000_000
                 )
-            except PhiliaError as exc:
-                self._judged(permit, exc)
-                failures += 1
-                await self._release(entry.seq)
-                message = self._safe(f"outbox replay failed: {exc}")
-                logger.warning("%s (%d episode(s) kept)", message, self._outbox.depth)
-                self._fail_waiters(f"writeback queued in the outbox: {message}")
-                if failures >= MAX_REPLAY_FAILURES:
-                    self._record(EventKind.ERROR, message, entry.scope_id)
-                    return
-                backoff = self._settings.memory_breaker_cooldown_s * 2 ** (failures - 1)
-                await self._pause(
-                    max(self._breaker.cooldown_left(), min(backoff, MAX_REPLAY_BACKOFF_S))
-                )
-                continue
+                for entry in entries
+            ]
+            try:
+                results = await asyncio.gather(*stores, return_exceptions=True)
             except asyncio.CancelledError:
                 self._breaker.abandon(permit)
-                # Given back now, so another replica need not wait for the claim to run out.
-                asyncio.get_running_loop().create_task(self._release(entry.seq))
+                # Given back now, so another replica need not wait for the claims to run out.
+                asyncio.get_running_loop().create_task(
+                    self._release(*(entry.seq for entry in entries))
+                )
                 raise
-            failures = 0
+            failed = await self._replayed_batch(permit, entries, results)
+            if failed is None:
+                failures = 0
+                continue
+            failures += 1
+            message = self._safe(f"outbox replay failed: {failed}")
+            logger.warning("%s (%d episode(s) kept)", message, self._outbox.depth)
+            self._fail_waiters(f"writeback queued in the outbox: {message}")
+            if failures >= MAX_REPLAY_FAILURES:
+                self._record(EventKind.ERROR, message, "")
+                return
+            backoff = self._settings.memory_breaker_cooldown_s * 2 ** (failures - 1)
+            await self._pause(
+                max(self._breaker.cooldown_left(), min(backoff, MAX_REPLAY_BACKOFF_S))
+            )
+        logger.debug("outbox replay stopped: shutting down")
+
+    async def _replayed_batch(
+        self, permit: Permit, entries: list[OutboxEntry], results: list[str | BaseException]
+    ) -> BaseException | None:
+        """Settle one replayed batch: stored ones leave the outbox, refused ones go to the
+        dead-letter list, failed ones are given back; the first failure, or None."""
+        assert self._outbox is not None
+        stored: list[tuple[OutboxEntry, str]] = []
+        failed: list[tuple[OutboxEntry, BaseException]] = []
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, str):
+                stored.append((entry, result))
+            elif isinstance(result, PhiliaError) and result.permanent:
+                await self._dead_letter(entry, result)
+            else:
+                if not isinstance(result, PhiliaError):
+                    logger.error("outbox replay: a store failed", exc_info=result)
+                failed.append((entry, result))
+        faults = [r for _, r in failed if not isinstance(r, PhiliaError) or r.philia_fault]
+        if faults:
+            self._breaker.failure(permit)
+        elif stored or len(failed) < len(entries):
             self._breaker.success(permit)
+        else:
+            self._breaker.abandon(permit)
+        if failed:
+            await self._release(*(entry.seq for entry, _ in failed))
+        if stored:
+            await self._settle_stored(stored)
+        return failed[0][1] if failed else None
+
+    async def _settle_stored(self, stored: list[tuple[OutboxEntry, str]]) -> None:
+        """Replayed episodes Philia stored: out of the outbox in one transaction, indexed,
+        and their waiting writebacks answered."""
+        assert self._outbox is not None
+        for entry, node_id in stored:
             # Known before the row goes: the same episode sent again meanwhile is this one.
             self._remember_id(entry.episode_id, node_id)
-            try:
-                await self._outbox.remove(entry.seq)
-            except Exception as exc:
-                # Stored, but still queued: it will be sent again (the store keeps one copy).
-                logger.warning("a replayed episode stays in the outbox: %s", self._safe(str(exc)))
+        try:
+            await self._outbox.remove(*(entry.seq for entry, _ in stored))
+        except Exception as exc:
+            # Stored, but still queued: sent again later (the store keeps one copy).
+            logger.warning(
+                "%d replayed episode(s) stay in the outbox: %s", len(stored), self._safe(str(exc))
+            )
+        if self.metrics is not None:
+            self.metrics.outbox_replayed(len(stored))
+        for entry, node_id in stored:
             self._stored(
                 _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id), node_id
             )
@@ -879,12 +954,53 @@ class MemoryDomain:
             waiter = self._waiters.pop(entry.seq, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(node_id)
-        logger.debug("outbox replay stopped: shutting down")
 
-    async def _release(self, seq: int) -> None:
+    async def _bury(self, episode: _Episode, exc: PhiliaError, *, queued: bool) -> InvalidArgument:
+        """A writeback Philia refused for what it is: into the dead-letter list (unless the
+        outbox has it already, to be moved there by the replay); the error to raise."""
+        assert self._outbox is not None
+        reason = self._safe(str(exc))[:MAX_DEAD_LETTER_REASON]
+        if not queued:
+            try:
+                await self._outbox.bury(
+                    episode.text,
+                    episode.node_type,
+                    episode.scope_id,
+                    episode.episode_id,
+                    episode.occurred_us,
+                    reason,
+                )
+            except Exception as error:  # the disk; the caller may send it again
+                logger.error("could not keep a refused episode: %s", type(error).__name__)
+                return InvalidArgument(f"Philia refused the episode ({reason})")
+        episode.kept = True
+        message = f"Philia refused an episode ({reason}): kept in the dead-letter list"
+        logger.warning("%s", message)
+        self._record(EventKind.ERROR, message, episode.scope_id)
+        return _refused(reason)
+
+    async def _dead_letter(self, entry: OutboxEntry, exc: PhiliaError) -> None:
+        """A queued episode Philia refused for what it is: to the dead-letter list, so the
+        episodes behind it go on; its waiting writeback fails (the episode is kept there)."""
+        assert self._outbox is not None
+        reason = self._safe(str(exc))[:MAX_DEAD_LETTER_REASON]
+        try:
+            await self._outbox.dead_letter(entry.seq, reason)
+        except Exception as error:  # given back: tried again with the next attempt
+            logger.warning("could not move an episode to the dead-letter list: %s", error)
+            await self._release(entry.seq)
+            return
+        message = f"Philia refused a queued episode ({reason}): moved to the dead-letter list"
+        logger.warning("%s", message)
+        self._record(EventKind.ERROR, message, entry.scope_id)
+        waiter = self._waiters.pop(entry.seq, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(_refused(reason))
+
+    async def _release(self, *seqs: int) -> None:
         assert self._outbox is not None
         try:
-            await self._outbox.release(seq)
+            await self._outbox.release(*seqs)
         except Exception as exc:  # its claim runs out by itself
             logger.debug("outbox release failed: %s", type(exc).__name__)
 
@@ -1006,6 +1122,15 @@ class MemoryDomain:
         self._succeeded(permit)
         self._record(EventKind.DELETE, node_id, sid)
         return deleted
+
+
+def _refused(reason: str) -> InvalidArgument:
+    """The error of a writeback Philia refused for what it is (kept: not to be sent again)."""
+    return InvalidArgument(
+        f"Philia refused the episode ({reason}); it is kept in the dead-letter list",
+        code=DEAD_LETTER,
+        queued=True,
+    )
 
 
 def _ignore_result(future: asyncio.Future[int | None]) -> None:

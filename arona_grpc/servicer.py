@@ -381,7 +381,14 @@ def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
         outbox_depth=snapshot.outbox_depth,
         outbox_dropped=snapshot.outbox_dropped,
         scope_mode=_SCOPE_MODES[snapshot.scope_mode],
+        outbox_bytes=snapshot.outbox_bytes,
+        dead_letters=snapshot.dead_letters,
     )
+    for dead in snapshot.recent_dead_letters:
+        item = reply.recent_dead_letters.add(
+            reason=dead.reason, chars=dead.chars, scope_id=dead.scope_id
+        )
+        item.at.FromNanoseconds(int(dead.at * 1e6) * 1000)
     if snapshot.breaker_opened_at is not None:
         reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
     return reply

@@ -647,7 +647,7 @@ async def _migrate(env: Mapping[str, str]) -> None:
     index = SqliteEpisodeIndex(settings.data_dir)
     await index.owner("")  # opens (and migrates) the file
     await index.aclose()
-    outbox = Outbox(settings.data_dir, settings.memory_outbox_max)
+    outbox = Outbox(settings.data_dir, settings.memory_outbox_max_bytes)
     await outbox.load()  # migrates an existing file; a missing one is created when needed
     await outbox.aclose()
     print(f"{settings.data_dir}: the SQLite files' schemas are up to date")

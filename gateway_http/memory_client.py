@@ -181,6 +181,14 @@ def _event_view(event: pb.Event) -> dict[str, str]:
     return view
 
 
+def _dead_letter_view(dead: pb.DeadLetter) -> dict[str, Any]:
+    """``{at, reason, chars}``, plus ``scope_id`` when the episode was someone's (as events)."""
+    view: dict[str, Any] = {"at": _rfc3339_ms(dead.at), "reason": dead.reason, "chars": dead.chars}
+    if dead.scope_id:
+        view["scope_id"] = dead.scope_id
+    return view
+
+
 class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService``: recall and writeback over the ``Exchange``
     streams of ``streams`` when given (unary calls otherwise), everything else unary, on
@@ -434,6 +442,9 @@ class MemoryClient:
             ),
             "outbox_depth": reply.outbox_depth,
             "outbox_dropped": reply.outbox_dropped,
+            "outbox_bytes": reply.outbox_bytes,
+            "dead_letters": reply.dead_letters,
+            "dead_letters_recent": [_dead_letter_view(d) for d in reply.recent_dead_letters],
             "scope": _SCOPE_MODES.get(reply.scope_mode, "shared"),
         }
         watch = self._replicas

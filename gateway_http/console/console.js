@@ -245,6 +245,7 @@
     time("breaker-opened-at", s.breaker_opened_at);
     text("outbox-depth", s.outbox_depth);
     text("outbox-dropped", s.outbox_dropped);
+    text("outbox-dead-letters", s.dead_letters);
     text("replicas", describeReplicas(s.replicas, s.answered_by));
     time("refreshed", new Date().toISOString());
     renderEvents(s.events || []);

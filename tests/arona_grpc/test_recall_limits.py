@@ -171,8 +171,14 @@ async def test_recall_budget_bounds_a_hanging_query(fake: FakePhilia) -> None:
     assert "within 0.2 s" in error.detail
 
 
-def test_outbox_bound_from_the_environment() -> None:
-    assert Settings.from_env({}).memory_outbox_max == 1000
-    assert Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX": "25"}).memory_outbox_max == 25
-    with pytest.raises(ConfigError, match="ARONA_MEMORY_OUTBOX_MAX"):
-        Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX": "0"})
+def test_outbox_bound_from_the_environment(caplog: pytest.LogCaptureFixture) -> None:
+    assert Settings.from_env({}).memory_outbox_max_bytes == 256 * 2**20
+    env = {"ARONA_MEMORY_OUTBOX_MAX_MB": "25"}
+    assert Settings.from_env(env).memory_outbox_max_bytes == 25 * 2**20
+    with pytest.raises(ConfigError, match="ARONA_MEMORY_OUTBOX_MAX_MB"):
+        Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX_MB": "0"})
+    # The count bound of earlier versions is gone: said once, the byte bound kept.
+    with caplog.at_level("WARNING", logger="arona_grpc.config"):
+        settings = Settings.from_env({"ARONA_MEMORY_OUTBOX_MAX": "1000"})
+    assert settings.memory_outbox_max_bytes == 256 * 2**20
+    assert "ARONA_MEMORY_OUTBOX_MAX is no longer used" in caplog.text

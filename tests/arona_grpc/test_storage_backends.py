@@ -17,7 +17,14 @@ import pytest_asyncio
 from arona_grpc.config import Settings
 from arona_grpc.database import PG_MIGRATIONS, apply_migrations, open_pool
 from arona_grpc.episodes import EpisodeIndex, open_index
-from arona_grpc.outbox import PG_PUT_UNLESS_QUEUED, SQLITE_HAS, PostgresOutbox, open_outbox
+from arona_grpc.outbox import (
+    PG_PUT_UNLESS_QUEUED,
+    SQLITE_HAS,
+    OutboxEntry,
+    PostgresOutbox,
+    entry_bytes,
+    open_outbox,
+)
 from arona_grpc.service import MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
 
@@ -77,15 +84,16 @@ async def test_the_index_pages_and_forgets_on_each_backend(
 async def test_the_outbox_is_a_bounded_fifo_on_each_backend(
     tmp_path: Path, backend: str | None, pool: Any, fake: FakePhilia
 ) -> None:
-    outbox = open_outbox(settings_for(fake, tmp_path, backend, memory_outbox_max=3), pool)
+    three = 3 * entry_bytes("episode 0", "episode", "s0", "")
+    settings = settings_for(fake, tmp_path, backend, memory_outbox_max_bytes=three)
+    outbox = open_outbox(settings, pool)
     try:
         await outbox.load()
         assert not outbox.pending
         for i in range(5):
             await outbox.put(f"episode {i}", "episode", f"s{i}")
-        assert (outbox.depth, outbox.dropped) == (3, 2)
-        entry = await outbox.oldest()
-        assert entry is not None
+        assert (outbox.depth, outbox.dropped, outbox.bytes) == (3, 2, three)
+        [entry] = await outbox.oldest()
         assert (entry.text, entry.scope_id) == ("episode 2", "s2")
         await outbox.remove(entry.seq)
         assert outbox.depth == 2
@@ -128,10 +136,10 @@ async def test_an_episode_sent_again_is_found_by_the_index_on_each_backend(
             await conn.execute("SET plan_cache_mode = force_generic_plan")
             await conn.execute("SET enable_seqscan = off")
             await conn.execute(
-                "PREPARE put_episode(text, text, text, bigint, text, bigint)"
+                "PREPARE put_episode(text, text, text, bigint, text, bigint, bigint)"
                 f" AS {PG_PUT_UNLESS_QUEUED}"
             )
-            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x', 1)")
+            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x', 1, 1)")
         finally:
             await conn.close()
         plan = " ".join(row[0] for row in rows)
@@ -143,29 +151,27 @@ async def test_two_replicas_claim_different_episodes_and_a_dead_ones_claims_run_
 ) -> None:
     pool = await open_pool(database_url)
     try:
-        alive = PostgresOutbox(pool, database_url, 100, claim_s=60)
-        dead = PostgresOutbox(pool, database_url, 100, claim_s=0.2)
-        for i in range(3):
+        alive = PostgresOutbox(pool, database_url, 2**20, claim_s=60)
+        dead = PostgresOutbox(pool, database_url, 2**20, claim_s=0.2)
+        for i in range(4):
             await alive.put(f"episode {i}", "episode")
         first = await dead.oldest()
-        second = await alive.oldest()
-        assert first is not None and second is not None
+        second = await alive.oldest(2)
         # Oldest first, and never the same episode twice while claimed.
-        assert (first.text, second.text) == ("episode 0", "episode 1")
+        assert [e.text for e in first + second] == ["episode 0", "episode 1", "episode 2"]
         # The claimant of episode 0 never comes back; its claim runs out (bounded wait).
-        third = None
+        third: list[OutboxEntry] = []
         for _ in range(100):
             third = await alive.oldest()
-            if third is not None and third.text == "episode 0":
+            if third and third[0].text == "episode 0":
                 break
-            if third is not None:
-                await alive.release(third.seq)
+            await alive.release(*(e.seq for e in third))
             await asyncio.sleep(0.05)
-        assert third is not None and third.text == "episode 0"
-        # A failed store gives its episode back at once.
-        await alive.release(second.seq)
-        again = await alive.oldest()
-        assert again is not None and again.text == "episode 1"
+        assert [e.text for e in third] == ["episode 0"]
+        # A failed store gives its episodes back at once.
+        await alive.release(*(e.seq for e in second))
+        again = await alive.oldest(5)
+        assert [e.text for e in again] == ["episode 1", "episode 2", "episode 3"]
     finally:
         await pool.close()
 

@@ -176,6 +176,7 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         await expect(page.locator("#writeback")).to_have_text("on")
         await expect(page.locator("#scope-mode")).to_have_text("user")
         await expect(page.locator("#outbox-depth")).to_have_text("0")
+        await expect(page.locator("#outbox-dead-letters")).to_have_text("0")
         # The one replica the HTTP layer reaches, with its Exchange streams.
         await expect(page.locator("#replicas")).to_have_text(
             re.compile(re.escape(stack.settings.grpc_target or "") + r" \([12]/2 streams\)$")

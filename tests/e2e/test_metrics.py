@@ -66,7 +66,9 @@ def moved(before: Samples, after: Samples) -> dict[tuple[str, tuple[tuple[str, s
         name = key[0]
         if name.endswith("_sum") or name.endswith("_created") or name.endswith("_bucket"):
             continue
-        if name.startswith(("arona_memory_breaker_state", "arona_outbox_depth")):
+        if name.startswith(
+            ("arona_memory_breaker_state", "arona_outbox_depth", "arona_outbox_bytes")
+        ):
             continue
         delta = value - before.get(key, 0.0)
         if delta:
@@ -266,7 +268,10 @@ async def test_breaker_open_skips_philia_and_the_outbox_keeps_the_episode(
             key("arona_writebacks_total", outcome="failed"): 1,
         }
         assert after[key("arona_outbox_depth")] == 2
+        # Two episodes' bytes, each its text and fields plus a fixed overhead.
+        assert after[key("arona_outbox_bytes")] > before[key("arona_outbox_bytes")] > 100
         assert after[key("arona_outbox_dropped_total")] == 0
+        assert after[key("arona_outbox_dead_letters_total")] == 0
 
 
 async def test_a_lost_philia_link_is_a_reconnect(tmp_path: Path) -> None:

@@ -386,6 +386,9 @@ class StatusResponse(_message.Message):
     OUTBOX_DEPTH_FIELD_NUMBER: _builtins.int
     OUTBOX_DROPPED_FIELD_NUMBER: _builtins.int
     SCOPE_MODE_FIELD_NUMBER: _builtins.int
+    OUTBOX_BYTES_FIELD_NUMBER: _builtins.int
+    DEAD_LETTERS_FIELD_NUMBER: _builtins.int
+    RECENT_DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     writeback: _builtins.bool
     breaker: Global___BreakerState.ValueType
@@ -395,11 +398,23 @@ class StatusResponse(_message.Message):
     """Turns dropped because the outbox was full."""
     scope_mode: Global___ScopeMode.ValueType
     """Whether memory is one shared pool or belongs to each user."""
+    outbox_bytes: _builtins.int
+    """Bytes the episodes waiting in the outbox take (ARONA_MEMORY_OUTBOX_MAX_MB
+    bounds it).
+    """
+    dead_letters: _builtins.int
+    """Episodes Philia refused for what they are (too large, invalid), kept in
+    the dead-letter list instead of being retried, over the outbox's life.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
     @_builtins.property
     def breaker_opened_at(self) -> _timestamp_pb2.Timestamp:
         """When the breaker last opened; unset if it never has."""
+
+    @_builtins.property
+    def recent_dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]:
+        """The most recent of them, newest first."""
 
     def __init__(
         self,
@@ -412,14 +427,53 @@ class StatusResponse(_message.Message):
         outbox_depth: _builtins.int = ...,
         outbox_dropped: _builtins.int = ...,
         scope_mode: Global___ScopeMode.ValueType = ...,
+        outbox_bytes: _builtins.int = ...,
+        dead_letters: _builtins.int = ...,
+        recent_dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["breaker_opened_at", b"breaker_opened_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "enabled", b"enabled", "events", b"events", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "scope_mode", b"scope_mode", "writeback", b"writeback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "dead_letters", b"dead_letters", "enabled", b"enabled", "events", b"events", "outbox_bytes", b"outbox_bytes", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "recent_dead_letters", b"recent_dead_letters", "scope_mode", b"scope_mode", "writeback", b"writeback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class DeadLetter(_message.Message):
+    """DeadLetter is an episode Philia refused for what it is; its text stays in
+    the outbox's dead-letter list and is never reported.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CHARS_FIELD_NUMBER: _builtins.int
+    SCOPE_ID_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why Philia refused it (never a secret)."""
+    chars: _builtins.int
+    """The length of the episode's text, in characters."""
+    scope_id: _builtins.str
+    """The hashed id of the episode's scope; empty when none."""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+        chars: _builtins.int = ...,
+        scope_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "chars", b"chars", "reason", b"reason", "scope_id", b"scope_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeadLetter: _TypeAlias = DeadLetter  # noqa: Y015
 
 @_typing.final
 class ListRequest(_message.Message):

@@ -44,7 +44,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -422,19 +422,17 @@ class StoreServer:
                 answer = self._dispatch(frame, session)
                 if isinstance(answer, list):
                     replies = answer
-                elif answer[0].method == QUERY and self._recall_executor is not None:
-                    replies = await self._run(*answer)
-                elif answer[0].method == QUERY:
+                elif answer[0].method == QUERY and self._recall_executor is None:
                     # Answered at once unless another thread holds the reader.
                     now = self._query_now(answer[0])
                     replies = now if now is not None else await self._run(*answer)
-                elif answer[0].method in _IN_BACKGROUND:
+                elif answer[0].method in _IN_BACKGROUND or answer[0].method == QUERY:
                     # Answered whenever done, so the frames behind it are read meanwhile:
-                    # one client's concurrent stores then share a transaction, and its
-                    # recalls do not wait for them. Clients match replies by id.
-                    task = asyncio.create_task(self._answer_later(ws, *answer))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                    # one client's concurrent stores then share a transaction, its recalls
+                    # do not wait for them, and its hybrid recalls (milliseconds each, on a
+                    # recall thread) run side by side on both recall threads instead of one
+                    # after another. Clients match replies by id.
+                    self._in_background(self._answer_later(ws, *answer))
                     continue
                 else:
                     replies = await self._run(*answer)
@@ -601,6 +599,9 @@ class StoreServer:
             batch = self._queued[:WRITE_BATCH_MAX]
             del self._queued[:WRITE_BATCH_MAX]
             nodes = await self._embedded([node for node, _ in batch])
+            unembedded = self._embed_executor is not None and any(
+                node.vector is None for node in nodes
+            )
             try:
                 # Never embedding here, on the loop: a node the embedding thread could not
                 # embed is stored without a vector (the next start's background fill adds it).
@@ -617,6 +618,10 @@ class StoreServer:
             for (_, done), node_id in zip(batch, ids, strict=True):
                 if not done.done():
                     done.set_result(node_id)
+            if unembedded:
+                # Written without a vector: its identical stored node had one (kept by the
+                # refresh), unless that node was deleted meanwhile or embedding failed.
+                self._in_background(self._fill_missing(ids))
             self._commits += 1
             self._stores += len(batch)
             if (self._commits >= CHECKPOINT_COMMITS or self._stores >= CHECKPOINT_STORES) and (
@@ -628,14 +633,16 @@ class StoreServer:
                 )
 
     async def _embedded(self, nodes: list[NewNode]) -> list[NewNode]:
-        """``nodes`` with their vectors (hybrid ranking), embedded on the embedding thread; as
-        they are if that fails (the background fill of a later start embeds them)."""
+        """``nodes`` with their vectors (hybrid ranking), embedded on the embedding thread,
+        except those whose identical stored node has one already (a refresh keeps it: a
+        repeated episode costs no model run); as they are if that fails (the background fill
+        of a later start embeds them)."""
         if self._embed_executor is None:
             return nodes
         loop = asyncio.get_running_loop()
         try:
             vectors = await loop.run_in_executor(
-                self._embed_executor, self.store.embed, [node.text for node in nodes]
+                self._embed_executor, self.store.vectors_for, nodes
             )
         except Exception:
             logger.warning("memory store: embedding stored nodes failed", exc_info=True)
@@ -644,6 +651,21 @@ class StoreServer:
             dataclasses.replace(node, vector=vector)
             for node, vector in zip(nodes, vectors, strict=True)
         ]
+
+    async def _fill_missing(self, ids: list[str]) -> None:
+        """Embed, on the embedding thread, those nodes ``ids`` still stored without a vector."""
+        assert self._embed_executor is not None
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._embed_executor, self.store.fill_missing, ids)
+        except Exception:
+            logger.warning("memory store: embedding stored nodes failed", exc_info=True)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a task kept until done (awaited by :meth:`stop`)."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _fill_vectors(self, pool: ThreadPoolExecutor) -> None:
         """Embed the stored nodes that have no vector, a batch at a time on the embedding

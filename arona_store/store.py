@@ -50,7 +50,9 @@ from arona_store.writes import (
     UNEMBEDDED_COUNT,
     NodeItem,
     begin_write,
+    embedded_twins,
     rows_of,
+    unembedded_of,
     write_rows,
 )
 
@@ -251,6 +253,52 @@ class MemoryStore:
 
         return [to_blob(vector) for vector in self._embedder.embed(list(texts))]
 
+    def vectors_for(self, nodes: Sequence[NewNode]) -> list[bytes | None]:
+        """The vectors to store with ``nodes`` (hybrid store only; milliseconds a node: call it
+        from a worker thread): None for a node whose identical stored node already has one (a
+        refresh keeps it, so embedding the same text again would be wasted), the stored form
+        of its embedding otherwise. A node written with None that turns out to need a vector
+        after all (its twin was deleted meanwhile) gets it from :meth:`fill_missing`."""
+        rows, _ = rows_of(nodes)
+        with self._read_lock:
+            self._check_open()
+            self._reader.execute("BEGIN")
+            try:
+                kept = embedded_twins(self._reader, rows)
+            finally:
+                self._reader.execute("COMMIT")
+        embedded = iter(
+            self.embed([row[3] for row, has in zip(rows, kept, strict=True) if not has])
+        )
+        return [None if has else next(embedded) for has in kept]
+
+    def fill_missing(self, ids: Sequence[str]) -> int:
+        """Embed and store the vectors of those nodes ``ids`` that have none (hybrid store only;
+        blocks for the embedding: call it from a worker thread); how many."""
+        if self._embedder is None:
+            return 0
+        with self._read_lock:
+            self._check_open()
+            missing = unembedded_of(self._reader, list(ids))
+        if not missing:
+            return 0
+        vectors = self.embed([text for _, text in missing])
+        self._put_vectors([(vec, node[0]) for node, vec in zip(missing, vectors, strict=True)])
+        return len(missing)
+
+    def _put_vectors(self, pairs: list[tuple[bytes, str]]) -> None:
+        """Store (vector, node id) pairs in one transaction; a node deleted meanwhile gets
+        none."""
+        with self._lock:
+            self._check_open()
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany(FILL_VECTOR, pairs)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
     def _add_rows(
         self, rows: list[Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
     ) -> list[str] | None:
@@ -406,16 +454,7 @@ class MemoryStore:
         if not rows:
             return 0
         vectors = self.embed([text for _, _, text in rows])
-        with self._lock:
-            self._check_open()
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                pairs = zip(rows, vectors, strict=True)
-                self._conn.executemany(FILL_VECTOR, [(vec, row[1]) for row, vec in pairs])
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        self._put_vectors([(vec, row[1]) for row, vec in zip(rows, vectors, strict=True)])
         self._fill_below = min(seq for seq, _, _ in rows)
         return len(rows)
 

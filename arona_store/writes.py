@@ -42,6 +42,15 @@ _TWIN = (
     " AND source_episode_id IS ? AND related_node_ids = ? AND properties = ?"
     " ORDER BY seq DESC LIMIT 1"
 )
+# Whether the stored node a new one would refresh (its newest identical node) has a vector.
+_TWIN_EMBEDDED = (
+    "SELECT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = twin.id) FROM (" + _TWIN + ") twin"
+)
+# Of some nodes (by id), those still stored without a vector, with their text.
+_UNEMBEDDED_OF = (
+    "SELECT n.id, n.text FROM nodes n WHERE n.id IN ({marks})"
+    " AND NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+)
 # The taken keys from a candidate upwards, to find the first free one.
 _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 
@@ -112,6 +121,26 @@ def write_rows(
         if grams is not None:
             conn.execute(INSERT_CJK, (key, grams))
     return ids
+
+
+def embedded_twins(conn: sqlite3.Connection, rows: list[Row]) -> list[bool]:
+    """For each row, whether the stored node it would refresh already has a vector: a refresh
+    keeps that vector (same text), so the row need not be embedded."""
+    found: list[bool] = []
+    for _, _, node_type, text, _, source, related, properties, row_digest in rows:
+        twin = conn.execute(
+            _TWIN_EMBEDDED, (row_digest, node_type, text, source, related, properties)
+        ).fetchone()
+        found.append(bool(twin and twin[0]))
+    return found
+
+
+def unembedded_of(conn: sqlite3.Connection, ids: list[str]) -> list[tuple[str, str]]:
+    """Of the nodes ``ids``, those stored without a vector, as (id, text)."""
+    if not ids:
+        return []
+    sql = _UNEMBEDDED_OF.format(marks=", ".join("?" * len(ids)))
+    return [(str(node_id), str(text)) for node_id, text in conn.execute(sql, ids)]
 
 
 def begin_write(conn: sqlite3.Connection, wait: bool) -> bool:

@@ -399,6 +399,59 @@ async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path
             assert FACT not in [r["text"] for r in after["results"]]
 
 
+@needs_semantic
+def test_a_repeated_memory_is_not_embedded_again_and_one_whose_twin_went_gets_its_vector(
+    hybrid: MemoryStore,
+) -> None:
+    hybrid.add(FACT, refresh=True)
+    # The stored fact keeps its vector through a refresh: nothing to embed for it again.
+    repeated, new = hybrid.vectors_for([NewNode(FACT), NewNode(DISTRACTOR)])
+    assert repeated is None and isinstance(new, bytes)
+    # Its twin deleted before the write: stored without a vector, then filled in.
+    [old_id] = [hit.node_id for hit in hybrid.query("peanuts")]
+    assert hybrid.delete(old_id)
+    [node_id] = hybrid.add_many([NewNode(FACT, vector=repeated)], refresh=True, embed=False)
+    assert hybrid.unembedded() == 1
+    assert hybrid.fill_missing([node_id]) == 1
+    assert hybrid.unembedded() == 0
+    assert _texts(hybrid, PARAPHRASE)[0] == FACT
+
+
+@needs_semantic
+@pytest.mark.asyncio
+async def test_recalls_sent_together_on_one_connection_each_get_their_own_answer(
+    tmp_path: Path,
+) -> None:
+    async with await StoreServer.start(
+        db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
+    ) as server:
+        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+            client = StoreClient(ws)
+            await client.handshake()
+            for text in (FACT, TEA_DE, "I work as a nurse at St. Mary's hospital."):
+                await client.call("Sync.MemoryStoreRequest", {"text": text})
+            questions = {100 + i: q for i, q in enumerate([PARAPHRASE, "What is my job?"] * 4)}
+            # Sent without waiting for any answer; answered in any order, each by its id.
+            for request_id, question in questions.items():
+                await client.send(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": request_id,
+                        "method": "Sync.MemoryQueryRequest",
+                        "params": {"query": question, "limit": 1},
+                    }
+                )
+            answers = {}
+            for _ in questions:
+                reply = await client.recv()
+                answers[reply["id"]] = reply["result"]
+    assert set(answers) == set(questions)
+    for request_id, question in questions.items():
+        assert answers[request_id]["query"] == question
+        expected = FACT if question == PARAPHRASE else "I work as a nurse at St. Mary's hospital."
+        assert [r["text"] for r in answers[request_id]["results"]] == [expected]
+
+
 # -- choosing the ranking ---------------------------------------------------------------------
 
 

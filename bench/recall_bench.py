@@ -66,13 +66,20 @@ def _cache_dir() -> Path:
     return Path(base) / "arona-bench"
 
 
-def corpus_nodes(count: int, now: float | None = None) -> list[NewNode]:
-    """The episodes ``bench.run`` preloads (same texts, same ages: up to 90 days)."""
+def corpus_nodes(
+    count: int, now: float | None = None, node_types: Sequence[str] = ("episode",)
+) -> list[NewNode]:
+    """The episodes ``bench.run`` preloads (same texts, same ages: up to 90 days), taking the
+    ``node_types`` in turn."""
     rng = random.Random(corpus.SEED + count)
     now = time.time() if now is None else now
     return [
-        NewNode(text=text, node_type="episode", created_at=now - rng.uniform(0, 90 * 86400))
-        for text in corpus.episodes(count)
+        NewNode(
+            text=text,
+            node_type=node_types[i % len(node_types)],
+            created_at=now - rng.uniform(0, 90 * 86400),
+        )
+        for i, text in enumerate(corpus.episodes(count))
     ]
 
 
@@ -102,11 +109,17 @@ def corpus_vectors(count: int) -> list[bytes]:
     return [to_blob(row) for row in matrix[:count]]
 
 
-def preload(db_path: Path, count: int, ranking: Ranking = "hybrid") -> int:
-    """Write a store of ``count`` corpus episodes at ``db_path``; for ``hybrid``, with their
-    vectors (the first :data:`EMBEDDED` embedded, the rest reusing them in turn), so a hybrid
-    store opened on it has nothing left to embed. Returns the node count."""
-    nodes = corpus_nodes(count)
+def preload(
+    db_path: Path,
+    count: int,
+    ranking: Ranking = "hybrid",
+    node_types: Sequence[str] = ("episode",),
+) -> int:
+    """Write a store of ``count`` corpus episodes at ``db_path`` (taking the ``node_types``
+    in turn); for ``hybrid``, with their vectors (the first :data:`EMBEDDED` embedded, the
+    rest reusing them in turn), so a hybrid store opened on it has nothing left to embed.
+    Returns the node count."""
+    nodes = corpus_nodes(count, node_types=node_types)
     if ranking == "hybrid":
         vectors = corpus_vectors(min(count, EMBEDDED))
         nodes = [

@@ -54,9 +54,9 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for label in (
         "1. direct to the upstream",
         "2. gateway, memory disabled",
-        "3. gateway, memory enabled",
+        "3. gateway, memory enabled (recall + writeback), default store",
+        "3l. gateway, memory enabled, lexical-ranking store (ARONA_STORE_RANKING=lexical)",
         "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
-        "3h. gateway, memory enabled, hybrid-ranking store",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
         "3j. gateway, memory enabled, no writeback journal",
@@ -71,31 +71,46 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         # One row per concurrency, every turn answered 200 with the expected memory header.
         assert len(measured) == 2, (label, table)
         assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
-        # The gateway's CPU per turn (the column before the failures), for gateway rows only.
+        # The gateway's CPU per turn (the column before the failures), for gateway rows only,
+        # and the store's (the column before it) for rows 3 and 3l.
         cpu_cells = [row.split(" | ")[-2] for row in measured]
+        store_cells = [row.split(" | ")[-3] for row in measured]
         if label.startswith(("1.", "5a.")):
             assert cpu_cells == ["—", "—"], measured
         else:
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
+        if label.startswith(("3.", "3l.")):
+            assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in store_cells)
+        else:
+            assert store_cells == ["—", "—"], measured
+    # Recall alone through gRPC: the default store and the lexical one, at both sizes.
     recall = [
-        row for row in rows if row.startswith(("| 500 |", "| 1,000 |")) and row.count("|") == 8
+        row
+        for row in rows
+        if re.match(r"\| (hybrid|lexical) \| (500|1,000) \|", row) and row.count("|") == 9
     ]
-    assert len(recall) == 4 and all(row.endswith("| 0 / 0 |") for row in recall), table
+    assert len(recall) == 8 and all(row.endswith("| 0 / 0 |") for row in recall), table
+    assert [row.split(" | ")[0] for row in recall] == ["| hybrid"] * 4 + ["| lexical"] * 4
     # Recall alone in the store process, both rankings at both sizes.
     store_rows = [row for row in rows if re.match(r"\| [\d,]+ \| (lexical|hybrid) \|", row)]
     assert [("hybrid" in row) for row in store_rows] == [False, True, False, True], table
     assert "LiteLLM peer not measured: skipped (--no-litellm)" in table
     assert "| LiteLLM comparisons | LiteLLM not measured in this run | — |" in table
     assert "memory's own cost: p50 (3 − 2) ≤ 0.5 × the gateway's (2 − 1), c=1" in table
+    # The growth of recall alone from the run's store to the big one: a verdict at c=1.
+    [growth, growth32] = [row for row in rows if row.startswith("| recall alone (gRPC, default")]
+    assert "p50 at 1,000 memories ÷ at 500 ≤ 2×, c=1" in growth, growth
+    assert growth.endswith(("| met |", "| **not met** |")), growth
+    assert "c=32 (information)" in growth32 and growth32.endswith("| — |"), growth32
     # Beside it, what the store's own recall leaves of that target's allowance.
     [store_share] = [row for row in rows if row.startswith("| the store's recall alone")]
-    assert re.search(r"\| \d+\.\d\d× \(\d\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", store_share), (
+    assert re.search(r"\| \d+\.\d\d× \(\d+\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", store_share), (
         store_share
     )
     # And the two parts of memory's own cost: the store's CPU in the turns and the gateway's.
     for part in ("| the store's CPU per memory turn in row 3", "| the gateway's own CPU that"):
         [row] = [row for row in rows if row.startswith(part)]
-        assert re.search(r"\| -?\d+\.\d\d× \(-?\d\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
+        assert re.search(r"\| -?\d+\.\d\d× \(-?\d+\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
     assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table

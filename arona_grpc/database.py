@@ -1,8 +1,8 @@
 """Shared state on PostgreSQL (``ARONA_DATABASE_URL``) and versioned schemas on both backends.
 
-With ``ARONA_DATABASE_URL`` set, conversations, the episode index and the writeback outbox
-live in one PostgreSQL database shared by every replica; unset, each lives in its own SQLite
-file under ``ARONA_DATA_DIR``. Either way the schema is versioned:
+With ``ARONA_DATABASE_URL`` set, conversations, the episode index, the writeback outbox and
+usage (records and budgets) live in one PostgreSQL database shared by every replica; unset,
+each lives in its own SQLite file under ``ARONA_DATA_DIR``. Either way the schema is versioned:
 
 - PostgreSQL: :data:`PG_MIGRATIONS` are applied in order at start (or by
   ``arona-gateway migrate``), each in its own transaction, recorded in ``arona_schema``, under
@@ -133,6 +133,44 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
             occurred_us bigint,
             dead_us     bigint NOT NULL,
             reason      text NOT NULL
+        );
+        """,
+    ),
+    Migration(
+        5,
+        "usage records, each month's spending per principal, budgets",
+        """
+        CREATE TABLE usage_records (
+            turn_id            text PRIMARY KEY,
+            at_us              bigint NOT NULL,
+            day                text NOT NULL,
+            principal          text NOT NULL,
+            user_name          text NOT NULL,
+            model              text NOT NULL,
+            backend            text NOT NULL,
+            surface            text NOT NULL,
+            outcome            text NOT NULL,
+            prompt_tokens      bigint NOT NULL,
+            completion_tokens  bigint NOT NULL,
+            memory_tokens      bigint NOT NULL,
+            estimated          boolean NOT NULL,
+            latency_ms         double precision NOT NULL,
+            cost_micro         bigint
+        );
+        CREATE INDEX usage_by_time ON usage_records (at_us);
+        CREATE INDEX usage_by_principal ON usage_records (principal, at_us);
+        CREATE TABLE usage_months (
+            principal   text NOT NULL,
+            month       text NOT NULL,
+            tokens      bigint NOT NULL,
+            cost_micro  bigint NOT NULL,
+            PRIMARY KEY (principal, month)
+        );
+        CREATE TABLE usage_budgets (
+            principal   text PRIMARY KEY,
+            tokens      bigint,
+            cost_micro  bigint,
+            updated_us  bigint NOT NULL
         );
         """,
     ),

@@ -642,8 +642,11 @@ async def _migrate(env: Mapping[str, str]) -> None:
     from arona_grpc.episodes import SqliteEpisodeIndex
     from arona_grpc.outbox import Outbox
     from gateway_http.conversations import CONVERSATIONS_FILE, SqliteConversationStore
+    from gateway_http.usage.sqlite import SqliteUsageStore
+    from gateway_http.usage.store import USAGE_FILE
 
     SqliteConversationStore.open(settings.data_dir / CONVERSATIONS_FILE).close()
+    SqliteUsageStore.open(settings.data_dir / USAGE_FILE).close()
     index = SqliteEpisodeIndex(settings.data_dir)
     await index.owner("")  # opens (and migrates) the file
     await index.aclose()

@@ -7,12 +7,25 @@ unknown OpenAI field is forwarded upstream untouched; a client mistake is a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from arona_grpc.scopes import user_error as _scope_user_error
 from gateway_http.errors import bad_input
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+ROLES = frozenset(get_args(Role))
 # The gateway's own fields: read here, never forwarded upstream.
 GATEWAY_FIELDS = ("memory", "conversation_id")
 
@@ -44,6 +57,58 @@ def user_error(user: Any) -> str | None:
     return None if problem is None else f"'user' {problem}"
 
 
+def _sane_user(value: str) -> str:
+    problem = user_error(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+# The OpenAI `user` field: bounded, printable.
+User = Annotated[StrictStr, AfterValidator(_sane_user)]
+
+
+class ChatOptions(BaseModel):
+    """The optional fields of a chat request the gateway checks, alike on REST and in
+    ``chat.send`` (whose params model extends this one)."""
+
+    temperature: StrictFloat | StrictInt | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    conversation_id: NonEmpty | None = None
+    memory: StrictBool | None = None
+    # The OpenAI `user` field: narrows the caller's memory scope.
+    user: User | None = None
+
+
+_OPTIONS = tuple(ChatOptions.model_fields)
+
+
+class ChatMessage(BaseModel):
+    """A message as :func:`validate_messages` takes it (its published schema)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(ChatOptions):
+    """``POST /v1/chat/completions``: what :func:`split_body` takes, as published in
+    ``/openapi.json``. Any other field is forwarded upstream untouched."""
+
+    model_config = ConfigDict(extra="allow")
+    model: NonEmpty
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    stream: StrictBool | None = None
+
+
+def _options_problem(exc: ValidationError) -> str:
+    """The first option refused, named, and why (never the value)."""
+    first = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    # The options are flat: the field is the first part (the rest names a union's member).
+    return f"'{first['loc'][0]}': {first['msg']}"
+
+
 def split_body(body: Any) -> tuple[dict[str, Any], bool | None, str | None]:
     """Validate an OpenAI chat body; return (body for upstream, memory, conversation_id).
 
@@ -58,16 +123,9 @@ def split_body(body: Any) -> tuple[dict[str, Any], bool | None, str | None]:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_input("'stream' must be a boolean")
-    memory = body.get("memory")
-    if memory is not None and not isinstance(memory, bool):
-        raise bad_input("'memory' must be true, false or null")
-    conversation_id = body.get("conversation_id")
-    if conversation_id is not None and (
-        not isinstance(conversation_id, str) or not conversation_id
-    ):
-        raise bad_input("'conversation_id' must be a non-empty string or null")
-    problem = user_error(body.get("user"))
-    if problem is not None:
-        raise bad_input(problem)
+    try:
+        options = ChatOptions.model_validate({k: body[k] for k in _OPTIONS if k in body})
+    except ValidationError as exc:
+        raise bad_input(_options_problem(exc)) from None
     upstream = {k: v for k, v in body.items() if k not in GATEWAY_FIELDS}
-    return upstream, memory, conversation_id
+    return upstream, options.memory, options.conversation_id

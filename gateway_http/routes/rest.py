@@ -61,6 +61,25 @@ async def read_body(request: Request) -> bytes:
     return body
 
 
+JSON_MEDIA_TYPE = "application/json"
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared ``application/json``.
+
+    A web page can make any visitor's browser send a form or a ``fetch`` to the gateway, but
+    only as ``text/plain``, a form type or no type at all; so with REST open no page can write
+    turns into memory through its visitors.
+    """
+    declared = request.headers.get("content-type", "")
+    if declared.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+        raise GatewayError(
+            ErrorKind.UNSUPPORTED_MEDIA,
+            "the request body must be JSON, sent with Content-Type: application/json",
+            "unsupported_media_type",
+        )
+
+
 def rest_caller(gw: Gateway, request: Request) -> Principal | None:
     """The REST caller (an API key or a JWT's ``sub``); None when REST is open and the
     caller shows no valid JWT. A bearer that is neither, with keys set, is a 401."""
@@ -115,6 +134,7 @@ async def chat_completions(request: Request) -> Response:
     pipeline = gw.pipeline
     surface = REST
     try:
+        require_json(request)
         principal = rest_caller(gw, request)
         raw = await read_body(request)
         try:
@@ -257,6 +277,7 @@ async def create_conversation(request: Request) -> Response:
     raw = await read_body(request)
     title = None
     if raw.strip():
+        require_json(request)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

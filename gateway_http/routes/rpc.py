@@ -15,19 +15,16 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     model_validator,
 )
 
 from gateway_http.auth import Principal, memory_scope
-from gateway_http.chat_request import user_error, validate_messages
+from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
 from gateway_http.memory_client import DISABLED, NOT_INDEXED, OTHER_SCOPE
@@ -49,33 +46,17 @@ P = TypeVar("P", bound=BaseModel)
 # the id is not one of theirs (another's, or nobody's).
 NOT_YOURS = "not_yours"
 
-NonEmpty = Annotated[StrictStr, Field(min_length=1)]
-
-
-def _sane_user(value: str) -> str:
-    problem = user_error(value)
-    if problem is not None:
-        raise ValueError(problem)
-    return value
-
-
-# The OpenAI `user` field, as chat.send takes it: bounded, printable.
-User = Annotated[StrictStr, AfterValidator(_sane_user)]
-
 
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ChatSendParams(_Params):
+class ChatSendParams(ChatOptions):
+    """chat.send: a model, its messages, and the optional fields REST checks alike."""
+
+    model_config = ConfigDict(extra="forbid")
     model: NonEmpty
     messages: list[Any]
-    temperature: StrictFloat | StrictInt | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    conversation_id: NonEmpty | None = None
-    memory: StrictBool | None = None
-    # The OpenAI `user` field: narrows the caller's memory scope.
-    user: User | None = None
 
 
 class StatusParams(_Params):

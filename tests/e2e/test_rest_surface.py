@@ -52,6 +52,20 @@ def _error(response: httpx.Response) -> dict[str, Any]:
             b' "conversation_id": 12}',
             "conversation_id",
         ),
+        # The optional fields chat.send checks, checked alike.
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}],'
+            b' "temperature": "hot"}',
+            "'temperature'",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+            "'max_tokens'",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "user": 7}',
+            "'user'",
+        ),
     ],
 )
 async def test_bad_requests_are_400_in_openai_shape(
@@ -68,6 +82,39 @@ async def test_bad_requests_are_400_in_openai_shape(
         assert error["type"] == "invalid_request_error"
         assert field in error["message"]
         assert stack.upstream.chat_requests == []
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",  # what a cross-site form or fetch() sends
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        None,  # a fetch() of a Blob without a type
+    ],
+)
+async def test_a_chat_body_that_is_not_declared_json_is_415_and_writes_nothing(
+    tmp_path: Path, content_type: str | None
+) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "my locker code is 4417"}]}'
+    async with running_stack(tmp_path) as stack:
+        request = stack.http.build_request("POST", "/v1/chat/completions", content=body)
+        if content_type is not None:
+            request.headers["content-type"] = content_type
+        assert request.headers.get("content-type") == content_type
+        response = await stack.http.send(request)
+        assert response.status_code == 415
+        assert _error(response)["code"] == "unsupported_media_type"
+        assert stack.upstream.chat_requests == []
+        await stack.drain_writebacks()
+        assert stack.philia.stored == []
+        # Declared JSON (with a charset) is a turn like any other.
+        accepted = await stack.http.post(
+            "/v1/chat/completions",
+            content=body,
+            headers={"Content-Type": "Application/JSON; charset=utf-8"},
+        )
+        assert accepted.status_code == 200
 
 
 async def test_body_over_one_mib_is_413(tmp_path: Path) -> None:
@@ -233,3 +280,20 @@ async def test_openai_sdk_works_unchanged(tmp_path: Path) -> None:
             ]
         assert "".join(pieces) == "reply to: stream please"
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", "hot"), ("max_tokens", 0), ("memory", "yes")]
+)
+async def test_rest_and_chat_send_refuse_the_same_optional_fields(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    body = {"model": "m", "messages": ASK, field: value}
+    async with running_stack(tmp_path) as stack:
+        rest = await stack.http.post("/v1/chat/completions", json=body)
+        rpc = await stack.rpc("chat.send", body)
+        assert rest.status_code == 400
+        assert _error(rest)["message"].startswith(f"'{field}': ")
+        assert rpc["error"]["code"] == -32602
+        assert field in rpc["error"]["message"]
+        assert stack.upstream.chat_requests == []

@@ -40,6 +40,7 @@ BOUND_S = 10 * TIMEOUT_S
 TRICKLE_BYTES = 400
 TRICKLE_S = 0.05
 
+JSON = {"Content-Type": "application/json"}
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": ASK_TEXT}]})
 
 
@@ -164,7 +165,7 @@ async def test_a_trickled_body_is_408_within_its_bound_and_never_reaches_upstrea
         # The stalled request is a client's doing: no error (or traceback) in the log.
         assert gateway_errors(caplog) == []
         # The gateway goes on answering.
-        healthy = await stack.http.post("/v1/chat/completions", content=CHAT)
+        healthy = await stack.http.post("/v1/chat/completions", content=CHAT, headers=JSON)
         assert healthy.status_code == 200
 
 
@@ -282,7 +283,7 @@ async def warm_up(url: str) -> None:
         for _ in range(3):
             assert (await client.get("/healthz")).status_code == 200
             chat = await client.post(
-                "/v1/chat/completions", content=CHAT.replace(b'"m"', b'"echo"')
+                "/v1/chat/completions", content=CHAT.replace(b'"m"', b'"echo"'), headers=JSON
             )
             assert chat.status_code == 200
     ws_url = url.replace("http://", "ws://") + "/api/rpc"

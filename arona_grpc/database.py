@@ -174,6 +174,14 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         );
         """,
     ),
+    Migration(
+        6,
+        "the episode index says which episodes were stored for one user (NULL: unknown)",
+        """
+        ALTER TABLE episodes ADD COLUMN scoped boolean;
+        CREATE INDEX episodes_scoped ON episodes (seq) WHERE scoped;
+        """,
+    ),
 )
 
 # The errors that mean "the database is not there" (as opposed to a bug in a query).

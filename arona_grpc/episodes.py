@@ -48,10 +48,16 @@ _SQLITE_STEPS = (
     );
     CREATE INDEX IF NOT EXISTS episodes_by_scope ON episodes (scope_id, seq);
     """,
+    # Whether an episode was stored for one user alone (ARONA_MEMORY_SCOPE=user): such an
+    # index must not serve shared memory. NULL for entries older than the column (unknown).
+    """
+    ALTER TABLE episodes ADD COLUMN scoped INTEGER;
+    CREATE INDEX episodes_scoped ON episodes (seq) WHERE scoped = 1;
+    """,
 )
 _NEWEST = 2**63 - 1
-# One queued entry: node id, scope id, time (microseconds), preview.
-_Entry = tuple[str, str, int, str]
+# One queued entry: node id, scope id, time (microseconds), preview, stored for one user.
+_Entry = tuple[str, str, int, str, bool]
 
 
 class IndexUnavailable(RuntimeError):
@@ -73,8 +79,8 @@ class IndexPage:
     next: int | None
 
 
-def _entry(node_id: str, scope_id: str, text: str) -> _Entry:
-    return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text))
+def _entry(node_id: str, scope_id: str, text: str, scoped: bool) -> _Entry:
+    return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text), scoped)
 
 
 def _latest(entries: list[_Entry]) -> list[_Entry]:
@@ -105,8 +111,12 @@ def preview_of(text: str, limit: int = PREVIEW_CHARS) -> str:
 class EpisodeIndex(Protocol):
     """What the domain needs from an episode index (one implementation per backend)."""
 
-    def record(self, node_id: str, scope_id: str, text: str) -> None:
-        """Note an episode just stored (a re-stored node id becomes the newest)."""
+    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
+        """Note an episode just stored (a re-stored node id becomes the newest); ``scoped``:
+        stored for its scope alone (``user`` mode)."""
+
+    async def holds_scoped(self) -> bool:
+        """Whether any indexed episode was stored for one user alone (``user`` mode)."""
 
     async def written(self) -> None:
         """Return once every entry recorded so far can be read by any reader of the index
@@ -140,10 +150,10 @@ class SqliteEpisodeIndex:
         self._flush_submitted = False
         self._closed = False
 
-    def record(self, node_id: str, scope_id: str, text: str) -> None:
+    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
         if self._closed:
             return
-        entry = _entry(node_id, scope_id, text)
+        entry = _entry(node_id, scope_id, text, scoped)
         with self._lock:
             self._queued.append(entry)
             if self._flush_submitted:
@@ -155,6 +165,14 @@ class SqliteEpisodeIndex:
         # The file is this process's own, and every read runs on the worker thread after the
         # writes queued before it: an entry is readable as soon as it is recorded.
         return None
+
+    async def holds_scoped(self) -> bool:
+        if self._db is None and not self.path.exists():
+            return False  # checked at start: no file is made for it
+        row = await self._read(
+            lambda db: db.execute("SELECT 1 FROM episodes WHERE scoped = 1 LIMIT 1").fetchone()
+        )
+        return row is not None
 
     async def owner(self, node_id: str) -> str | None:
         row = await self._read(
@@ -240,7 +258,8 @@ class SqliteEpisodeIndex:
                 # newest entry: delete and insert rather than update in place.
                 db.executemany("DELETE FROM episodes WHERE node_id = ?", [(e[0],) for e in queued])
                 db.executemany(
-                    "INSERT INTO episodes (node_id, scope_id, at_us, preview) VALUES (?, ?, ?, ?)",
+                    "INSERT INTO episodes (node_id, scope_id, at_us, preview, scoped)"
+                    " VALUES (?, ?, ?, ?, ?)",
                     queued,
                 )
         except sqlite3.Error as exc:
@@ -274,10 +293,10 @@ class PostgresEpisodeIndex:
         # (entries that must be done, its waiter), oldest first.
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    def record(self, node_id: str, scope_id: str, text: str) -> None:
+    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
         if self._closed:
             return
-        self._queued.append(_entry(node_id, scope_id, text))
+        self._queued.append(_entry(node_id, scope_id, text, scoped))
         self._recorded += 1
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush_all())
@@ -290,6 +309,9 @@ class PostgresEpisodeIndex:
         self._waiters.append((target, waiter))
         # Shielded: a caller that gives up does not stop the others' wait.
         await asyncio.shield(waiter)
+
+    async def holds_scoped(self) -> bool:
+        return bool(await self._read("SELECT 1 FROM episodes WHERE scoped LIMIT 1"))
 
     async def owner(self, node_id: str) -> str | None:
         row = await self._read("SELECT scope_id FROM episodes WHERE node_id = $1", node_id)
@@ -334,8 +356,8 @@ class PostgresEpisodeIndex:
                             [e[0] for e in queued],
                         )
                         await conn.executemany(
-                            "INSERT INTO episodes (node_id, scope_id, at_us, preview)"
-                            " VALUES ($1, $2, $3, $4)",
+                            "INSERT INTO episodes (node_id, scope_id, at_us, preview, scoped)"
+                            " VALUES ($1, $2, $3, $4, $5)",
                             queued,
                         )
                 except Exception as exc:

@@ -76,6 +76,11 @@ def scope_id(scope: str) -> str:
     return hashlib.sha256(scope.encode("utf-8")).hexdigest()[:SCOPE_ID_CHARS]
 
 
+def is_scoped_node_type(node_type: str) -> bool:
+    """Whether a node is an episode stored for one scope alone (``user`` mode)."""
+    return node_type.startswith(f"{EPISODE_NODE_TYPE}:")
+
+
 def scoped_node_type(scope_id_: str) -> str:
     """The node type of a ``user``-mode episode: ``episode:<scope id>``."""
     return f"{EPISODE_NODE_TYPE}:{scope_id_}"

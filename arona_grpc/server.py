@@ -28,7 +28,7 @@ from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
 from arona_grpc.metrics import start_metrics_server
 from arona_grpc.security import BearerTokenInterceptor, check_exposure, server_credentials
-from arona_grpc.service import MemoryDomain
+from arona_grpc.service import MemoryDomain, ScopeModeRefused
 from arona_grpc.servicer import MemoryServicer
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ class GrpcServer:
         opened here (:class:`~arona_grpc.database.DatabaseUnavailable` when the database
         cannot be reached). Raises :class:`~arona_grpc.security.GrpcSecurityError` before
         binding anything when the address is not loopback and no token is set, or the TLS
-        files are unusable; :class:`GrpcBindError` when the address cannot be bound.
+        files are unusable; :class:`~arona_grpc.service.ScopeModeRefused` when shared mode
+        meets an index of per-user episodes; :class:`GrpcBindError` when the address cannot
+        be bound.
         """
         try:
             check_exposure(settings)
@@ -130,6 +132,14 @@ class GrpcServer:
             if pool is None and settings.database_url and settings.memory_enabled:
                 pool = owned_pool = await open_pool(settings.database_url)
             domain = MemoryDomain(settings, pool=pool)
+        try:
+            # Before anything listens: shared mode over one user's episodes is refused.
+            await domain.check_scope_mode()
+        except ScopeModeRefused:
+            await domain.aclose()
+            if owned_pool is not None:
+                await owned_pool.close()
+            raise
         health_servicer = health_aio.HealthServicer()
         servicer = MemoryServicer(domain)
         server = build_server(domain, health_servicer, token=settings.grpc_token, servicer=servicer)

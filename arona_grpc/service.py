@@ -62,12 +62,25 @@ from datetime import UTC, datetime
 from typing import Any
 
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
-from arona_grpc.config import SCOPE_SHARED, Settings
-from arona_grpc.episodes import EpisodeIndex, IndexPage, IndexUnavailable, open_index
+from arona_grpc.config import SCOPE_SHARED, ConfigError, Settings
+from arona_grpc.episodes import (
+    INDEX_FILE,
+    EpisodeIndex,
+    IndexPage,
+    IndexUnavailable,
+    open_index,
+)
 from arona_grpc.metrics import ServiceMetrics
 from arona_grpc.outbox import AnyOutbox, DeadLetter, OutboxClosed, OutboxEntry, open_outbox
 from arona_grpc.philia import PhiliaClient, PhiliaError, PhiliaMemory, PhiliaTimeout
-from arona_grpc.scopes import EPISODE_NODE_TYPE, scope_error, scope_id, scoped_node_type
+from arona_grpc.redact import redact_url
+from arona_grpc.scopes import (
+    EPISODE_NODE_TYPE,
+    is_scoped_node_type,
+    scope_error,
+    scope_id,
+    scoped_node_type,
+)
 from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
 
 logger = logging.getLogger(__name__)
@@ -349,6 +362,35 @@ class _InFlight:
     kept: bool = False
 
 
+class ScopeModeRefused(ConfigError):
+    """The index holds per-user memories and the service was asked to share memory."""
+
+
+async def check_scope_mode(settings: Settings, index: EpisodeIndex) -> None:
+    """Refuse (:class:`ScopeModeRefused`) to serve shared memory from an episode index that
+    holds episodes stored for one user alone: shared recall and ``memory.list`` would be
+    everyone's view of them. An index that cannot be read is left to the code that uses it."""
+    if settings.user_scoped:
+        return
+    try:
+        scoped = await index.holds_scoped()
+    except (IndexUnavailable, OSError):
+        return
+    if not scoped:
+        return
+    if settings.database_url:
+        where = f"the episode index in {redact_url(settings.database_url)}"
+        elsewhere = "another database"
+    else:
+        where = str(settings.data_dir / INDEX_FILE)
+        elsewhere = "another ARONA_DATA_DIR"
+    raise ScopeModeRefused(
+        f"{where} holds per-user memories (stored with ARONA_MEMORY_SCOPE=user), which "
+        "shared mode would show to every caller: set ARONA_MEMORY_SCOPE=user (or, to start "
+        f"a new shared memory, use {elsewhere})"
+    )
+
+
 class MemoryDomain:
     """Recall, Writeback, Delete and Status over one lazily connected Philia client."""
 
@@ -438,6 +480,11 @@ class MemoryDomain:
         """The index of stored episodes (None when memory is not configured)."""
         return self._index
 
+    async def check_scope_mode(self) -> None:
+        """:func:`check_scope_mode` on this service's index; run before it listens."""
+        if self._index is not None:
+            await check_scope_mode(self._settings, self._index)
+
     async def start(self) -> None:
         """Pick up an outbox left by an earlier run and start replaying it."""
         if self._outbox is None:
@@ -522,6 +569,10 @@ class MemoryDomain:
             raise
         self._succeeded(permit)
         self._record(EventKind.RECALL, query, sid)
+        if not self._user_scoped:
+            # One user's episodes (stored in user mode, by this or another gateway on the same
+            # Philia) are never shared memory: Philia returns them to an unfiltered query.
+            found = [m for m in found if not is_scoped_node_type(m.node_type)]
         kept, section = _capped_section(found, MAX_SECTION_CHARS, MAX_MEMORY_CHARS)
         if not kept:
             return RecallOutcome(MemoryState.DISABLED, (), "")
@@ -1086,7 +1137,8 @@ class MemoryDomain:
         self._remember_id(episode.episode_id, node_id)
         self._record(EventKind.WRITEBACK, node_id, episode.scope_id)
         if self._index is not None and episode.scope_id:
-            self._index.record(node_id, episode.scope_id, episode.text)
+            scoped = is_scoped_node_type(episode.node_type)
+            self._index.record(node_id, episode.scope_id, episode.text, scoped)
 
     async def _indexed_owner(self, node_id: str) -> str | None:
         assert self._index is not None

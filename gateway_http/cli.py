@@ -404,6 +404,7 @@ async def _up(env: Mapping[str, str]) -> None:
     env = dict(env)
     if not env.get("ARONA_JWT_SECRET"):
         env["ARONA_JWT_SECRET"] = dev["jwt_secret"]
+    await _check_scope_mode(Settings.from_env(env))
     async with contextlib.AsyncExitStack() as stack:
         store_url: str | None = None
         if not env.get("ARONA_MEMORY_URL", "").strip():
@@ -425,10 +426,27 @@ async def _up(env: Mapping[str, str]) -> None:
         await run_parts(settings, on_ready=ready)
 
 
+async def _check_scope_mode(settings: Settings) -> None:
+    """Shared mode over a data directory of per-user memories, refused before anything starts
+    (the gRPC service checks again, and checks a PostgreSQL index, before it listens)."""
+    from arona_grpc.episodes import SqliteEpisodeIndex
+    from arona_grpc.service import check_scope_mode
+
+    if settings.database_url or settings.user_scoped:
+        return
+    index = SqliteEpisodeIndex(settings.data_dir)
+    try:
+        await check_scope_mode(settings, index)
+    finally:
+        await index.aclose()
+
+
 def _serve_workers(env: Mapping[str, str], workers: int, *, grpc_part: bool) -> int:
     from gateway_http.workers import run_workers
 
     settings = Settings.from_env(env)
+    if grpc_part:
+        _run(_check_scope_mode(settings))  # one line, before any child starts
     listener = _listen(settings.http_host, settings.http_port)
     try:
         return run_workers(settings, env, workers, listener, grpc_part=grpc_part)

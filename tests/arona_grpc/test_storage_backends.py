@@ -25,7 +25,8 @@ from arona_grpc.outbox import (
     entry_bytes,
     open_outbox,
 )
-from arona_grpc.service import MemoryDomain, MemoryUnavailable
+from arona_grpc.redact import redact_url
+from arona_grpc.service import MemoryDomain, MemoryUnavailable, ScopeModeRefused
 from tests.support.fake_philia import STORE, FakePhilia, Step
 
 pytestmark = pytest.mark.asyncio
@@ -271,3 +272,51 @@ async def test_a_shared_index_says_written_only_once_its_entry_is_committed(
         await blocker.close()
         await index.aclose()
         await pool.close()
+
+
+async def test_shared_mode_refuses_an_index_that_holds_one_users_episodes(
+    tmp_path: Path, backend: str | None, pool: Any, fake: FakePhilia
+) -> None:
+    shared = settings_for(fake, tmp_path, backend)
+    per_user = dataclasses.replace(shared, memory_scope="user")
+    # Shared mode indexes a caller's own episodes too: those are no reason to refuse.
+    domain = MemoryDomain(shared, pool=pool)
+    await domain.writeback("I like oolong", "noted", "alice")
+    await domain.check_scope_mode()
+    await domain.aclose()
+    domain = MemoryDomain(per_user, pool=pool)
+    await domain.writeback("My locker code is 4417", "noted", "alice")
+    await domain.check_scope_mode()
+    await domain.aclose()
+    domain = MemoryDomain(shared, pool=pool)
+    try:
+        with pytest.raises(ScopeModeRefused) as refused:
+            await domain.check_scope_mode()
+    finally:
+        await domain.aclose()
+    where = (
+        f"{tmp_path / 'episodes.db'}"
+        if backend is None
+        else f"the episode index in {redact_url(backend)}"
+    )
+    assert str(refused.value) == (
+        f"{where} holds per-user memories (stored with ARONA_MEMORY_SCOPE=user), which shared "
+        "mode would show to every caller: set ARONA_MEMORY_SCOPE=user (or, to start a new "
+        f"shared memory, use {'another ARONA_DATA_DIR' if backend is None else 'another database'})"
+    )
+    # Once its owner forgot it, the index holds nothing of one user alone.
+    domain = MemoryDomain(per_user, pool=pool)
+    assert await domain.forget("alice") == 2
+    await domain.aclose()
+    domain = MemoryDomain(shared, pool=pool)
+    await domain.check_scope_mode()
+    await domain.aclose()
+
+
+async def test_a_fresh_data_directory_gets_no_index_file_from_the_check(
+    tmp_path: Path, fake: FakePhilia
+) -> None:
+    domain = MemoryDomain(settings_for(fake, tmp_path, None), pool=None)
+    await domain.check_scope_mode()
+    await domain.aclose()
+    assert not (tmp_path / "episodes.db").exists()

@@ -907,6 +907,9 @@ class MemoryDomain:
                 return
             if not entries:
                 return
+            entries = await self._not_stored_yet(entries)
+            if not entries:
+                continue
             permit = self._breaker.admit()
             if permit is None:
                 await self._release(*(entry.seq for entry in entries))
@@ -979,9 +982,28 @@ class MemoryDomain:
             await self._settle_stored(stored)
         return failed[0][1] if failed else None
 
-    async def _settle_stored(self, stored: list[tuple[OutboxEntry, str]]) -> None:
+    async def _not_stored_yet(self, entries: list[OutboxEntry]) -> list[OutboxEntry]:
+        """``entries`` but those stored meanwhile: their callers sent them again (a journal,
+        an import) and the service stored them, having checked for them here just before a
+        replay removed the rows it found. Those leave the outbox without a second store."""
+        fresh: list[OutboxEntry] = []
+        known: list[tuple[OutboxEntry, str]] = []
+        for entry in entries:
+            node_id = self._stored_ids.get(entry.episode_id) if entry.episode_id else None
+            if node_id is None:
+                fresh.append(entry)
+            else:
+                known.append((entry, node_id))
+        if known:
+            await self._settle_stored(known, replayed=False)
+        return fresh
+
+    async def _settle_stored(
+        self, stored: list[tuple[OutboxEntry, str]], *, replayed: bool = True
+    ) -> None:
         """Replayed episodes Philia stored: out of the outbox in one transaction, indexed,
-        and their waiting writebacks answered."""
+        and their waiting writebacks answered (not ``replayed``: stored by a writeback
+        already, indexed then)."""
         assert self._outbox is not None
         for entry, node_id in stored:
             # Known before the row goes: the same episode sent again meanwhile is this one.
@@ -993,12 +1015,14 @@ class MemoryDomain:
             logger.warning(
                 "%d replayed episode(s) stay in the outbox: %s", len(stored), self._safe(str(exc))
             )
-        if self.metrics is not None:
+        if self.metrics is not None and replayed:
             self.metrics.outbox_replayed(len(stored))
         for entry, node_id in stored:
-            self._stored(
-                _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id), node_id
-            )
+            if replayed:
+                self._stored(
+                    _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id),
+                    node_id,
+                )
             self._replayed[entry.seq] = node_id
             if len(self._replayed) > _REPLAYED_MEMORY:
                 self._replayed.popitem(last=False)

@@ -306,6 +306,31 @@ async def test_an_episode_sent_again_during_an_outage_is_queued_once(
         await domain.aclose(grace_s=0.1)
 
 
+async def test_an_episode_stored_when_sent_again_is_not_replayed_a_second_time(
+    fake: FakePhilia, on: Backend
+) -> None:
+    # Left in the outbox by an earlier run...
+    earlier = on.outbox()
+    await earlier.put("User: again\nAssistant: ok", "episode", "", "ep-1")
+    await earlier.aclose()
+    domain = MemoryDomain(settings_for(fake, on), pool=on.pool)
+    try:
+        # ...and sent again by its caller (a journal, an import) before the outbox is read.
+        first = await domain.writeback("again", "ok", episode_id="ep-1")
+        assert first.stored
+        await domain.start()
+        # Queued behind the replay, which finds "again" stored already: its row goes.
+        after = await domain.writeback("next", "ok", episode_id="ep-2")
+        assert after.stored
+        assert [s["text"] for s in fake.stored] == [
+            "User: again\nAssistant: ok",
+            "User: next\nAssistant: ok",
+        ]
+        assert domain.status().outbox_depth == 0
+    finally:
+        await domain.aclose(grace_s=0.1)
+
+
 class Clock:
     """A monotonic clock a test moves forward (past the breaker's cooldown)."""
 

@@ -46,20 +46,25 @@ class Service:
     grpc: GrpcServer
 
 
+async def start_service(memory_url: str, data_dir: Path, scope: str = "shared") -> GrpcServer:
+    """The gRPC service (port 0) in front of the Philia at ``memory_url``."""
+    return await GrpcServer.start(
+        Settings(
+            memory_url=memory_url,
+            memory_token=TOKEN,
+            memory_timeout_s=5.0,
+            grpc_port=0,
+            memory_scope=scope,
+            data_dir=data_dir,
+        )
+    )
+
+
 @pytest_asyncio.fixture
 async def service(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Service]:
     scope = getattr(request, "param", "shared")
     async with FakePhilia(token=TOKEN) as philia:
-        server = await GrpcServer.start(
-            Settings(
-                memory_url=philia.url,
-                memory_token=TOKEN,
-                memory_timeout_s=5.0,
-                grpc_port=0,
-                memory_scope=scope,
-                data_dir=tmp_path / "service",
-            )
-        )
+        server = await start_service(philia.url, tmp_path / "service", scope)
         try:
             yield Service(philia, server)
         finally:
@@ -413,15 +418,7 @@ async def test_an_import_into_the_embedded_store_keeps_each_turns_time(tmp_path:
     store = await StoreServer.start(
         db_path=tmp_path / "memory.db", token=TOKEN, host="127.0.0.1", port=0
     )
-    server = await GrpcServer.start(
-        Settings(
-            memory_url=store.url,
-            memory_token=TOKEN,
-            memory_timeout_s=5.0,
-            grpc_port=0,
-            data_dir=tmp_path / "service",
-        )
-    )
+    server = await start_service(store.url, tmp_path / "service")
     try:
         history = write_lines(
             tmp_path / "history.jsonl",

@@ -1,13 +1,14 @@
 """The in-memory copy of the stored node vectors that a ``hybrid`` recall searches.
 
 Vectors live in the store's SQLite file (table ``vectors``: an AUTOINCREMENT ``vid``, the node
-id, the vector as float16, 768 bytes); :class:`VectorIndex` holds them as they are stored, one
-float16 matrix, and a search is brute force (exact, and nothing to keep balanced). Up to
+id, the vector as float16, 768 bytes); :class:`VectorIndex` holds them as one float32 matrix
+(converting the rows a search reads from float16 cost 0.35-0.45 ms per recall), and a search
+is brute force (exact, and nothing to keep balanced). Up to
 :data:`REDUCE_FROM` vectors it computes every cosine. Beyond, reading every full vector would
 cost about 9 ms at 100,000 nodes on one core, so the index also keeps each vector's projection
 on the :data:`REDUCED_DIMS` principal directions of the stored vectors (float32, 512 bytes): a
 search ranks those projections first (about 2 ms at 100,000) and computes the exact cosine of
-the best few hundred only. Memory: 1.3 KB a node (128 MB at 100,000).
+the best few hundred only. Memory: 2 KB a node (205 MB at 100,000).
 
 The index follows the database by ``vid``: before each recall it reads the vectors added since
 (in the recall's own snapshot, a few microseconds when there are none), so vectors written by
@@ -65,14 +66,14 @@ def cosines_of(query: Vector, blobs: list[bytes]) -> list[float]:
 
 
 class VectorIndex:
-    """Every stored vector (float16, as stored) with its ``vid`` and node type, and, once there
+    """Every stored vector (float32) with its ``vid`` and node type, and, once there
     are :data:`REDUCE_FROM` of them, their projection on the :data:`REDUCED_DIMS` principal
     directions (float32) for a first, cheap pass (module docstring)."""
 
     def __init__(self, dimension: int) -> None:
         _single_threaded_blas()
         self.dimension = dimension
-        self._full = np.zeros((_INITIAL_CAPACITY, dimension), dtype=np.float16)
+        self._full = np.zeros((_INITIAL_CAPACITY, dimension), dtype=np.float32)
         self._vids = np.zeros(_INITIAL_CAPACITY, dtype=np.int64)
         self._types = np.zeros(_INITIAL_CAPACITY, dtype=np.int32)
         self._type_codes: dict[str, int] = {}
@@ -95,7 +96,9 @@ class VectorIndex:
         start, end = self._size, self._size + len(rows)
         self._grow(end)
         blobs = b"".join(row[2] for row in rows)
-        block = np.frombuffer(blobs, dtype="<f2").reshape(len(rows), self.dimension)
+        block = (
+            np.frombuffer(blobs, dtype="<f2").reshape(len(rows), self.dimension).astype(np.float32)
+        )
         self._full[start:end] = block
         self._vids[start:end] = [row[0] for row in rows]
         self._types[start:end] = [self._code(row[1]) for row in rows]
@@ -104,7 +107,7 @@ class VectorIndex:
         if end >= REDUCE_FROM and end >= 2 * self._fitted_at:
             self._fit()
         elif self._basis is not None:
-            self._reduced[start:end] = block.astype(np.float32) @ self._basis
+            self._reduced[start:end] = block @ self._basis
         return len(rows)
 
     def top(self, query: Vector, k: int, node_type: str | None = None) -> list[tuple[float, int]]:
@@ -120,7 +123,7 @@ class VectorIndex:
             mask = self._types[: self._size] == code
         if self._basis is None:
             rows = np.arange(self._size)
-            scores = self._full[: self._size].astype(np.float32) @ query
+            scores = self._full[: self._size] @ query
         else:
             # First pass on the projections, then the exact cosine of the best few.
             coarse = self._reduced[: self._size] @ (query @ self._basis)
@@ -135,7 +138,7 @@ class VectorIndex:
             if mask is not None:
                 rows = rows[np.isfinite(coarse[rows])]
             mask = None
-            scores = self._full[rows].astype(np.float32) @ query
+            scores = self._full[rows] @ query
         if mask is not None:
             keep = mask[rows]
             rows, scores = rows[keep], scores[keep]
@@ -150,14 +153,14 @@ class VectorIndex:
         """Fit the projection on (a sample of) the rows and project them all."""
         rows = self._full[: self._size]
         step = max(1, self._size // FIT_SAMPLE)
-        sample = rows[::step].astype(np.float32)
+        sample = rows[::step]
         _, _, directions = np.linalg.svd(sample, full_matrices=False)
         basis = np.ascontiguousarray(directions[:REDUCED_DIMS].T, dtype=np.float32)
         capacity = len(self._vids)
         reduced = np.zeros((capacity, REDUCED_DIMS), dtype=np.float32)
         for begin in range(0, self._size, 16384):
             stop = min(self._size, begin + 16384)
-            reduced[begin:stop] = rows[begin:stop].astype(np.float32) @ basis
+            reduced[begin:stop] = rows[begin:stop] @ basis
         self._basis, self._reduced, self._fitted_at = basis, reduced, self._size
 
     def _code(self, node_type: str) -> int:
@@ -172,7 +175,7 @@ class VectorIndex:
             return
         while capacity < needed:
             capacity *= 2
-        full = np.zeros((capacity, self.dimension), dtype=np.float16)
+        full = np.zeros((capacity, self.dimension), dtype=np.float32)
         full[: self._size] = self._full[: self._size]
         vids = np.zeros(capacity, dtype=np.int64)
         vids[: self._size] = self._vids[: self._size]

@@ -163,8 +163,8 @@ def measure(db_path: Path, ranking: Ranking, calls: int = CALLS) -> RecallRow:
     finally:
         store.close()
     ordered = sorted(latencies)
-    # As stored (float16) plus the 128-dimension float32 projections.
-    vectors_mb = nodes * (384 * 2 + 128 * 4) / 1e6 if ranking == "hybrid" else 0.0
+    # The vectors (float32) plus their 128-dimension float32 projections.
+    vectors_mb = nodes * (384 * 4 + 128 * 4) / 1e6 if ranking == "hybrid" else 0.0
     return RecallRow(
         nodes=nodes,
         ranking=ranking,

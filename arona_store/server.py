@@ -27,10 +27,12 @@ memory is dated now; malformed or out of range, the store is refused as invalid 
 With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop:
 each batch of stores is embedded on an embedding thread before its transaction (the store is
 answered once node and vector are committed; the gateway writes back after answering, so no
-chat turn waits for it), a recall (embedding the query, a few milliseconds, and a search of
-the vectors) runs on one of :data:`RECALL_THREADS` recall threads, and nodes stored without a
-vector (by the lexical ranking, or an older version) are embedded in the background on the
-embedding thread from start-up on, newest first, while recalls use the vectors already there.
+chat turn waits for it; a store identical to a stored node that has a vector is not embedded
+again), a recall (embedding the query, a few milliseconds, and a search of the vectors) runs
+on one of :data:`RECALL_THREADS` recall threads, answered whenever done so that a
+connection's recalls run side by side, and nodes stored without a vector (by the lexical
+ranking, or an older version) are embedded in the background on the embedding thread from
+start-up on, newest first, while recalls use the vectors already there.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ class FailureLog:
     ``every_s`` has passed since the last warning (saying how many were left out),
     and debug records in between. The first success after a warning is logged at
     info level with the failures left out since it. A success costs one attribute
-    read when nothing failed.
+    read when nothing failed. ``level`` is the level of what is said instead of a
+    warning, for events that are the callers' doing, not a fault (INFO).
     """
 
     def __init__(
@@ -33,8 +34,11 @@ class FailureLog:
         what: str,
         every_s: float = FAILURE_LOG_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        level: int = logging.WARNING,
     ) -> None:
         self._log = log
+        self._level = level
         self._what = what
         self._every_s = every_s
         self._clock = clock
@@ -49,11 +53,15 @@ class FailureLog:
             self._log.debug("%s", message)
             return
         if self._left_out:
-            self._log.warning(
-                "%s (%d more like it since the last warning)", message, self._left_out
+            self._log.log(
+                self._level,
+                "%s (%d more like it since the last %s)",
+                message,
+                self._left_out,
+                "warning" if self._level == logging.WARNING else "line",
             )
         else:
-            self._log.warning("%s", message)
+            self._log.log(self._level, "%s", message)
         self._left_out = 0
         self._next_warning_at = now + self._every_s
         self._warned = True

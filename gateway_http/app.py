@@ -32,6 +32,7 @@ from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
+from gateway_http.bodies import DisconnectLog
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import (
@@ -273,6 +274,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
     app.include_router(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)

@@ -66,3 +66,19 @@ def test_failures_after_a_recovery_wait_for_the_period_then_are_counted() -> Non
         ("INFO", "Thing/Call answers again"),
         ("WARNING", "down again (3 more like it since the last warning)"),
     ]
+
+
+def test_a_callers_doing_is_said_at_its_own_level_as_rarely() -> None:
+    clock = Clock()
+    log = FailureLog(
+        logging.getLogger("test.failure_log"), "clients", 10.0, clock, level=logging.INFO
+    )
+    with watching("test.failure_log") as seen:
+        for _ in range(3):
+            log.failed("a client went away")
+        clock.now += 10.0
+        log.failed("a client went away")
+    assert levels_and_messages(seen.at_least(logging.INFO)) == [
+        ("INFO", "a client went away"),
+        ("INFO", "a client went away (2 more like it since the last line)"),
+    ]

@@ -1,0 +1,128 @@
+"""``arona-gateway serve`` as a real process, with every line it logs, for the fault tests
+whose point is what an operator reads in the log.
+
+:func:`served` starts the command on ``127.0.0.1`` port 0, waits until it serves, and keeps
+reading its stderr into :attr:`Served.log` as it comes; :meth:`Served.wait_for` awaits a
+line (no sleeping), and on the way out the process gets SIGTERM and the rest of its log is
+read. :func:`run` runs a command that is expected to stop by itself (a refused start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMMAND = str(Path(sys.executable).parent / "arona-gateway")
+# "2026-12-02 04:56:03,614 INFO gateway_http.bodies [request id]: message"
+_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+)")
+
+
+def gateway_env(data_dir: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment without any ARONA_ variable, then the data directory, ports 0 and
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(ARONA_DATA_DIR=str(data_dir), ARONA_HTTP_PORT="0", ARONA_GRPC_PORT="0")
+    env.update(extra or {})
+    return env
+
+
+def level_of(line: str) -> str | None:
+    """The level of a log line (``INFO``, ``WARNING``…), None for a line that is not one."""
+    found = _LINE.match(line)
+    return found.group("level") if found else None
+
+
+@dataclass
+class Served:
+    process: asyncio.subprocess.Process
+    url: str
+    log: list[str] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _reader: asyncio.Task[None] | None = None
+
+    def matching(self, text: str) -> list[str]:
+        return [line for line in self.log if text in line]
+
+    async def wait_for(self, text: str, count: int = 1, timeout_s: float = 30.0) -> list[str]:
+        """The lines holding ``text``, once there are ``count`` of them."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.matching(text)) < count:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.matching(text)
+
+    async def _read(self) -> None:
+        assert self.process.stderr is not None
+        async for raw in self.process.stderr:
+            self.log.append(raw.decode().rstrip("\n"))
+            self._changed.set()
+
+
+@contextlib.asynccontextmanager
+async def served(
+    data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
+) -> AsyncIterator[Served]:
+    """``arona-gateway serve ARGV`` until the block ends (then SIGTERM, and its whole log).
+
+    ``user`` runs it as that system user (``setpriv``, as root), the way a service account
+    runs it, so that file permissions apply to it.
+    """
+    command = [COMMAND, "serve", *argv]
+    if user is not None:
+        command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        env=gateway_env(data_dir, env),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    log: list[str] = []
+    url = ""
+    try:
+        while not url:
+            raw = await asyncio.wait_for(process.stderr.readline(), 60)
+            assert raw, "the gateway stopped before it served:\n" + "\n".join(log)
+            log.append(raw.decode().rstrip("\n"))
+            found = re.search(r"serving on (http://[\d.:]+)", log[-1])
+            url = found.group(1) if found else ""
+        gateway = Served(process, url, log)
+        gateway._reader = asyncio.create_task(gateway._read())
+        await gateway.wait_for("Application startup complete")
+        yield gateway
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), 60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert gateway._reader is not None
+    await asyncio.wait_for(gateway._reader, 30)
+
+
+async def run(
+    data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
+) -> tuple[int, str]:
+    """``arona-gateway ARGV`` to its end: the exit code and all it wrote to stderr."""
+    command = [COMMAND, *argv]
+    if user is not None:
+        command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        env=gateway_env(data_dir, env),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, err.decode()

@@ -47,6 +47,7 @@ from gateway_http.jsonrpc import Dispatcher, rpc_router
 from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
+from gateway_http.openapi import published
 from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
@@ -282,6 +283,14 @@ def create_app(
     app.include_router(console.router)
     if settings.metrics:
         _add_metrics_route(app, metrics, settings)
+
+    def openapi() -> dict[str, Any]:
+        # Built once, on the first request for it (gateway_http.openapi).
+        if app.openapi_schema is None:
+            app.openapi_schema = published(app, settings.rpc_max_batch)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

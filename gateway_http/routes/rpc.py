@@ -108,6 +108,22 @@ class NoParams(_Params):
     pass
 
 
+# Each method's params: what register_methods registers, and what /openapi.json publishes
+# (gateway_http.openapi).
+METHOD_PARAMS: dict[str, type[BaseModel]] = {
+    "chat.send": ChatSendParams,
+    "memory.status": StatusParams,
+    "memory.recall": RecallParams,
+    "memory.delete": DeleteParams,
+    "memory.list": ListParams,
+    "memory.forget": ForgetParams,
+    "conversations.create": CreateConversationParams,
+    "conversations.get": ConversationParams,
+    "conversations.list": NoParams,
+    "conversations.delete": ConversationParams,
+}
+
+
 def _translated(
     handler: Callable[[P, RpcContext], Awaitable[Any]],
 ) -> Callable[[P, RpcContext], Awaitable[Any]]:
@@ -291,17 +307,18 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
     def chat_send_refused(websocket: bool) -> None:
         gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
 
-    dispatcher.register("chat.send", _translated(chat_send), ChatSendParams, chat_send_refused)
-    dispatcher.register("memory.status", _translated(memory_status), StatusParams)
-    dispatcher.register("memory.recall", _translated(memory_recall), RecallParams)
-    dispatcher.register("memory.delete", _translated(memory_delete), DeleteParams)
-    dispatcher.register("memory.list", _translated(memory_list), ListParams)
-    dispatcher.register("memory.forget", _translated(memory_forget), ForgetParams)
-    dispatcher.register(
-        "conversations.create", _translated(conversations_create), CreateConversationParams
-    )
-    dispatcher.register("conversations.get", _translated(conversations_get), ConversationParams)
-    dispatcher.register("conversations.list", _translated(conversations_list), NoParams)
-    dispatcher.register(
-        "conversations.delete", _translated(conversations_delete), ConversationParams
-    )
+    handlers: dict[str, Callable[[Any, RpcContext], Awaitable[Any]]] = {
+        "chat.send": chat_send,
+        "memory.status": memory_status,
+        "memory.recall": memory_recall,
+        "memory.delete": memory_delete,
+        "memory.list": memory_list,
+        "memory.forget": memory_forget,
+        "conversations.create": conversations_create,
+        "conversations.get": conversations_get,
+        "conversations.list": conversations_list,
+        "conversations.delete": conversations_delete,
+    }
+    refused = {"chat.send": chat_send_refused}
+    for name, params in METHOD_PARAMS.items():
+        dispatcher.register(name, _translated(handlers[name]), params, refused.get(name))

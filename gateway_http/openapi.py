@@ -1,0 +1,294 @@
+"""The published API description, ``/openapi.json``: every route's request and answers.
+
+FastAPI describes a route from its signature; the gateway's routes read their bodies raw (the
+chat route is served without FastAPI's layers at all), so their bodies and answers are
+described here, from the models that validate them: :class:`ChatCompletionRequest` for
+``POST /v1/chat/completions`` and each JSON-RPC method's params model
+(:data:`~gateway_http.routes.rpc.METHOD_PARAMS`) for ``POST /api/rpc``. Every status a route
+answers is listed with its body, the errors in OpenAI's shape, so a client (or an API fuzzer,
+``tests/e2e/test_openapi.py``) can hold the gateway to it. The edge's refusals (408, 431,
+gateway_http.edge) can answer any request and are listed on every operation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from gateway_http.chat_request import ChatCompletionRequest
+from gateway_http.errors import TABLE, ErrorKind
+from gateway_http.routes.rpc import METHOD_PARAMS
+
+_REF = "#/components/schemas/{model}"
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
+
+_WHY = {
+    ErrorKind.BAD_INPUT: "Malformed JSON or an invalid field (the message names it)",
+    ErrorKind.AUTH: "Missing or invalid API key (when ARONA_API_KEYS is set)",
+    ErrorKind.FORBIDDEN: "The conversation belongs to another caller",
+    ErrorKind.NOT_FOUND: "No such conversation",
+    ErrorKind.TOO_LARGE: "The body is over ARONA_HTTP_MAX_BODY_BYTES",
+    ErrorKind.UNSUPPORTED_MEDIA: "The body is not sent as Content-Type: application/json",
+    ErrorKind.UPSTREAM: "The upstream model failed or could not be reached",
+    ErrorKind.UNAVAILABLE: "The conversation database is unavailable",
+    ErrorKind.REQUEST_TIMEOUT: "The request's head or body did not arrive in time",
+    ErrorKind.HEADERS_TOO_LARGE: "The header block is over ARONA_HTTP_MAX_HEADER_BYTES",
+}
+# What the edge may answer to any request.
+_EDGE = (ErrorKind.REQUEST_TIMEOUT, ErrorKind.HEADERS_TOO_LARGE)
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*kinds: ErrorKind) -> dict[str, Any]:
+    return {
+        str(TABLE[kind].http_status): _json({"$ref": _REF.format(model="Error")}, _WHY[kind])
+        for kind in (*kinds, *_EDGE)
+    }
+
+
+def _object(required: list[str], **properties: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+_STRING = {"type": "string"}
+_TIME = {"type": "string", "format": "date-time"}
+_CONVERSATION = _object(
+    ["id", "object", "title", "created_at", "updated_at"],
+    id=_STRING,
+    object={"const": "conversation"},
+    title={"type": ["string", "null"]},
+    created_at=_TIME,
+    updated_at=_TIME,
+)
+_MEMORY_HEADER = {
+    "X-Arona-Memory": {
+        "description": "What memory did for the turn",
+        "required": True,
+        "schema": {"enum": ["enabled", "disabled", "offline"]},
+    }
+}
+_CHAT_ANSWER = {
+    "description": "A chat.completion, or with stream: true its chunks as server-sent events",
+    "headers": _MEMORY_HEADER,
+    "content": {
+        "application/json": {
+            "schema": _object(
+                ["id", "object", "choices"],
+                id=_STRING,
+                object={"const": "chat.completion"},
+                choices={"type": "array"},
+            )
+        },
+        # OpenAPI 3.1: the schema of one event; its data is a chat.completion.chunk as JSON,
+        # then [DONE].
+        "text/event-stream": {"schema": _object(["data"], data=_STRING)},
+    },
+}
+
+_RPC_ID = {"type": ["string", "integer", "null"]}
+_RPC_RESPONSE = _object(
+    ["jsonrpc", "id"],
+    jsonrpc={"const": "2.0"},
+    id=_RPC_ID,
+    result={},
+    error=_object(["code", "message"], code={"type": "integer"}, message=_STRING, data={}),
+)
+
+
+def _rpc_request(method: str, params: type[BaseModel]) -> dict[str, Any]:
+    return _object(
+        ["jsonrpc", "method"],
+        jsonrpc={"const": "2.0"},
+        method={"const": method},
+        params={"$ref": _REF.format(model=params.__name__)},
+        id=_RPC_ID,
+    )
+
+
+def _schemas_of(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema and those it refers to, by name, for ``components``."""
+    schema = model.model_json_schema(ref_template=_REF)
+    found: dict[str, Any] = schema.pop("$defs", {})
+    found[model.__name__] = schema
+    for each in found.values():
+        each.pop("description", None)  # the class docstring, written for this code's readers
+    return found
+
+
+def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
+    """What this module says of each operation, on top of what FastAPI found."""
+    one_call = {"anyOf": [_rpc_request(m, p) for m, p in METHOD_PARAMS.items()]}
+    batch = {"type": "array", "items": one_call, "minItems": 1, "maxItems": max_batch}
+    conversation_errors = (ErrorKind.AUTH, ErrorKind.FORBIDDEN, ErrorKind.NOT_FOUND)
+    return {
+        ("post", "/v1/chat/completions"): {
+            "summary": "Chat completion with long-term memory (OpenAI-compatible)",
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": _REF.format(model="ChatCompletionRequest")}
+                    }
+                },
+            },
+            "responses": {
+                "200": _CHAT_ANSWER,
+                **_errors(
+                    ErrorKind.BAD_INPUT,
+                    *conversation_errors,
+                    ErrorKind.TOO_LARGE,
+                    ErrorKind.UNSUPPORTED_MEDIA,
+                    ErrorKind.UPSTREAM,
+                    ErrorKind.UNAVAILABLE,
+                ),
+            },
+        },
+        ("get", "/v1/models"): {
+            "responses": {
+                "200": _json(
+                    _object(["object", "data"], object={"const": "list"}, data={"type": "array"}),
+                    "The upstream's models (or echo)",
+                ),
+                **_errors(ErrorKind.AUTH, ErrorKind.UPSTREAM),
+            }
+        },
+        ("get", "/healthz"): {
+            "responses": {"200": _json(_object(["status"], status=_STRING), "The process is up")}
+        },
+        ("get", "/readyz"): {
+            "responses": {
+                "200": _json(_object(["status"], status=_STRING), "MemoryService answers"),
+                "503": _json(
+                    _object(["status", "reason"], status=_STRING, reason=_STRING),
+                    "MemoryService does not answer",
+                ),
+                **_errors(),
+            }
+        },
+        ("get", "/v1/conversations"): {
+            "responses": {
+                "200": _json(
+                    _object(
+                        ["object", "data"],
+                        object={"const": "list"},
+                        data={"type": "array", "items": _CONVERSATION},
+                    ),
+                    "The caller's conversations",
+                ),
+                **_errors(ErrorKind.AUTH, ErrorKind.UNAVAILABLE),
+            }
+        },
+        ("post", "/v1/conversations"): {
+            "requestBody": {
+                "required": False,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"title": {"type": ["string", "null"]}},
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": _json(_CONVERSATION, "The new conversation"),
+                **_errors(
+                    ErrorKind.BAD_INPUT,
+                    ErrorKind.AUTH,
+                    ErrorKind.TOO_LARGE,
+                    ErrorKind.UNSUPPORTED_MEDIA,
+                    ErrorKind.UNAVAILABLE,
+                ),
+            },
+        },
+        ("get", "/v1/conversations/{conversation_id}"): {
+            "responses": {
+                "200": _json(
+                    {
+                        **_CONVERSATION,
+                        "required": [*_CONVERSATION["required"], "messages"],
+                        "properties": {
+                            **_CONVERSATION["properties"],
+                            "messages": {"type": "array"},
+                        },
+                    },
+                    "The conversation and its messages",
+                ),
+                **_errors(*conversation_errors, ErrorKind.UNAVAILABLE),
+            }
+        },
+        ("delete", "/v1/conversations/{conversation_id}"): {
+            "responses": {
+                "200": _json(
+                    _object(
+                        ["id", "object", "deleted"],
+                        id=_STRING,
+                        object={"const": "conversation.deleted"},
+                        deleted={"const": True},
+                    ),
+                    "Deleted",
+                ),
+                **_errors(*conversation_errors, ErrorKind.UNAVAILABLE),
+            }
+        },
+        ("post", "/api/rpc"): {
+            "summary": "JSON-RPC 2.0: one call or a batch (Authorization: Bearer <JWT or key>)",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"anyOf": [one_call, batch]}}},
+            },
+            "responses": {
+                "200": _json(
+                    {"anyOf": [_RPC_RESPONSE, {"type": "array", "items": _RPC_RESPONSE}]},
+                    "The answer (errors too, as JSON-RPC error objects)",
+                ),
+                "204": {"description": "Only notifications: nothing to answer"},
+                "413": _json(_RPC_RESPONSE, "The body is over ARONA_HTTP_MAX_BODY_BYTES"),
+                **_errors(),
+            },
+        },
+    }
+
+
+def published(app: FastAPI, max_batch: int) -> dict[str, Any]:
+    """The OpenAPI document of ``app``: FastAPI's, with each operation's body and answers."""
+    spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    # Path parameters are plain strings: FastAPI's 422 for them never happens.
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["Error"] = ERROR_SCHEMA
+    models: list[type[BaseModel]] = [ChatCompletionRequest, *METHOD_PARAMS.values()]
+    for model in models:
+        schemas.update(_schemas_of(model))
+    for (method, path), described in _operations(max_batch).items():
+        spec["paths"][path][method].update(described)
+    edge = _errors()
+    for operations in spec["paths"].values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, answer in edge.items():
+                responses.setdefault(status, answer)
+    return spec

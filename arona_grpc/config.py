@@ -77,6 +77,9 @@ class Settings:
     memory_scope: str = SCOPE_SHARED
     upstream_url: str | None = None
     upstream_api_key: str | None = field(default=None, repr=False)
+    # The backends file (ARONA_BACKENDS): named upstreams and the models each serves, read and
+    # checked by the HTTP layer's entry point; None = the one upstream_url (or echo).
+    backends_file: Path | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     grpc_host: str = "127.0.0.1"
@@ -165,6 +168,12 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Build settings from an environment mapping (normally ``os.environ``)."""
+        backends_file = _path(env, "ARONA_BACKENDS")
+        if backends_file is not None and _str(env, "ARONA_UPSTREAM_URL") is not None:
+            raise ConfigError(
+                "ARONA_BACKENDS and ARONA_UPSTREAM_URL are both set: the backends file names "
+                "every upstream, so unset ARONA_UPSTREAM_URL (and ARONA_UPSTREAM_API_KEY)"
+            )
         return cls(
             memory_url=_str(env, "ARONA_MEMORY_URL"),
             memory_token=_str(env, "ARONA_MEMORY_TOKEN"),
@@ -183,6 +192,7 @@ class Settings:
             memory_scope=_memory_scope(env),
             upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
             upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),
+            backends_file=backends_file,
             http_host=_str(env, "ARONA_HTTP_HOST") or "127.0.0.1",
             http_port=_port(env, "ARONA_HTTP_PORT", 8080),
             grpc_host=_str(env, "ARONA_GRPC_HOST") or "127.0.0.1",

@@ -53,7 +53,8 @@ from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
 from gateway_http.upstream.backend import ChatBackend
-from gateway_http.upstream.routing import build_backend
+from gateway_http.upstream.backends_file import BackendsFile
+from gateway_http.upstream.routing import Router, build_router
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +187,20 @@ def create_app(
     *,
     pool: Any | None = None,
     worker: int = 0,
+    backends: BackendsFile | None = None,
 ) -> FastAPI:
     """The app; with ``ARONA_DATABASE_URL`` its conversations use ``pool``, or a pool the
     lifespan opens (and closes). ``metrics_collectors`` are shown on its ``/metrics`` beside
-    its own (the gRPC service's, when it runs in the same process)."""
+    its own (the gRPC service's, when it runs in the same process). ``backends`` is the
+    checked backends file (``ARONA_BACKENDS``, read by the entry point); without it (and
+    without a ``backend`` given) the one ``ARONA_UPSTREAM_URL``, or ``echo``, answers."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
-    owns_backend = backend is None
-    chat_backend = backend or build_backend(settings.upstream_url, settings.upstream_api_key)
+    router = (
+        Router.single(backend, owns_backend=False)
+        if backend is not None
+        else build_router(settings.upstream_url, settings.upstream_api_key, backends)
+    )
     metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
     # Likewise an unreadable ARONA_GRPC_TLS_CA (read here to fail early, and again by the
     # lifespan when it opens the channel).
@@ -231,7 +238,7 @@ def create_app(
         )
         pipeline = TurnPipeline(
             memory,
-            chat_backend,
+            router,
             conversations,
             user_scoped=settings.user_scoped,
             journal=journal,
@@ -248,7 +255,7 @@ def create_app(
         verifier = JwtVerifier(settings.jwt_secret)
         dispatcher = Dispatcher(RpcAuth(verifier, api_keys), settings.rpc_max_batch)
         rest_auth = RestAuth(api_keys, verifier)
-        gw = Gateway(settings, memory, chat_backend, conversations, pipeline, rest_auth, dispatcher)
+        gw = Gateway(settings, memory, router, conversations, pipeline, rest_auth, dispatcher)
         register_methods(dispatcher, gw)
         app.state.gateway = gw
         # Episodes a previous run answered but could not hand over.
@@ -259,8 +266,7 @@ def create_app(
             await pipeline.drain(WRITEBACK_GRACE_S)
             if journal is not None:
                 journal.close()
-            if owns_backend:
-                await chat_backend.aclose()
+            await router.aclose()
             await conversations.aclose()
             if db_pool is not None and pool is None:
                 await db_pool.close()

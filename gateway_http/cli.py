@@ -34,13 +34,16 @@ from collections.abc import (
 )
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.redact import redact_url
 from arona_store.ranking import Ranking, RankingError, ranking_from_env
+
+if TYPE_CHECKING:
+    from gateway_http.upstream.backends_file import BackendsFile
 
 logger = logging.getLogger("arona_gateway")
 
@@ -98,10 +101,21 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
-def _configure_logging(settings: Settings) -> None:
+def _configure_logging(settings: Settings, backends: BackendsFile | None = None) -> None:
     from arona_grpc.logs import configure_logging
 
-    configure_logging(settings.log_level, settings.log_format, settings.secret_values)
+    masked = settings.secret_values + (backends.secret_values if backends is not None else ())
+    configure_logging(settings.log_level, settings.log_format, masked)
+
+
+def load_backends_file(settings: Settings, env: Mapping[str, str]) -> BackendsFile | None:
+    """The checked backends file of ``ARONA_BACKENDS`` (its keys read from ``env``), or None
+    when it is unset; a file with mistakes raises ``BackendsFileError``, one line each."""
+    if settings.backends_file is None:
+        return None
+    from gateway_http.upstream.backends_file import load_backends
+
+    return load_backends(settings.backends_file, env)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -171,9 +185,11 @@ async def run_parts(
     listen_fd: int | None = None,
     worker: int = 0,
     supervised: bool = False,
+    backends: BackendsFile | None = None,
 ) -> None:
     """Run the gRPC service and/or the HTTP gateway until ``stop`` or a signal.
 
+    ``backends`` is the checked backends file (``ARONA_BACKENDS``), if any.
     ``listen_fd`` is a listening socket handed down by ``serve --workers``; ``worker`` is
     this HTTP worker's number among them. ``supervised`` (the gRPC service of ``serve
     --workers``): no signal stops it, the end of its stdin does
@@ -231,7 +247,11 @@ async def run_parts(
             port = sock.getsockname()[1]
             config = uvicorn.Config(
                 create_app(
-                    settings, metrics_collectors=metrics_collectors, pool=pool, worker=worker
+                    settings,
+                    metrics_collectors=metrics_collectors,
+                    pool=pool,
+                    worker=worker,
+                    backends=backends,
                 ),
                 log_config=None,
                 # Access logs would print WebSocket URLs, which may carry a JWT.
@@ -316,7 +336,13 @@ _SCOPE_WORDS = {
 }
 
 
-def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: str | None) -> str:
+def _banner(
+    running: Running,
+    jwt_secret: str,
+    upstream_echo: bool,
+    store_url: str | None,
+    backends: BackendsFile | None = None,
+) -> str:
     """What ``up`` prints once it serves: its addresses, a JWT, and hints that work as
     printed in the mode it started in (run them from the directory ``up`` was started in)."""
     from gateway_http.auth import mint_token
@@ -328,8 +354,11 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
     token = mint_token(jwt_secret, "dev", UP_TOKEN_TTL_S, admin=admin)
     http = running.http_url or ""
     grpc_target = running.grpc_target or ""
+    # The chat hint asks for a model that is routed: echo, or the backends file's first one.
+    listed = backends.listed() if backends is not None else []
+    model = listed[0][0] if listed else "echo"
     body = json.dumps(
-        {"model": "echo", "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
+        {"model": model, "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
     )
     status = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "memory.status"})
     bearer = '-H "Authorization: Bearer $JWT" '
@@ -352,7 +381,10 @@ def _banner(running: Running, jwt_secret: str, upstream_echo: bool, store_url: s
         lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
     else:
         lines.append(f"  memory   {redact_url(settings.memory_url or '')}")
-    if upstream_echo:
+    if backends is not None:
+        names = ", ".join(spec.name for spec in backends.backends)
+        lines.append(f"  models   routed to {names}  ({backends.path}; ARONA_BACKENDS)")
+    elif upstream_echo:
         lines.append("  model    echo  (development default: replies show the recalled memories)")
     role = ", admin" if admin else ""
     lines += [
@@ -398,7 +430,7 @@ def _grpcurl_flags(settings: Settings) -> str:
     return flags
 
 
-async def _up(env: Mapping[str, str]) -> None:
+async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> None:
     data_dir = Path(env.get("ARONA_DATA_DIR", "").strip() or ".arona")
     dev = load_dev_secrets(data_dir)
     env = dict(env)
@@ -421,9 +453,10 @@ async def _up(env: Mapping[str, str]) -> None:
 
         def ready(running: Running) -> None:
             settle_gc()
-            print(_banner(running, secret, settings.upstream_url is None, store_url), flush=True)
+            echo = settings.upstream_url is None
+            print(_banner(running, secret, echo, store_url, backends), flush=True)
 
-        await run_parts(settings, on_ready=ready)
+        await run_parts(settings, on_ready=ready, backends=backends)
 
 
 async def _check_scope_mode(settings: Settings) -> None:
@@ -460,6 +493,7 @@ async def _serve(
     listen_fd: int | None = None,
     worker: int = 0,
     supervised: bool = False,
+    backends: BackendsFile | None = None,
 ) -> None:
     settings = Settings.from_env(env)
 
@@ -468,7 +502,16 @@ async def _serve(
         parts = [p for p in (running.http_url, running.grpc_target) if p]
         logger.info("serving on %s", ", ".join(parts))
         logger.info("memory scope: %s (ARONA_MEMORY_SCOPE)", settings.memory_scope)
-        if settings.upstream_url is None and only != "grpc":
+        if backends is not None:
+            names = [spec.name for spec in backends.backends]
+            logger.info(
+                "routing models to %d backend%s (%s) from %s (ARONA_BACKENDS)",
+                len(names),
+                "" if len(names) == 1 else "s",
+                ", ".join(names),
+                backends.path,
+            )
+        elif settings.upstream_url is None and only != "grpc":
             logger.info("no ARONA_UPSTREAM_URL: using the echo model (a development default)")
 
     await run_parts(
@@ -479,6 +522,7 @@ async def _serve(
         listen_fd=listen_fd,
         worker=worker,
         supervised=supervised,
+        backends=backends,
     )
 
 
@@ -695,8 +739,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefer_grpc_iomgr(env)
     try:
         settings = Settings.from_env(env)
-        _configure_logging(settings)
         only = getattr(args, "only", None)  # `serve --only`; `up` runs every part
+        # Read and checked before anything starts, by every process that serves HTTP.
+        backends = (
+            load_backends_file(settings, env)
+            if args.command == "up" or (args.command == "serve" and only != "grpc")
+            else None
+        )
+        _configure_logging(settings, backends)
         if args.command == "up" or (args.command == "serve" and only != "http"):
             # Before any part starts: a gRPC listener it would refuse (beyond loopback
             # without a token, unusable TLS files) is one line, nothing started and stopped.
@@ -734,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "migrate":
             _run(_migrate(env))
         elif args.command == "up":
-            _run(_up(env))
+            _run(_up(env, backends))
         elif args.command == "serve":
             if args.workers < 1:
                 raise StartupError("--workers must be at least 1")
@@ -742,11 +792,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.only == "grpc":
                     raise StartupError("--workers is for the HTTP layer; not with --only grpc")
                 return _serve_workers(env, args.workers, grpc_part=args.only != "http")
-            _run(_serve(env, args.only, args.listen_fd, args.worker, args.supervised))
+            _run(_serve(env, args.only, args.listen_fd, args.worker, args.supervised, backends))
         else:
             _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError, RankingError) as exc:
-        print(f"arona-gateway: error: {exc}", file=sys.stderr)
+        # One line per mistake (a backends file may have several).
+        for line in str(exc).splitlines():
+            print(f"arona-gateway: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

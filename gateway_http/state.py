@@ -12,14 +12,14 @@ from gateway_http.conversations import ConversationStore
 from gateway_http.jsonrpc import Dispatcher
 from gateway_http.memory_client import MemoryClient
 from gateway_http.turns import TurnPipeline
-from gateway_http.upstream.backend import ChatBackend
+from gateway_http.upstream.routing import Router
 
 
 @dataclass
 class Gateway:
     settings: Settings
     memory: MemoryClient
-    backend: ChatBackend
+    router: Router
     conversations: ConversationStore
     pipeline: TurnPipeline
     rest_auth: RestAuth

@@ -13,10 +13,14 @@ recall -> persist -> forward -> writeback:
 5. once the reply is complete, persist it and write the turn back as an
    episode in a background task that never blocks or alters the response.
 
+The model is routed before anything else (:class:`~gateway_http.upstream.routing.Router`):
+a model no backend serves is refused before recall or persistence. Recall runs once per
+turn, whatever the number of backends tried.
+
 On the way it notes what the metrics and the memory headers report: the memories
-injected, the recall's time, and when the upstream call started, answered and
-ended (:class:`PreparedTurn`); each surface reports how its turn ended through
-:meth:`TurnPipeline.finished`.
+injected, the recall's time, when the upstream call started, answered and
+ended, and every backend attempt (:class:`PreparedTurn`); each surface reports how its
+turn ended through :meth:`TurnPipeline.finished`.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from typing import Any
 
 from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import ConversationStore
+from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.journal import Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.messages import is_memory_section, last_user_text, message_text
 from gateway_http.metrics import GatewayMetrics, NoMetrics
-from gateway_http.upstream.backend import ChatBackend
+from gateway_http.upstream.routing import OK, Attempt, Route, Router
 from gateway_http.views import conversation_errors
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,16 @@ class PreparedTurn:
     upstream_start: float = 0.0
     upstream_first: float = 0.0
     upstream_end: float = 0.0
+    # The backends to ask, in order, and each try made so far (the answering one last).
+    route: Route = ()
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def backend(self) -> str | None:
+        """The backend whose answer the client gets (None before an answer began)."""
+        if self.attempts and self.attempts[-1].answered:
+            return self.attempts[-1].backend
+        return None
 
     def overhead_s(self, now: float) -> float:
         """The gateway's own time until ``now``, outside the wait for the upstream's answer."""
@@ -102,7 +117,7 @@ class TurnPipeline:
     def __init__(
         self,
         memory: MemoryClient,
-        backend: ChatBackend,
+        router: Router,
         conversations: ConversationStore,
         *,
         user_scoped: bool = False,
@@ -119,7 +134,7 @@ class TurnPipeline:
         self._sending: set[int] = set()
         # ARONA_MEMORY_SCOPE=user: a turn without a principal gets no memory at all.
         self._user_scoped = user_scoped
-        self._backend = backend
+        self._router = router
         self._conversations = conversations
         # asyncio keeps only weak references to tasks: hold them until done.
         self._background: set[asyncio.Task[None]] = set()
@@ -127,7 +142,15 @@ class TurnPipeline:
         self._writing: dict[str, set[asyncio.Task[None]]] = {}
 
     async def prepare(self, request: TurnRequest) -> PreparedTurn:
-        """Assemble the context, recall and inject, persist the new messages."""
+        """Route the model, assemble the context, recall and inject, persist the new messages."""
+        model = request.body["model"]
+        route = self._router.route(model)
+        if route is None:
+            raise GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"The model '{model}' does not exist or no backend serves it",
+                "model_not_found",
+            )
         new_messages: list[dict[str, Any]] = request.body["messages"]
         history: list[dict[str, Any]] = []
         if request.conversation_id is not None:
@@ -161,12 +184,14 @@ class TurnPipeline:
                 await self._conversations.append(request.conversation_id, *new_messages)
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
-        return PreparedTurn(request, upstream_body, state, user_text, count, recall_s)
+        return PreparedTurn(request, upstream_body, state, user_text, count, recall_s, route=route)
 
     def finished(self, turn: PreparedTurn, surface: str, outcome: str) -> None:
         """Record a turn that ended: its outcome, and for an answered one its timings."""
         metrics = self.metrics
         metrics.turn(surface, turn.memory_state, outcome)
+        if self._router.routed:
+            _log_answer(turn, outcome)
         if outcome == "ok" and turn.upstream_first:
             end = turn.upstream_end or turn.upstream_first
             metrics.first_byte(surface, turn.upstream_first - turn.upstream_start)
@@ -178,7 +203,7 @@ class TurnPipeline:
     async def complete(self, turn: PreparedTurn) -> TurnReply:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
         turn.upstream_start = time.perf_counter()
-        completion = await self._backend.complete(turn.upstream_body)
+        completion = await self._router.complete(turn.route, turn.upstream_body, turn.attempts)
         turn.upstream_first = turn.upstream_end = time.perf_counter()
         choice = first_choice(completion)
         returned = choice.get("message")
@@ -204,7 +229,7 @@ class TurnPipeline:
         """
         reply = StreamedReply()
         turn.upstream_start = time.perf_counter()
-        upstream = self._backend.stream(turn.upstream_body)
+        upstream = self._router.stream(turn.route, turn.upstream_body, turn.attempts)
         try:
             async for chunk in upstream:
                 if not turn.upstream_first:
@@ -212,7 +237,7 @@ class TurnPipeline:
                 reply.add(chunk)
                 yield chunk
         finally:
-            await upstream.aclose()  # type: ignore[attr-defined]
+            await upstream.aclose()
         turn.upstream_end = time.perf_counter()
         await self._finish(turn, reply.text, reply.message(), writeback=writeback)
 
@@ -348,6 +373,33 @@ class TurnPipeline:
                 self._journal_behind = True
                 return
             self._journal_drop(item.id)
+
+
+def _log_answer(turn: PreparedTurn, outcome: str) -> None:
+    """The line that says which backend answered a routed turn (or that none did)."""
+    attempts = turn.attempts
+    if not attempts:
+        return
+    last = attempts[-1]
+    tries = f"{len(attempts)} attempts" if len(attempts) > 1 else "1 attempt"
+    if last.outcome == OK:
+        logger.info(
+            "model %s answered by backend %s as %s (%s, %.1f ms)",
+            turn.request.body.get("model"),
+            last.backend,
+            last.model,
+            tries,
+            last.latency_s * 1000,
+        )
+    else:
+        logger.warning(
+            "model %s: backend %s ended the turn (%s, %s; turn %s)",
+            turn.request.body.get("model"),
+            last.backend,
+            last.outcome,
+            tries,
+            outcome,
+        )
 
 
 def first_choice(completion: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,9 @@ MEMORY_HEADER = "X-Arona-Memory"
 MEMORY_COUNT_HEADER = "X-Arona-Memory-Count"
 RECALL_MS_HEADER = "X-Arona-Recall-Ms"
 OVERHEAD_MS_HEADER = "X-Arona-Overhead-Ms"
+# The backend whose answer this is (its name in the backends file; `upstream` or `echo`
+# without one).
+BACKEND_HEADER = "X-Arona-Backend"
 # The `surface` label of the turn metrics.
 REST = "rest"
 REST_STREAM = "rest_stream"
@@ -108,15 +111,20 @@ def turn_outcome(exc: GatewayError) -> str:
     return "upstream_error" if exc.kind is ErrorKind.UPSTREAM else "client_error"
 
 
-def memory_headers(turn: PreparedTurn) -> dict[str, str]:
-    """``X-Arona-Memory`` and its companions, the overhead measured up to now."""
+def turn_headers(turn: PreparedTurn) -> dict[str, str]:
+    """``X-Arona-Memory`` and its companions, the overhead measured up to now, and the
+    backend that answered."""
     overhead_s = turn.overhead_s(time.perf_counter())
-    return {
+    headers = {
         MEMORY_HEADER: turn.memory_state,
         MEMORY_COUNT_HEADER: str(turn.memory_count),
         RECALL_MS_HEADER: f"{turn.recall_s * 1000:.3f}",
         OVERHEAD_MS_HEADER: f"{overhead_s * 1000:.3f}",
     }
+    backend = turn.backend
+    if backend is not None:
+        headers[BACKEND_HEADER] = backend
+    return headers
 
 
 def _json(payload: Any, headers: dict[str, str] | None = None) -> Response:
@@ -167,7 +175,7 @@ async def chat_completions(request: Request) -> Response:
     except ClientGone:
         pipeline.finished(turn, REST, "cancelled")
         raise
-    response = _json(reply.completion, memory_headers(turn))
+    response = _json(reply.completion, turn_headers(turn))
     pipeline.finished(turn, REST, "ok")
     return response
 
@@ -213,7 +221,7 @@ async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
     except asyncio.CancelledError:
         pipeline.finished(turn, REST_STREAM, "cancelled")
         raise
-    headers = memory_headers(turn)
+    headers = turn_headers(turn)
 
     async def events() -> AsyncIterator[bytes]:
         # A client that leaves mid-stream ends this generator at a yield.
@@ -245,7 +253,7 @@ async def models(request: Request) -> Response:
     gw = gateway_of(request)
     rest_owner(gw, request)
     try:
-        return _json(await gw.backend.models())
+        return _json(await gw.router.models())
     except UpstreamError as exc:
         raise upstream_failure(exc) from None
 

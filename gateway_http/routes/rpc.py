@@ -231,6 +231,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
             "stream_id": stream_id,
             "memory": turn.memory_state,
             "memory_count": turn.memory_count,
+            "backend": turn.backend,
             "content": content,
             "finish_reason": finish_reason,
             "usage": usage,

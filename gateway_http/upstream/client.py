@@ -23,7 +23,13 @@ from yarl import URL
 
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
-from gateway_http.upstream.backend import UpstreamError
+from gateway_http.upstream.backend import (
+    BROKEN,
+    INVALID,
+    TIMEOUT,
+    UNREACHABLE,
+    UpstreamError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +37,7 @@ logger = logging.getLogger(__name__)
 _MAX_DETAIL_CHARS = 300
 # An error body larger than this is not worth reading just to find a message in it.
 _MAX_ERROR_BODY_BYTES = 64 * 1024
-_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 # Sized for a gateway fanning many concurrent turns out to one or two upstream hosts: enough
 # connections that a burst does not queue, kept alive so it does not pay a TCP/TLS handshake
 # per request.
@@ -56,16 +62,18 @@ class OpenAIUpstream:
     (its timeouts, pool and proxy settings) and left open for its owner to close.
     """
 
-    name = "upstream"
-
     def __init__(
         self,
         base_url: str,
         api_key: str | None = None,
         *,
         timeout_s: float = 600.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        name: str = "upstream",
         session: aiohttp.ClientSession | None = None,
     ) -> None:
+        # A named backend of the backends file, or the one ARONA_UPSTREAM_URL.
+        self.name = name
         base = base_url.rstrip("/")
         url = _parse_base_url(base)
         basic = aiohttp.BasicAuth.from_url(url, encoding="utf-8")
@@ -73,9 +81,12 @@ class OpenAIUpstream:
         plain = str(url.with_user(None)).rstrip("/")
         self._chat_url = URL(f"{plain}/chat/completions", encoded=True)
         self._models_url = URL(f"{plain}/models", encoded=True)
-        self._safe_url = redact_url(base)
+        # What log lines call it: its (redacted) URL, after its name for a named backend.
+        safe_url = redact_url(base)
+        self._safe_url = safe_url if name == "upstream" else f"{name} ({safe_url})"
         self._api_key = api_key or None
         self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
         self._session = session
         self._owns_session = session is None
         self._closed = False
@@ -148,7 +159,7 @@ class OpenAIUpstream:
         # is whole, anything else means it was cut off.
         if not finished:
             logger.warning("upstream %s: stream ended before the answer", self._safe_url)
-            raise UpstreamError("upstream stream ended early", None)
+            raise UpstreamError("upstream stream ended early", None, BROKEN)
 
     async def models(self) -> dict[str, Any]:
         return await self._fetch_object("GET", self._models_url, self._models_headers)
@@ -214,8 +225,8 @@ class OpenAIUpstream:
             return self._session
         if self._closed:
             logger.warning("upstream %s: request after the client was closed", self._safe_url)
-            raise UpstreamError("upstream unreachable", None)
-        connect_s = min(self._timeout_s, _CONNECT_TIMEOUT_S)
+            raise UpstreamError("upstream unreachable", None, UNREACHABLE)
+        connect_s = min(self._timeout_s, self._connect_timeout_s)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=_MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S
@@ -244,7 +255,9 @@ class OpenAIUpstream:
         try:
             return orjson.dumps(body)
         except orjson.JSONEncodeError:
-            raise UpstreamError("the request could not be encoded for the upstream", None) from None
+            raise UpstreamError(
+                "the request could not be encoded for the upstream", None, INVALID
+            ) from None
 
     def _decode_object(self, content: bytes) -> dict[str, Any]:
         try:
@@ -253,7 +266,7 @@ class OpenAIUpstream:
             data = None
         if not isinstance(data, dict):
             logger.warning("upstream %s: reply is not a JSON object", self._safe_url)
-            raise UpstreamError("upstream returned invalid JSON", None)
+            raise UpstreamError("upstream returned invalid JSON", None, INVALID)
         return data
 
     def _decode_chunk(self, data: bytes) -> dict[str, Any]:
@@ -263,12 +276,13 @@ class OpenAIUpstream:
             chunk = None
         if not isinstance(chunk, dict):
             logger.warning("upstream %s: malformed stream event", self._safe_url)
-            raise UpstreamError("upstream sent a malformed stream event", None)
+            raise UpstreamError("upstream sent a malformed stream event", None, INVALID)
         if "error" in chunk and "choices" not in chunk:
             # OpenAI-compatible servers report a failure after the headers as an error event.
             detail = self._detail(chunk)
             logger.warning("upstream %s: error event in stream", self._safe_url)
-            raise UpstreamError(f"upstream error: {detail}" if detail else "upstream error", None)
+            message = f"upstream error: {detail}" if detail else "upstream error"
+            raise UpstreamError(message, None, INVALID)
         return chunk
 
     def _http_error(self, status: int, content: bytes) -> UpstreamError:
@@ -302,10 +316,19 @@ class OpenAIUpstream:
         # The exception text can contain the URL, so only its type is logged.
         logger.warning("upstream %s failed: %s", self._safe_url, type(exc).__name__)
         if isinstance(exc, TimeoutError):
-            return UpstreamError("upstream timed out", None)
+            return UpstreamError("upstream timed out", None, TIMEOUT)
         if mid_stream:
-            return UpstreamError("upstream stream broke off", None)
-        return UpstreamError("upstream unreachable", None)
+            return UpstreamError("upstream stream broke off", None, BROKEN)
+        return UpstreamError("upstream unreachable", None, UNREACHABLE)
+
+
+def valid_base_url(base: str) -> bool:
+    """Whether ``base`` is an http(s) URL with a host, one requests can be sent to."""
+    try:
+        _parse_base_url(base.rstrip("/"))
+    except ConfigError:
+        return False
+    return True
 
 
 def _parse_base_url(base: str) -> URL:

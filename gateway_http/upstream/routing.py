@@ -1,10 +1,283 @@
-"""Which backend answers a turn."""
+"""Which backend answers a turn, and the fallback to the next one when it cannot.
+
+A :class:`Router` turns the model a client asked for into a :data:`Route`: the backends to ask,
+in order, each with the model name to send it (:class:`Target`). With a backends file
+(``ARONA_BACKENDS``) that is the model's backend then its fallbacks; without one, the one
+upstream of ``ARONA_UPSTREAM_URL`` (or the ``echo`` model) answers every model, as before.
+
+A turn's targets are tried in order while the failure is worth another backend
+(:attr:`~gateway_http.upstream.backend.UpstreamError.retryable`: unreachable, timed out, 5xx,
+429) **and nothing of the answer has reached the client**: a whole reply counts once it
+arrived, a stream once its first chunk arrived; a stream that has started is never replayed.
+
+Every try is one :class:`Attempt` appended to the list the caller passes in: the backend, the
+model sent, when it started, answered and ended, its outcome and HTTP status, and the upstream's
+``usage`` object when it reported one. The turn pipeline keeps that list on the turn, for the
+``X-Arona-Backend`` header, the log line that says who answered, and metering.
+"""
 
 from __future__ import annotations
 
-from gateway_http.upstream.backend import ChatBackend
+import logging
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_http.upstream.backend import ChatBackend, UpstreamError
+from gateway_http.upstream.backends_file import BackendsFile
 from gateway_http.upstream.client import OpenAIUpstream
 from gateway_http.upstream.echo import EchoModel
+
+logger = logging.getLogger(__name__)
+
+# An attempt's outcome besides the failure reasons of UpstreamError (backend.REASONS).
+OK = "ok"
+CANCELLED = "cancelled"
+PENDING = "pending"
+# /v1/models entries of a backends file: a fixed date keeps the listing stable.
+_LISTED_CREATED = 1735689600
+# Models matched by a glob are remembered (their route is built once); past this many
+# different names, new ones are routed afresh each time rather than remembered.
+_MAX_REMEMBERED = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One backend to ask, and the model name to send it (None: the name the client asked)."""
+
+    name: str
+    backend: ChatBackend
+    model: str | None = None
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` as this backend gets it: a shallow copy with its model name, if it differs."""
+        if self.model is None:
+            return body
+        return {**body, "model": self.model}
+
+
+Route = tuple[Target, ...]
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of one backend for one turn."""
+
+    backend: str
+    # The model name sent upstream.
+    model: str
+    # time.perf_counter() when the request went out, when the answer began (the whole reply,
+    # or the first chunk of a stream: from then on it is never replaced), and when it ended.
+    started: float
+    first: float = 0.0
+    ended: float = 0.0
+    # OK, CANCELLED, PENDING (still under way), or why it failed (backend.REASONS).
+    outcome: str = PENDING
+    # The upstream's HTTP status when it answered with an error.
+    status: int | None = None
+    # The upstream's ``usage`` object, as it reported it (None when it did not).
+    usage: dict[str, Any] | None = None
+
+    @property
+    def answered(self) -> bool:
+        """Whether its answer began: a whole reply arrived, or a stream's first chunk."""
+        return self.first > 0.0
+
+    @property
+    def latency_s(self) -> float:
+        """From the request going out to its end (or to now, while under way)."""
+        return (self.ended or time.perf_counter()) - self.started
+
+    def end(self, outcome: str, error: UpstreamError | None = None) -> None:
+        self.ended = time.perf_counter()
+        self.outcome = outcome
+        if error is not None:
+            self.status = error.status
+
+
+class Router:
+    """The backends of this gateway and the route of each model to them.
+
+    ``routes`` maps a model name to its route; ``table`` (a backends file) routes the names not
+    in it (globs), and ``single`` answers every model (no backends file). ``listing`` is what
+    ``GET /v1/models`` shows; without it the single backend's own listing is passed through.
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[ChatBackend],
+        *,
+        routes: Mapping[str, Route] | None = None,
+        table: BackendsFile | None = None,
+        single: Route | None = None,
+        listing: list[dict[str, Any]] | None = None,
+        owns_backends: bool = True,
+    ) -> None:
+        self._backends = tuple(backends)
+        self._by_name = {backend.name: backend for backend in self._backends}
+        self._routes: dict[str, Route] = dict(routes or {})
+        self._table = table
+        self._single = single
+        self._listing = listing
+        self._owns_backends = owns_backends
+
+    @classmethod
+    def single(cls, backend: ChatBackend, *, owns_backend: bool = True) -> Router:
+        """Every model to ``backend``, with no fallback (``ARONA_BACKENDS`` unset)."""
+        return cls([backend], single=(Target(backend.name, backend),), owns_backends=owns_backend)
+
+    @classmethod
+    def from_file(cls, backends: BackendsFile) -> Router:
+        """A router over the backends of a checked backends file: one client each."""
+        clients: dict[str, ChatBackend] = {
+            spec.name: OpenAIUpstream(
+                spec.base_url,
+                spec.api_key,
+                timeout_s=spec.timeout_s,
+                connect_timeout_s=spec.connect_timeout_s,
+                name=spec.name,
+            )
+            for spec in backends.backends
+        }
+        router = cls(list(clients.values()), table=backends)
+        listed = backends.listed()
+        for model, _ in listed:
+            router._routes[model] = router._route_of(model)
+        router._listing = [
+            {"id": model, "object": "model", "created": _LISTED_CREATED, "owned_by": spec.name}
+            for model, spec in listed
+        ]
+        return router
+
+    @property
+    def routed(self) -> bool:
+        """Whether a backends file routes the models (False: one upstream answers them all)."""
+        return self._table is not None
+
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        return tuple(self._by_name)
+
+    def route(self, model: str) -> Route | None:
+        """The backends to ask for ``model``, in order; None when none serves it."""
+        if self._single is not None:
+            return self._single
+        route = self._routes.get(model)
+        if route is not None:
+            return route
+        route = self._route_of(model)
+        if not route:
+            return None
+        if len(self._routes) < _MAX_REMEMBERED:
+            self._routes[model] = route
+        return route
+
+    def _route_of(self, model: str) -> Route:
+        assert self._table is not None
+        return tuple(
+            Target(spec.name, self._by_name[spec.name], sent)
+            for spec, sent in self._table.chain(model)
+        )
+
+    async def complete(
+        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+    ) -> dict[str, Any]:
+        """The whole reply of the first target that gives one, trying the next on a failure
+        worth it; the last failure propagates."""
+        last = len(route) - 1
+        for index, target in enumerate(route):
+            attempt = _attempt(target, body)
+            attempts.append(attempt)
+            try:
+                completion = await target.backend.complete(target.body(body))
+            except UpstreamError as exc:
+                attempt.end(exc.reason, exc)
+                if exc.retryable and index < last:
+                    self._falling_back(attempt, exc, route[index + 1])
+                    continue
+                raise
+            except BaseException:
+                attempt.end(CANCELLED)
+                raise
+            attempt.first = time.perf_counter()
+            usage = completion.get("usage")
+            attempt.usage = usage if isinstance(usage, dict) else None
+            attempt.end(OK)
+            return completion
+        raise AssertionError("a route has at least one target")
+
+    async def stream(
+        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The chunks of the first target whose stream starts, trying the next while no chunk
+        has arrived; once one has, the stream is that backend's to its end (a failure then
+        propagates, never a replay). Close it to stop early: the upstream request ends too."""
+        last = len(route) - 1
+        for index, target in enumerate(route):
+            attempt = _attempt(target, body)
+            attempts.append(attempt)
+            chunks = target.backend.stream(target.body(body))
+            try:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    attempt.end(OK)
+                    return
+                except UpstreamError as exc:
+                    attempt.end(exc.reason, exc)
+                    if exc.retryable and index < last:
+                        self._falling_back(attempt, exc, route[index + 1])
+                        continue
+                    raise
+                attempt.first = time.perf_counter()
+                while True:
+                    usage = chunk.get("usage")
+                    if usage is not None:
+                        attempt.usage = usage if isinstance(usage, dict) else None
+                    yield chunk
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                attempt.end(OK)
+                return
+            except UpstreamError as exc:
+                if attempt.outcome == PENDING:
+                    attempt.end(exc.reason, exc)
+                raise
+            finally:
+                if attempt.outcome == PENDING:
+                    # The consumer stopped early (closed, cancelled) or something else failed.
+                    attempt.end(CANCELLED)
+                await chunks.aclose()  # type: ignore[attr-defined]
+
+    def _falling_back(self, attempt: Attempt, exc: UpstreamError, then: Target) -> None:
+        logger.warning(
+            "backend %s failed for model %s (%s%s); trying backend %s",
+            attempt.backend,
+            attempt.model,
+            exc.reason,
+            f" {exc.status}" if exc.status is not None else "",
+            then.name,
+        )
+
+    async def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: the names a backends file routes by name (globs cannot be
+        listed), or the single backend's own listing."""
+        if self._listing is not None:
+            return {"object": "list", "data": self._listing}
+        return await self._backends[0].models()
+
+    async def aclose(self) -> None:
+        if self._owns_backends:
+            for backend in self._backends:
+                await backend.aclose()
+
+
+def _attempt(target: Target, body: dict[str, Any]) -> Attempt:
+    model = target.model if target.model is not None else body.get("model")
+    return Attempt(target.name, model if isinstance(model, str) else "", time.perf_counter())
 
 
 def build_backend(upstream_url: str | None, api_key: str | None) -> ChatBackend:
@@ -12,3 +285,12 @@ def build_backend(upstream_url: str | None, api_key: str | None) -> ChatBackend:
     if upstream_url:
         return OpenAIUpstream(upstream_url, api_key)
     return EchoModel()
+
+
+def build_router(
+    upstream_url: str | None, api_key: str | None, backends: BackendsFile | None
+) -> Router:
+    """The router of a backends file, or of the one upstream (or ``echo``) without one."""
+    if backends is not None:
+        return Router.from_file(backends)
+    return Router.single(build_backend(upstream_url, api_key))

@@ -27,6 +27,7 @@ from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app
 from gateway_http.auth import mint_token
 from gateway_http.edge import uvicorn_options
+from gateway_http.upstream.backends_file import BackendsFile
 from tests.support.fake_philia import FakePhilia
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.uvicorn_server import serve_app
@@ -45,6 +46,8 @@ class Turn:
     content: str
     body: Any = None
     events: list[Any] = field(default_factory=list)
+    # The response headers (REST JSON and SSE).
+    headers: httpx.Headers | None = None
 
 
 @dataclass
@@ -105,7 +108,8 @@ class Stack:
             response = await self.http.post("/v1/chat/completions", json=body)
             data = response.json()
             content = data["choices"][0]["message"]["content"] if response.is_success else ""
-            return Turn(response.status_code, response.headers.get("x-arona-memory"), content, data)
+            memory = response.headers.get("x-arona-memory")
+            return Turn(response.status_code, memory, content, data, headers=response.headers)
         if surface == "sse":
             return await self._sse({**body, "stream": True})
         if surface == "rpc":
@@ -121,7 +125,9 @@ class Stack:
         async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
             if not response.is_success:
                 await response.aread()
-                return Turn(response.status_code, None, "", response.json())
+                return Turn(
+                    response.status_code, None, "", response.json(), headers=response.headers
+                )
             assert response.headers["content-type"].startswith("text/event-stream")
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
@@ -133,7 +139,12 @@ class Stack:
             if isinstance(e, dict) and e.get("choices")
         )
         return Turn(
-            response.status_code, response.headers.get("x-arona-memory"), content, None, events
+            response.status_code,
+            response.headers.get("x-arona-memory"),
+            content,
+            None,
+            events,
+            headers=response.headers,
         )
 
     async def _ws(self, params: dict[str, Any]) -> Turn:
@@ -171,6 +182,7 @@ async def running_stack(
     grpc_target: str | None = None,
     clock: Callable[[], float] | None = None,
     http_overrides: dict[str, Any] | None = None,
+    backends: BackendsFile | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
     """Start every part; ``grpc_target`` points the HTTP layer elsewhere (no gRPC started).
@@ -180,6 +192,7 @@ async def running_stack(
     first turn connects and recalls in about 40 ms on a loaded 2-core box, and 1 s keeps a
     wide margin for a machine that stalls (a 0.4 s budget once ran out in CI).
     ``overrides`` apply to both layers' settings, ``http_overrides`` to the HTTP layer's only.
+    ``backends`` (a checked backends file) routes the models instead of the one upstream.
     """
     async with FakePhilia(token=PHILIA_TOKEN) as philia, FakeUpstream.start() as upstream:
         fields: dict[str, Any] = {
@@ -187,7 +200,7 @@ async def running_stack(
             "memory_token": PHILIA_TOKEN if memory else None,
             "memory_timeout_s": timeout_s,
             "grpc_port": 0,
-            "upstream_url": upstream.base_url,
+            "upstream_url": upstream.base_url if backends is None else None,
             "jwt_secret": JWT_SECRET,
             "data_dir": data_dir,
         }
@@ -205,7 +218,7 @@ async def running_stack(
             settings = dataclasses.replace(
                 settings, grpc_target=grpc_target, **(http_overrides or {})
             )
-            app = create_app(settings, pool=pool)
+            app = create_app(settings, pool=pool, backends=backends)
             async with (
                 serve_app(app, options=uvicorn_options(settings)) as base_url,
                 httpx.AsyncClient(base_url=base_url, timeout=10.0) as http,

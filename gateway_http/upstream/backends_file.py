@@ -1,0 +1,485 @@
+"""The backends file (``ARONA_BACKENDS=path``): named upstreams, the models each serves, and the
+fallbacks of each model, read and checked once at start-up.
+
+The file is TOML (read with the standard library's ``tomllib``)::
+
+    [backends.openai]
+    base_url = "https://api.openai.com/v1"
+    api_key_env = "OPENAI_API_KEY"        # the variable's name; a key is never in the file
+    timeout_s = 600                       # the longest silence while an answer is awaited
+    connect_timeout_s = 10
+    models = ["gpt-4o", "gpt-4o-mini", "o*"]           # exact names and globs
+    aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
+
+    [fallbacks]
+    "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
+
+Each part is checked on its own (its schema is a pydantic model per table), so a file with
+several mistakes gets all of them, one line each (:class:`BackendsFileError`), and nothing
+starts. The checked file becomes a :class:`BackendsFile`: plain frozen data that also answers
+which backends serve a model, in what order, and under what name (:meth:`BackendsFile.chain`).
+
+A model is served by the first backend, in file order, that lists it by exact name or alias;
+failing that, by the first whose glob matches it. Its fallbacks come from the ``[fallbacks]`` key
+that names it exactly, or else the first glob key that matches it. A fallback entry is a
+backend's name (the model as that backend serves it: its alias, or the same name) or a table
+``{backend, model}`` (that model name, sent as it is).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import ValidationError as PydanticValidationError
+from yarl import URL
+
+from arona_grpc.config import ConfigError
+from gateway_http.upstream.client import DEFAULT_CONNECT_TIMEOUT_S, valid_base_url
+
+DEFAULT_TIMEOUT_S = 600.0
+# A backend's name goes into the X-Arona-Backend header and into log lines.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+# What an environment variable's name may be.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A name shown back in an error line: conventional (OPENAI_API_KEY). Anything else is not
+# echoed, in case it is the key itself written where its variable's name belongs.
+_SHOWN_ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
+_GLOB_CHARS = frozenset("*?[")
+_SECTIONS = ("backends", "fallbacks")
+
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+# Strict: a number (an integer is one), never a string or a boolean.
+Seconds = Annotated[float, Field(gt=0, le=86_400, strict=True)]
+
+
+class _BackendTable(BaseModel):
+    """One ``[backends.NAME]`` table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: NonEmpty
+    api_key_env: NonEmpty | None = None
+    timeout_s: Seconds = DEFAULT_TIMEOUT_S
+    connect_timeout_s: Seconds = DEFAULT_CONNECT_TIMEOUT_S
+    models: list[NonEmpty] = []
+    aliases: dict[NonEmpty, NonEmpty] = {}
+
+
+class _FallbackTable(BaseModel):
+    """A fallback entry that names the model to send: ``{backend = "…", model = "…"}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: NonEmpty
+    model: NonEmpty
+
+
+class BackendsFileError(ConfigError):
+    """The backends file cannot be used: one line per mistake, each naming the file."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def is_glob(name: str) -> bool:
+    return not _GLOB_CHARS.isdisjoint(name)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend, as the file says (its key read from the environment)."""
+
+    name: str
+    base_url: str
+    api_key_env: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    # Exact names, in file order.
+    models: tuple[str, ...] = ()
+    globs: tuple[str, ...] = ()
+    # Asked name -> the name sent upstream, in file order.
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def by_name(self, model: str) -> bool:
+        """Whether it lists ``model`` by exact name or as an alias."""
+        return model in self.aliases or model in self.models
+
+    def by_glob(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.globs)
+
+    def serves(self, model: str) -> bool:
+        return self.by_name(model) or self.by_glob(model)
+
+    def sent_as(self, model: str) -> str | None:
+        """The name sent upstream for ``model`` when an alias rewrites it; None: as asked."""
+        return self.aliases.get(model)
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Every name it can be asked for by name: its exact models, then its aliases."""
+        return (*self.models, *self.aliases)
+
+
+@dataclass(frozen=True)
+class FallbackTarget:
+    backend: str
+    # The name sent; None: the model as that backend serves the asked name.
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class FallbackRule:
+    # A model name as clients ask for it, or a glob.
+    pattern: str
+    targets: tuple[FallbackTarget, ...]
+
+    def matches(self, model: str) -> bool:
+        if is_glob(self.pattern):
+            return fnmatch.fnmatchcase(model, self.pattern)
+        return model == self.pattern
+
+
+@dataclass(frozen=True)
+class BackendsFile:
+    path: Path
+    backends: tuple[BackendSpec, ...]
+    fallbacks: tuple[FallbackRule, ...] = ()
+
+    def backend(self, name: str) -> BackendSpec | None:
+        for spec in self.backends:
+            if spec.name == name:
+                return spec
+        return None
+
+    def primary(self, model: str) -> BackendSpec | None:
+        """The backend that serves ``model``: by exact name or alias first, then by glob."""
+        for spec in self.backends:
+            if spec.by_name(model):
+                return spec
+        for spec in self.backends:
+            if spec.by_glob(model):
+                return spec
+        return None
+
+    def fallback_rule(self, model: str) -> FallbackRule | None:
+        """The ``[fallbacks]`` entry of ``model``: its exact key, else the first matching glob."""
+        for rule in self.fallbacks:
+            if rule.pattern == model:
+                return rule
+        for rule in self.fallbacks:
+            if rule.matches(model):
+                return rule
+        return None
+
+    def chain(self, model: str) -> tuple[tuple[BackendSpec, str | None], ...]:
+        """Who is asked for ``model``, in order: its backend, then its fallbacks, each with the
+        name sent to it (None: as asked); empty when no backend serves it. A backend asked for
+        the same name twice is asked once."""
+        primary = self.primary(model)
+        if primary is None:
+            return ()
+        chain = [(primary, primary.sent_as(model))]
+        seen = {(primary.name, primary.sent_as(model) or model)}
+        rule = self.fallback_rule(model)
+        for target in rule.targets if rule is not None else ():
+            spec = self.backend(target.backend)
+            if spec is None:
+                continue
+            sent = target.model if target.model is not None else spec.sent_as(model)
+            if (spec.name, sent or model) not in seen:
+                seen.add((spec.name, sent or model))
+                chain.append((spec, sent))
+        return tuple(chain)
+
+    def listed(self) -> list[tuple[str, BackendSpec]]:
+        """The models that can be listed (exact names and aliases; globs cannot be), each with
+        the backend that serves it, in file order."""
+        seen: set[str] = set()
+        listed: list[tuple[str, BackendSpec]] = []
+        for spec in self.backends:
+            for name in spec.listed:
+                if name not in seen:
+                    seen.add(name)
+                    listed.append((name, spec))
+        return listed
+
+    @property
+    def secret_values(self) -> tuple[str, ...]:
+        """The backends' keys, for the log formatters' backstop."""
+        return tuple(spec.api_key for spec in self.backends if spec.api_key)
+
+
+def load_backends(path: Path, env: Mapping[str, str]) -> BackendsFile:
+    """Read and check the backends file at ``path``; keys come from ``env``.
+
+    Every mistake found is one line of the :class:`BackendsFileError` raised.
+    """
+    where = str(path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        raise BackendsFileError(
+            [
+                f"{where}: the backends file is TOML (a {path.suffix} file is not read); "
+                "the README shows a LiteLLM config.yaml's parts in TOML"
+            ]
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BackendsFileError([f"{where}: cannot read it: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError:
+        raise BackendsFileError([f"{where}: not UTF-8 text"]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise BackendsFileError([f"{where}: not valid TOML: {exc}"]) from None
+    checker = _Checker(env)
+    backends_file = checker.check(path, data)
+    if checker.problems:
+        raise BackendsFileError([f"{where}: {problem}" for problem in checker.problems])
+    return backends_file
+
+
+def _key(name: str) -> str:
+    """``name`` as a TOML key in an error line: bare when it can be, else quoted."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+_BACKEND_SETTINGS = ", ".join(_BackendTable.model_fields)
+
+
+class _Checker:
+    """Collects every mistake of one file while building its :class:`BackendsFile`."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = env
+        self.problems: list[str] = []
+        # Backends with mistakes of their own: what refers to them is not blamed as well.
+        self._broken: set[str] = set()
+        # Every backend the file declares, in order (broken ones too).
+        self._declared: list[str] = []
+
+    def check(self, path: Path, data: dict[str, Any]) -> BackendsFile:
+        for section in data:
+            if section not in _SECTIONS:
+                self.problems.append(
+                    f"{_key(section)}: unknown section (the file has [backends.NAME] tables "
+                    "and a [fallbacks] table)"
+                )
+        backends = BackendsFile(path, tuple(self._backends(data.get("backends"))))
+        fallbacks = self._fallbacks(data.get("fallbacks", {}), backends)
+        return BackendsFile(path, backends.backends, tuple(fallbacks))
+
+    def _backends(self, tables: Any) -> list[BackendSpec]:
+        if tables is None:
+            self.problems.append("backends: no backend: add a [backends.NAME] table")
+            return []
+        if not isinstance(tables, dict) or not tables:
+            self.problems.append("backends: must hold one [backends.NAME] table per backend")
+            return []
+        specs: list[BackendSpec] = []
+        self._declared = list(tables)
+        for name, table in tables.items():
+            spec = self._backend(name, table)
+            if spec is not None:
+                specs.append(spec)
+            else:
+                self._broken.add(name)
+        return specs
+
+    def _backend(self, name: str, table: Any) -> BackendSpec | None:
+        at = f"backends.{_key(name)}"
+        ok = True
+        if not _NAME.fullmatch(name):
+            self.problems.append(
+                f"{at}: a backend's name is up to 64 letters, digits, '-' and '_', starting with "
+                "a letter or digit (it is sent in the X-Arona-Backend header)"
+            )
+            ok = False
+        if not isinstance(table, dict):
+            self.problems.append(f"{at}: must be a table ([{at}])")
+            return None
+        try:
+            fields = _BackendTable.model_validate(table).model_dump()
+        except PydanticValidationError as exc:
+            self.problems.extend(_schema_problems(at, exc, f"a backend has {_BACKEND_SETTINGS}"))
+            # The settings that passed are checked further all the same: every mistake is
+            # reported at once.
+            refused = {error["loc"][0] for error in exc.errors()}
+            fields = {
+                key: value
+                for key, value in table.items()
+                if key in _BackendTable.model_fields and key not in refused
+            }
+            ok = False
+        base_url = fields.get("base_url")
+        if base_url is not None and not valid_base_url(base_url):
+            self.problems.append(f"{at}.base_url: must be an http:// or https:// URL with a host")
+            ok = False
+        elif base_url is not None and URL(base_url).user is not None:
+            self.problems.append(
+                f"{at}.base_url: must not carry credentials: put the key in an environment "
+                "variable and name it in api_key_env"
+            )
+            ok = False
+        api_key_env = fields.get("api_key_env")
+        api_key = self._api_key(at, api_key_env)
+        if api_key_env is not None and api_key is None:
+            ok = False
+        models: list[str] = []
+        globs: list[str] = []
+        for i, model in enumerate(fields.get("models", ())):
+            if model in models or model in globs:
+                self.problems.append(f"{at}.models[{i}]: {model!r} is listed twice")
+                ok = False
+            elif is_glob(model):
+                globs.append(model)
+            else:
+                models.append(model)
+        aliases: dict[str, str] = fields.get("aliases", {})
+        for alias in aliases:
+            if is_glob(alias):
+                self.problems.append(
+                    f"{at}.aliases.{_key(alias)}: an alias is a name, not a glob (no * ? [)"
+                )
+                ok = False
+            elif alias in models:
+                self.problems.append(
+                    f"{at}.aliases.{_key(alias)}: {alias!r} is also in models: one or the other"
+                )
+                ok = False
+        if not table.get("models") and not table.get("aliases"):
+            self.problems.append(f"{at}: serves no model: give it models, aliases or both")
+            ok = False
+        if not ok or base_url is None:
+            return None
+        return BackendSpec(
+            name=name,
+            base_url=base_url,
+            api_key_env=api_key_env,
+            api_key=api_key,
+            timeout_s=float(fields["timeout_s"]),
+            connect_timeout_s=float(fields["connect_timeout_s"]),
+            models=tuple(models),
+            globs=tuple(globs),
+            aliases=dict(aliases),
+        )
+
+    def _api_key(self, at: str, variable: str | None) -> str | None:
+        if variable is None:
+            return None
+        if not _ENV_NAME.fullmatch(variable):
+            # Not echoed: it may be the key itself.
+            self.problems.append(
+                f"{at}.api_key_env: must be the name of an environment variable (letters, "
+                "digits, '_'), not the key; the value is not shown"
+            )
+            return None
+        key = self._env.get(variable, "").strip()
+        if not key:
+            shown = variable if _SHOWN_ENV_NAME.fullmatch(variable) else "(name not shown)"
+            self.problems.append(
+                f"{at}.api_key_env: the environment variable {shown} is not set or empty"
+            )
+            return None
+        return key
+
+    def _fallbacks(self, tables: Any, backends: BackendsFile) -> list[FallbackRule]:
+        if not isinstance(tables, dict):
+            self.problems.append(
+                "fallbacks: must be a table of model = [backend, ...] ([fallbacks])"
+            )
+            return []
+        rules: list[FallbackRule] = []
+        for model, entries in tables.items():
+            at = f"fallbacks.{_key(model)}"
+            if not isinstance(entries, list) or not entries:
+                self.problems.append(
+                    f'{at}: must be a list of backends to try in order, e.g. ["backup"]'
+                )
+                continue
+            exact = not is_glob(model)
+            if exact and backends.primary(model) is None and not self._broken:
+                self.problems.append(
+                    f"{at}: no backend serves {model!r}: add it to a backend's models or aliases"
+                )
+            targets: list[FallbackTarget] = []
+            for i, entry in enumerate(entries):
+                target = self._fallback_target(f"{at}[{i}]", entry, backends)
+                if target is None:
+                    continue
+                spec = backends.backend(target.backend)
+                if exact and target.model is None and spec is not None and not spec.serves(model):
+                    self.problems.append(
+                        f"{at}[{i}]: backend {target.backend!r} does not serve {model!r}: add it "
+                        f'to its models or aliases, or write {{ backend = "{target.backend}", '
+                        'model = "…" }'
+                    )
+                    continue
+                targets.append(target)
+            rules.append(FallbackRule(model, tuple(targets)))
+        return rules
+
+    def _fallback_target(
+        self, at: str, entry: Any, backends: BackendsFile
+    ) -> FallbackTarget | None:
+        if isinstance(entry, str):
+            target = FallbackTarget(entry)
+        elif isinstance(entry, dict):
+            try:
+                parsed = _FallbackTable.model_validate(entry)
+            except PydanticValidationError as exc:
+                self.problems.extend(_schema_problems(at, exc, "a fallback has backend, model"))
+                return None
+            target = FallbackTarget(parsed.backend, parsed.model)
+        else:
+            self.problems.append(
+                f'{at}: must be a backend\'s name or {{ backend = "…", model = "…" }}'
+            )
+            return None
+        if target.backend in self._broken:
+            return None
+        if backends.backend(target.backend) is None:
+            known = ", ".join(self._declared) or "none"
+            self.problems.append(f"{at}: no backend named {target.backend!r} (backends: {known})")
+            return None
+        return target
+
+
+def _schema_problems(at: str, exc: PydanticValidationError, known: str) -> list[str]:
+    """One line per schema error, without the value (which may be a secret); ``known`` says
+    what settings the table has, for an unknown one."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        loc = "".join(_loc_part(part) for part in error["loc"])
+        kind = error["type"]
+        if kind == "extra_forbidden" and str(error["loc"][-1]) in ("api_key", "key", "token"):
+            message = (
+                "keys never go in this file: put the key in an environment variable and name "
+                "the variable in api_key_env"
+            )
+        elif kind == "extra_forbidden":
+            message = f"unknown setting ({known})"
+        elif kind == "missing":
+            message = "missing (it is required)"
+        else:
+            message = error["msg"]
+        problems.append(f"{at}{loc}: {message}")
+    return problems
+
+
+def _loc_part(part: str | int) -> str:
+    if isinstance(part, int):
+        return f"[{part}]"
+    if part == "[key]":
+        return " (the name)"
+    return f".{_key(part)}"

@@ -1,0 +1,239 @@
+"""The backends file: which backend serves a model and in what order the others are asked, and
+every mistake in a file reported on a line of its own (nothing else is started here; the
+gateway running on such a file is tests/e2e/test_routing.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway_http.upstream.backends_file import BackendsFile, BackendsFileError, load_backends
+
+ENV = {"OPENAI_API_KEY": "sk-openai-secret-0123456789", "ROUTER_KEY": "sk-or-secret-abcdef"}
+
+FILE = """
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+api_key_env = "OPENAI_API_KEY"
+models = ["gpt-*", "o1"]
+aliases = { fast = "gpt-4o-mini" }
+
+[backends.router]
+base_url = "https://openrouter.ai/api/v1/"
+api_key_env = "ROUTER_KEY"
+timeout_s = 30
+connect_timeout_s = 2.5
+models = ["gpt-4o", "*/*"]
+aliases = { fast = "openai/gpt-4o-mini" }
+
+[backends.local]
+base_url = "http://127.0.0.1:11434/v1"
+models = ["llama*"]
+
+[fallbacks]
+"gpt-4o" = ["router", { backend = "local", model = "llama3.1:8b" }, "router"]
+"gpt-*" = ["router"]
+"*" = [{ backend = "local", model = "llama3.1:8b" }]
+"""
+
+
+def load(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> BackendsFile:
+    path = tmp_path / "backends.toml"
+    path.write_text(text)
+    return load_backends(path, ENV if env is None else env)
+
+
+def chain(backends: BackendsFile, model: str) -> list[tuple[str, str | None]]:
+    return [(spec.name, sent) for spec, sent in backends.chain(model)]
+
+
+def test_a_model_named_exactly_wins_over_a_glob_earlier_in_the_file(tmp_path: Path) -> None:
+    backends = load(tmp_path, FILE)
+    # openai's glob gpt-* comes first, router lists gpt-4o by name: the name wins.
+    assert chain(backends, "gpt-4o")[0] == ("router", None)
+    # Otherwise the first matching glob in file order.
+    assert chain(backends, "gpt-3.5-turbo")[0] == ("openai", None)
+    assert chain(backends, "meta/llama-3")[0] == ("router", None)
+    assert chain(backends, "llama3.1:8b")[0] == ("local", None)
+    # An alias rewrites the name sent; the first backend listing it serves it.
+    assert chain(backends, "fast")[0] == ("openai", "gpt-4o-mini")
+    assert chain(backends, "claude-3") == []
+
+
+def test_fallbacks_come_in_order_from_the_exact_key_else_the_first_glob(tmp_path: Path) -> None:
+    backends = load(tmp_path, FILE)
+    # The exact key; the router entry twice and the primary itself are asked once.
+    assert chain(backends, "gpt-4o") == [("router", None), ("local", "llama3.1:8b")]
+    # The first glob key that matches: each backend sends the name as it serves it.
+    assert chain(backends, "gpt-4-turbo") == [("openai", None), ("router", None)]
+    # "*" catches the rest.
+    assert chain(backends, "o1") == [("openai", None), ("local", "llama3.1:8b")]
+    assert chain(backends, "fast") == [("openai", "gpt-4o-mini"), ("local", "llama3.1:8b")]
+
+
+def test_what_can_be_listed_is_names_and_aliases_each_once(tmp_path: Path) -> None:
+    backends = load(tmp_path, FILE)
+    assert [(model, spec.name) for model, spec in backends.listed()] == [
+        ("o1", "openai"),
+        ("fast", "openai"),
+        ("gpt-4o", "router"),
+    ]
+
+
+def test_keys_come_from_the_environment_and_timeouts_from_the_file(tmp_path: Path) -> None:
+    backends = load(tmp_path, FILE)
+    router = backends.backend("router")
+    assert router is not None
+    assert (router.api_key, router.timeout_s, router.connect_timeout_s) == (
+        "sk-or-secret-abcdef",
+        30.0,
+        2.5,
+    )
+    local = backends.backend("local")
+    assert local is not None and local.api_key is None
+    assert (local.timeout_s, local.connect_timeout_s) == (600.0, 10.0)
+    assert set(backends.secret_values) == set(ENV.values())
+    # A key is never shown where the settings are printed.
+    assert "sk-" not in repr(backends)
+
+
+def problems(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(BackendsFileError) as caught:
+        load(tmp_path, text, env)
+    prefix = f"{tmp_path / 'backends.toml'}: "
+    assert all(line.startswith(prefix) for line in caught.value.lines)
+    assert str(caught.value).splitlines() == caught.value.lines
+    return [line.removeprefix(prefix) for line in caught.value.lines]
+
+
+def test_every_mistake_of_a_file_is_one_line(tmp_path: Path) -> None:
+    text = """
+[backends.openai]
+base_url = "ftp://api.openai.com/v1"
+api_key_env = "MISSING_API_KEY"
+models = ["gpt-4o", "gpt-4o"]
+timeout_s = "30"
+aliases = { "gpt-*" = "gpt-4o" }
+
+[backends.local]
+base_url = "http://127.0.0.1:11434/v1"
+retries = 3
+
+[backends.router]
+base_url = "https://openrouter.ai/api/v1"
+models = ["*/*"]
+
+[fallbacks]
+"gpt-4o" = ["nobody", 7, { backend = "router" }]
+"claude-3" = ["router"]
+
+[general_settings]
+"""
+    assert problems(tmp_path, text) == [
+        "general_settings: unknown section (the file has [backends.NAME] tables and a "
+        "[fallbacks] table)",
+        "backends.openai.timeout_s: Input should be a valid number",
+        "backends.openai.base_url: must be an http:// or https:// URL with a host",
+        "backends.openai.api_key_env: the environment variable MISSING_API_KEY is not set or empty",
+        "backends.openai.models[1]: 'gpt-4o' is listed twice",
+        'backends.openai.aliases."gpt-*": an alias is a name, not a glob (no * ? [)',
+        "backends.local.retries: unknown setting (a backend has base_url, api_key_env, "
+        "timeout_s, connect_timeout_s, models, aliases)",
+        "backends.local: serves no model: give it models, aliases or both",
+        "fallbacks.gpt-4o[0]: no backend named 'nobody' (backends: openai, local, router)",
+        'fallbacks.gpt-4o[1]: must be a backend\'s name or { backend = "…", model = "…" }',
+        "fallbacks.gpt-4o[2].model: missing (it is required)",
+        # (Not "no backend serves claude-3": a broken backend may be the one meant to.)
+        "fallbacks.claude-3[0]: backend 'router' does not serve 'claude-3': add it to its "
+        'models or aliases, or write { backend = "router", model = "…" }',
+    ]
+
+
+def test_a_key_written_into_the_file_is_refused_and_never_echoed(tmp_path: Path) -> None:
+    secret = "sk-live-do-not-print-me-42"
+    text = f"""
+[backends.a]
+base_url = "https://user:{secret}@example.com/v1"
+api_key = "{secret}"
+api_key_env = "{secret}"
+models = ["m"]
+
+[backends.b]
+base_url = "https://example.org/v1"
+api_key_env = "AKIAIOSFODNN7EXAMPLE"
+models = ["n"]
+"""
+    lines = problems(tmp_path, text)
+    assert lines == [
+        "backends.a.api_key: keys never go in this file: put the key in an environment "
+        "variable and name the variable in api_key_env",
+        "backends.a.base_url: must not carry credentials: put the key in an environment "
+        "variable and name it in api_key_env",
+        "backends.a.api_key_env: must be the name of an environment variable (letters, digits, "
+        "'_'), not the key; the value is not shown",
+        # A valid name that does not look like one (a key?) is not shown either.
+        "backends.b.api_key_env: the environment variable (name not shown) is not set or empty",
+    ]
+    assert not any(secret in line or "AKIA" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "backends: no backend: add a [backends.NAME] table"),
+        ("backends = 3", "backends: must hold one [backends.NAME] table per backend"),
+        (
+            '[backends."has space"]\nbase_url = "http://h/v1"\nmodels = ["m"]',
+            "backends.\"has space\": a backend's name is up to 64 letters, digits, '-' and "
+            "'_', starting with a letter or digit (it is sent in the X-Arona-Backend header)",
+        ),
+        (
+            '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\n[fallbacks]\nm = []',
+            'fallbacks.m: must be a list of backends to try in order, e.g. ["backup"]',
+        ),
+        (
+            '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\naliases = { m = "n" }',
+            "backends.a.aliases.m: 'm' is also in models: one or the other",
+        ),
+        (
+            '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\ntimeout_s = 0',
+            "backends.a.timeout_s: Input should be greater than 0",
+        ),
+        ('[backends.a]\nmodels = ["m"]', "backends.a.base_url: missing (it is required)"),
+    ],
+)
+def test_one_mistake_one_line(tmp_path: Path, text: str, expected: str) -> None:
+    assert problems(tmp_path, text) == [expected]
+
+
+def test_a_file_that_is_not_toml_is_one_line_with_where(tmp_path: Path) -> None:
+    [line] = problems(tmp_path, '[backends.a]\nbase_url = http://h/v1\nmodels = ["m"]\n')
+    assert line == "not valid TOML: Invalid value (at line 2, column 12)"
+
+
+def test_a_yaml_file_is_refused_with_a_pointer_to_toml(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("model_list: []\n")
+    with pytest.raises(BackendsFileError) as caught:
+        load_backends(path, ENV)
+    assert caught.value.lines == [
+        f"{path}: the backends file is TOML (a .yaml file is not read); the README shows a "
+        "LiteLLM config.yaml's parts in TOML"
+    ]
+
+
+def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.toml"
+    with pytest.raises(BackendsFileError) as caught:
+        load_backends(path, ENV)
+    assert caught.value.lines == [f"{path}: cannot read it: No such file or directory"]
+
+
+def test_a_model_no_backend_serves_cannot_have_fallbacks(tmp_path: Path) -> None:
+    text = '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\n[fallbacks]\nclaude-3 = ["a"]'
+    assert problems(tmp_path, text) == [
+        "fallbacks.claude-3: no backend serves 'claude-3': add it to a backend's models or aliases",
+        "fallbacks.claude-3[0]: backend 'a' does not serve 'claude-3': add it to its models or "
+        'aliases, or write { backend = "a", model = "…" }',
+    ]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway_http.upstream.backends_file import BackendsFile, BackendsFileError, load_backends
+from tests.support.readme import fenced_blocks, region
 
 ENV = {"OPENAI_API_KEY": "sk-openai-secret-0123456789", "ROUTER_KEY": "sk-or-secret-abcdef"}
 
@@ -237,3 +238,16 @@ def test_a_model_no_backend_serves_cannot_have_fallbacks(tmp_path: Path) -> None
         "fallbacks.claude-3[0]: backend 'a' does not serve 'claude-3': add it to its models or "
         'aliases, or write { backend = "a", model = "…" }',
     ]
+
+
+def test_the_readme_example_is_a_valid_file_routing_as_it_says(tmp_path: Path) -> None:
+    [text] = fenced_blocks(region("example", "backends"), "toml")
+    env = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a"}
+    backends = load(tmp_path, text, env)
+    assert chain(backends, "gpt-4o") == [("openai", None), ("anthropic", "claude-sonnet-4-5")]
+    assert chain(backends, "fast") == [("openai", "gpt-4o-mini")]
+    assert chain(backends, "o3-mini") == [("openai", None)]
+    # Fallbacks are keyed by the name asked: "sonnet" is not "claude-*".
+    assert chain(backends, "sonnet") == [("anthropic", "claude-sonnet-4-5")]
+    assert chain(backends, "claude-opus-4-1") == [("anthropic", None), ("openai", "gpt-4o")]
+    assert [model for model, _ in backends.listed()] == ["gpt-4o", "gpt-4o-mini", "fast", "sonnet"]

@@ -44,7 +44,8 @@ _WHY = {
     ErrorKind.BAD_INPUT: "Malformed JSON or an invalid field (the message names it)",
     ErrorKind.AUTH: "Missing or invalid API key (when ARONA_API_KEYS is set)",
     ErrorKind.FORBIDDEN: "The conversation belongs to another caller",
-    ErrorKind.NOT_FOUND: "No such conversation",
+    ErrorKind.NOT_FOUND: "No such conversation; on chat, also a model no backend serves "
+    "(code model_not_found)",
     ErrorKind.TOO_LARGE: "The body is over ARONA_HTTP_MAX_BODY_BYTES",
     ErrorKind.UNSUPPORTED_MEDIA: "The body is not sent as Content-Type: application/json",
     ErrorKind.UPSTREAM: "The upstream model failed or could not be reached",
@@ -86,7 +87,12 @@ _MEMORY_HEADER = {
         "description": "What memory did for the turn",
         "required": True,
         "schema": {"enum": ["enabled", "disabled", "offline"]},
-    }
+    },
+    "X-Arona-Backend": {
+        "description": "The backend that answered: its name in the backends file "
+        "(ARONA_BACKENDS), else upstream or echo",
+        "schema": _STRING,
+    },
 }
 _CHAT_ANSWER = {
     "description": "A chat.completion, or with stream: true its chunks as server-sent events",
@@ -168,7 +174,8 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
             "responses": {
                 "200": _json(
                     _object(["object", "data"], object={"const": "list"}, data={"type": "array"}),
-                    "The upstream's models (or echo)",
+                    "The upstream's models (or echo); with a backends file, the model names "
+                    "and aliases it routes",
                 ),
                 **_errors(ErrorKind.AUTH, ErrorKind.UPSTREAM),
             }

@@ -49,6 +49,7 @@ DEFAULT_RPC_MAX_BATCH = 50
 DEFAULT_STATUS_DETAIL_CHARS = 300
 MB = 2**20
 DEFAULT_OUTBOX_MAX_MB = 256
+DEFAULT_USAGE_REFRESH_S = 2.0
 
 
 class ConfigError(ValueError):
@@ -127,6 +128,11 @@ class Settings:
     rpc_max_batch: int = DEFAULT_RPC_MAX_BATCH
     # Characters of a memory.status event's detail; a longer one is shortened.
     memory_status_detail_chars: int = DEFAULT_STATUS_DETAIL_CHARS
+    # Usage metering (ARONA_USAGE): every answered turn recorded, monthly budgets enforced.
+    usage: bool = True
+    # How stale the budgets and the other replicas' spending a budget check sees may be
+    # (ARONA_USAGE_REFRESH_S); 0: read from the database on every budgeted turn.
+    usage_refresh_s: float = DEFAULT_USAGE_REFRESH_S
 
     @property
     def memory_enabled(self) -> bool:
@@ -235,6 +241,8 @@ class Settings:
             memory_status_detail_chars=_positive_int(
                 env, "ARONA_MEMORY_STATUS_DETAIL_CHARS", DEFAULT_STATUS_DETAIL_CHARS
             ),
+            usage=_strict_bool(env, "ARONA_USAGE", True),
+            usage_refresh_s=_seconds_or_zero(env, "ARONA_USAGE_REFRESH_S", DEFAULT_USAGE_REFRESH_S),
         )
 
     @property
@@ -302,6 +310,19 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = -1.0
     if not value > 0 or value == float("inf"):
         raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _seconds_or_zero(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = _str(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{name} must be 0 or a positive number of seconds, got {raw!r}")
     return value
 
 

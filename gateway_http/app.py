@@ -2,8 +2,8 @@
 
 ``create_app(settings)`` builds the app; its lifespan opens ONE gRPC channel to
 ``MemoryService`` (the only way this layer reaches memory), one upstream
-client, and the conversation database, and closes them on shutdown after
-giving pending writebacks a short grace period.
+client, the conversation database and the usage meter, and closes them on shutdown
+after giving pending writebacks a short grace period.
 
 Every HTTP request gets its request id in :class:`GatewayApp` (returned as
 ``X-Request-Id``), and ``GET /metrics`` serves the Prometheus exposition of
@@ -55,6 +55,7 @@ from gateway_http.turns import TurnPipeline
 from gateway_http.upstream.backend import ChatBackend
 from gateway_http.upstream.backends_file import BackendsFile
 from gateway_http.upstream.routing import Router, build_router
+from gateway_http.usage.metering import Metering
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,7 @@ def create_app(
         if db_pool is None and settings.database_url:
             db_pool = await open_pool(settings.database_url)
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
+        usage = await Metering.open(settings, db_pool, metrics) if settings.usage else None
         journal = (
             Journal(journal_path(settings.data_dir, worker)) if settings.writeback_journal else None
         )
@@ -255,7 +257,9 @@ def create_app(
         verifier = JwtVerifier(settings.jwt_secret)
         dispatcher = Dispatcher(RpcAuth(verifier, api_keys), settings.rpc_max_batch)
         rest_auth = RestAuth(api_keys, verifier)
-        gw = Gateway(settings, memory, router, conversations, pipeline, rest_auth, dispatcher)
+        gw = Gateway(
+            settings, memory, router, conversations, pipeline, rest_auth, dispatcher, usage
+        )
         register_methods(dispatcher, gw)
         app.state.gateway = gw
         # Episodes a previous run answered but could not hand over.
@@ -267,6 +271,8 @@ def create_app(
             if journal is not None:
                 journal.close()
             await router.aclose()
+            if usage is not None:
+                await usage.aclose()
             await conversations.aclose()
             if db_pool is not None and pool is None:
                 await db_pool.close()

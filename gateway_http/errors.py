@@ -32,6 +32,8 @@ class ErrorKind(enum.Enum):
     REQUEST_TIMEOUT = "request_timeout"
     UNSUPPORTED_MEDIA = "unsupported_media_type"
     UPSTREAM = "upstream"
+    # The caller's monthly budget is used up (gateway_http.usage.budgets).
+    QUOTA = "quota"
     INTERNAL = "internal"
 
 
@@ -58,6 +60,8 @@ TABLE: dict[ErrorKind, Mapping] = {
     ErrorKind.REQUEST_TIMEOUT: Mapping(408, "invalid_request_error", -32600),
     ErrorKind.UNSUPPORTED_MEDIA: Mapping(415, "invalid_request_error", -32600),
     ErrorKind.UPSTREAM: Mapping(502, "upstream_error", -32000),
+    # OpenAI's answer to an account out of credit: 429 insufficient_quota.
+    ErrorKind.QUOTA: Mapping(429, "insufficient_quota", -32000),
     ErrorKind.INTERNAL: Mapping(500, "server_error", -32603),
 }
 

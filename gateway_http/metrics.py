@@ -3,11 +3,14 @@
 - turns, by surface, memory state and outcome (recorded by each surface when its turn ends);
 - the gateway's own time per completed turn (total minus the upstream call), recall time
   and upstream time to first byte (recorded by the turn pipeline);
-- writebacks by outcome (recorded by the memory client).
+- writebacks by outcome (recorded by the memory client);
+- tokens of metered turns by kind and backend, turns refused over budget and usage records
+  given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`).
 
-Every label value is one of a few fixed words (no user text, ids or scopes), and every
-label combination is resolved once here, so recording costs a dictionary look-up and an
-addition. ``ARONA_METRICS=false`` gives :class:`NoMetrics`, whose methods do nothing.
+Every label value is one of a few fixed words (no user text, ids or scopes) or a backend's
+name from the configuration, never a principal (one series per caller would grow without
+bound), and every label combination is resolved once, so recording costs a dictionary look-up
+and an addition. ``ARONA_METRICS=false`` gives :class:`NoMetrics`, whose methods do nothing.
 Exposition (``GET /metrics``) goes through :class:`~arona_grpc.metrics.OwnMetrics`, which
 also covers ``prometheus_client``'s multiprocess mode (several HTTP worker processes).
 """
@@ -28,6 +31,9 @@ SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws")
 MEMORY_STATES = ("enabled", "disabled", "offline")
 OUTCOMES = ("ok", "upstream_error", "client_error", "cancelled")
 WRITEBACK_OUTCOMES = ("stored", "not_stored", "failed")
+# prompt and completion as the upstream reported them (or as counted when it did not);
+# memory: the memory section's share of the prompt.
+TOKEN_KINDS = ("prompt", "completion", "memory")
 # The gateway's own time per turn: tens of microseconds to tens of milliseconds.
 OVERHEAD_BUCKETS = (
     0.0001,
@@ -91,6 +97,30 @@ class GatewayMetrics:
             ("outcome",),
             registry=None,
         )
+        tokens = Counter(
+            "arona_tokens",
+            "Tokens of metered turns by kind (prompt, completion: as the upstream reported them, "
+            "or counted by the gateway when it did not; memory: the memory section's share of "
+            "the prompt) and backend.",
+            ("kind", "backend"),
+            registry=None,
+        )
+        budget_refusals = Counter(
+            "arona_budget_refusals",
+            "Turns refused before any upstream call because their principal's monthly budget "
+            "is used up.",
+            registry=None,
+        )
+        usage_dropped = Counter(
+            "arona_usage_dropped",
+            "Usage records given up: the usage store stayed unreachable while more turns "
+            "ended than the meter keeps waiting.",
+            registry=None,
+        )
+        self._tokens_counter = tokens
+        self._tokens: dict[str, tuple[Counter, Counter, Counter]] = {}
+        self._budget_refusals = budget_refusals
+        self._usage_dropped = usage_dropped
         self._turns = {
             (s, m, o): turns.labels(s, m, o)
             for s in SURFACES
@@ -101,7 +131,18 @@ class GatewayMetrics:
         self._recall = {m: recall.labels(m) for m in MEMORY_STATES}
         self._first_byte = {s: first_byte.labels(s) for s in SURFACES}
         self._writebacks = {o: writebacks.labels(o) for o in WRITEBACK_OUTCOMES}
-        self.collector = OwnMetrics((turns, overhead, recall, first_byte, writebacks))
+        self.collector = OwnMetrics(
+            (
+                turns,
+                overhead,
+                recall,
+                first_byte,
+                writebacks,
+                tokens,
+                budget_refusals,
+                usage_dropped,
+            )
+        )
 
     def registry(self) -> CollectorRegistry:
         """A registry holding these metrics (and the extra collectors)."""
@@ -127,6 +168,25 @@ class GatewayMetrics:
     def writeback(self, outcome: str) -> None:
         self._writebacks[outcome].inc()
 
+    def tokens(self, backend: str, prompt: int, completion: int, memory: int) -> None:
+        children = self._tokens.get(backend)
+        if children is None:
+            # Backends are few and named by the configuration: one set of children each.
+            children = self._tokens[backend] = (
+                self._tokens_counter.labels("prompt", backend),
+                self._tokens_counter.labels("completion", backend),
+                self._tokens_counter.labels("memory", backend),
+            )
+        for child, count in zip(children, (prompt, completion, memory), strict=True):
+            if count:
+                child.inc(count)
+
+    def budget_refused(self) -> None:
+        self._budget_refusals.inc()
+
+    def usage_dropped(self, count: int) -> None:
+        self._usage_dropped.inc(count)
+
 
 class NoMetrics(GatewayMetrics):
     """``ARONA_METRICS=false``: nothing is recorded (the turn's debug line is still logged)."""
@@ -150,4 +210,13 @@ class NoMetrics(GatewayMetrics):
         pass
 
     def writeback(self, outcome: str) -> None:
+        pass
+
+    def tokens(self, backend: str, prompt: int, completion: int, memory: int) -> None:
+        pass
+
+    def budget_refused(self) -> None:
+        pass
+
+    def usage_dropped(self, count: int) -> None:
         pass

@@ -13,6 +13,7 @@ from gateway_http.jsonrpc import Dispatcher
 from gateway_http.memory_client import MemoryClient
 from gateway_http.turns import TurnPipeline
 from gateway_http.upstream.routing import Router
+from gateway_http.usage.metering import Metering
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Gateway:
     pipeline: TurnPipeline
     rest_auth: RestAuth
     dispatcher: Dispatcher
+    # Usage metering and budgets (None: ARONA_USAGE=false).
+    usage: Metering | None = None
 
 
 def gateway_of(conn: HTTPConnection) -> Gateway:

@@ -1,6 +1,6 @@
 """JSON-RPC methods: ``chat.send``, ``memory.status``, ``memory.recall``, ``memory.delete``,
-``memory.list``, ``memory.forget`` and ``conversations.*``, registered on the transport's
-:class:`Dispatcher`.
+``memory.list``, ``memory.forget``, ``conversations.*`` and ``usage.summary``, registered on the
+transport's :class:`Dispatcher`.
 
 Every method runs as the JWT's ``sub``; failures become JSON-RPC errors through
 the one error table (:mod:`gateway_http.errors`).
@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
 from pydantic import (
@@ -38,6 +39,8 @@ from gateway_http.turns import (
     first_choice,
 )
 from gateway_http.upstream.backend import UpstreamError
+from gateway_http.usage import report
+from gateway_http.usage.records import month_of
 from gateway_http.views import conversation_errors, conversation_view
 
 P = TypeVar("P", bound=BaseModel)
@@ -108,6 +111,23 @@ class NoParams(_Params):
     pass
 
 
+class UsageSummaryParams(_Params):
+    start: NonEmpty | None = Field(None, alias="from")
+    to: NonEmpty | None = None
+    group_by: list[StrictStr] = []
+    # Whose usage: the caller's own unless an admin names another (or nobody: everyone's).
+    principal: NonEmpty | None = None
+
+    @model_validator(mode="after")
+    def _valid_query(self) -> UsageSummaryParams:
+        try:
+            report.period(self.start, self.to)
+            report.group_by(self.group_by)
+        except report.BadQuery as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
 # Each method's params: what register_methods registers, and what /openapi.json publishes
 # (gateway_http.openapi).
 METHOD_PARAMS: dict[str, type[BaseModel]] = {
@@ -121,6 +141,7 @@ METHOD_PARAMS: dict[str, type[BaseModel]] = {
     "conversations.get": ConversationParams,
     "conversations.list": NoParams,
     "conversations.delete": ConversationParams,
+    "usage.summary": UsageSummaryParams,
 }
 
 
@@ -305,6 +326,34 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         await gw.conversations.delete(params.conversation_id, ctx.user)
         return {"deleted": True}
 
+    async def usage_summary(params: UsageSummaryParams, ctx: RpcContext) -> dict[str, Any]:
+        """Tokens by principal, user, model, backend or day: the caller's own, or (an admin)
+        anyone's."""
+        usage = gw.usage
+        if usage is None:
+            raise GatewayError(
+                ErrorKind.NOT_CONFIGURED, "usage metering is off (ARONA_USAGE=false)", "usage_off"
+            )
+        principal: str | None = ctx.user
+        if ctx.admin:
+            principal = params.principal
+        elif params.principal is not None and params.principal != ctx.user:
+            raise GatewayError(
+                ErrorKind.NOT_ALLOWED,
+                "Not allowed: another principal's usage needs an admin token",
+                "admin_required",
+            )
+        when = report.period(params.start, params.to)
+        groups = report.group_by(params.group_by)
+        summary = await usage.summary(report.query(when, groups, principal))
+        result = report.answer(when, groups, summary)
+        if principal is not None:
+            budget = usage.budget_of(principal)
+            if budget is not None:
+                spent = await usage.spent_this_month(principal)
+                result["budget"] = report.budget_view(budget, spent, month_of(datetime.now(UTC)))
+        return result
+
     def chat_send_refused(websocket: bool) -> None:
         gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
 
@@ -319,6 +368,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         "conversations.get": conversations_get,
         "conversations.list": conversations_list,
         "conversations.delete": conversations_delete,
+        "usage.summary": usage_summary,
     }
     refused = {"chat.send": chat_send_refused}
     for name, params in METHOD_PARAMS.items():

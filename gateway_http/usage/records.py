@@ -121,10 +121,27 @@ class Spent:
     def __add__(self, other: Spent) -> Spent:
         return Spent(self.tokens + other.tokens, self.cost_micro + other.cost_micro)
 
+    def __sub__(self, other: Spent) -> Spent:
+        return Spent(self.tokens - other.tokens, self.cost_micro - other.cost_micro)
+
     def over(self, budget: Budget) -> bool:
         """Whether this much spending has used ``budget`` up."""
         return (budget.tokens is not None and self.tokens >= budget.tokens) or (
             budget.cost_micro is not None and self.cost_micro >= budget.cost_micro
+        )
+
+
+@dataclass(frozen=True)
+class Price:
+    """A model's price per million tokens, in the prices' currency (the backends file)."""
+
+    input_per_million: float
+    output_per_million: float
+
+    def cost_micro(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """In millionths of the currency: per million tokens, a price is micros per token."""
+        return round(
+            prompt_tokens * self.input_per_million + completion_tokens * self.output_per_million
         )
 
 

@@ -73,7 +73,7 @@ SETTLE_MAX_S = 5.0
 BLACKHOLE_TIMEOUT_S = "0.5"
 # The gateways that share the run's store of the default configuration.
 DEFAULT_STORE_GATEWAYS = frozenset(
-    {"gw_on", "gw_unary", "gw_nometrics", "gw_nojournal", "gw_workers", "gw_pg"}
+    {"gw_on", "gw_unary", "gw_nometrics", "gw_nojournal", "gw_workers", "gw_pg", "gw_routing"}
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
 # and recall alone inside the store process.
@@ -142,6 +142,12 @@ CONFIGS = (
         "mem_on_nometrics",
         "3m. gateway, memory enabled, ARONA_METRICS=false",
         "gw_nometrics",
+        expect="enabled",
+    ),
+    Config(
+        "mem_routing",
+        "3r. gateway, memory enabled, two backends (ARONA_BACKENDS; the model by glob)",
+        "gw_routing",
         expect="enabled",
     ),
     Config(
@@ -365,6 +371,42 @@ def start_gateway(run: Run, name: str, extra: dict[str, str], only: str | None =
             run.ports[name] = int(part.rsplit(":", 1)[1])
         elif part:
             run.grpc_targets[name] = part
+
+
+# Row 3r: the gateway of row 3 with a backends file instead of ARONA_UPSTREAM_URL. Two
+# backends (both the bench upstream, under two names); the benchmark's model is served by the
+# second one's glob, with the first as its fallback (never needed: the upstream never fails).
+ROUTING_WITHIN = 1.05
+ROUTING_BACKENDS = """
+[backends.first]
+base_url = "{url}"
+api_key_env = "BENCH_FIRST_KEY"
+models = ["gpt-4o", "gpt-*", "claude-*"]
+aliases = {{ fast = "gpt-4o-mini" }}
+
+[backends.second]
+base_url = "{url}"
+api_key_env = "BENCH_SECOND_KEY"
+models = ["bench-*"]
+
+[fallbacks]
+"bench-*" = [{{ backend = "first", model = "{model}" }}]
+"""
+
+
+def start_routing_gateway(run: Run, memory: dict[str, str]) -> None:
+    path = run.work / "backends.toml"
+    url = f"http://127.0.0.1:{run.ports['upstream']}/v1"
+    path.write_text(ROUTING_BACKENDS.format(url=url, model=MODEL))
+    extra = {
+        **memory,
+        "ARONA_BACKENDS": str(path),
+        # Empty is unset: the backends file names the upstreams.
+        "ARONA_UPSTREAM_URL": "",
+        "BENCH_FIRST_KEY": "sk-bench-first-unused",
+        "BENCH_SECOND_KEY": "sk-bench-second-unused",
+    }
+    start_gateway(run, "gw_routing", extra)
 
 
 def start_litellm(run: Run, binary: str) -> Proc:
@@ -660,6 +702,8 @@ def execute(run: Run) -> None:
         start_gateway(run, "gw_nometrics", {**memory, "ARONA_METRICS": "false"})
     if "gw_nojournal" in needed:
         start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
+    if "gw_routing" in needed:
+        start_routing_gateway(run, memory)
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if "gw_pg" in needed:
@@ -979,6 +1023,14 @@ def targets(run: Run) -> list[list[str]]:
         "mem_on",
         "mem_on_nometrics",
     )
+    if have("mem_routing", "mem_on", "direct"):
+        ours, reference = added("mem_routing"), added("mem_on")
+        add(
+            f"two-backend routing (3r): memory turn's added p50 ≤ {ROUTING_WITHIN:.2f} × one "
+            "upstream's (3), c=1",
+            f"{ratio(ours, reference):.2f}× ({ours:.3f} ms vs {reference:.3f} ms)",
+            ratio(ours, reference) <= ROUTING_WITHIN,
+        )
     return out
 
 

@@ -185,7 +185,6 @@ class Router:
     ) -> dict[str, Any]:
         """The whole reply of the first target that gives one, trying the next on a failure
         worth it; the last failure propagates."""
-        last = len(route) - 1
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
@@ -193,16 +192,15 @@ class Router:
                 completion = await target.backend.complete(target.body(body))
             except UpstreamError as exc:
                 attempt.end(exc.reason, exc)
-                if exc.retryable and index < last:
-                    self._falling_back(attempt, exc, route[index + 1])
+                if self._fall_back(attempt, exc, route, index):
                     continue
                 raise
             except BaseException:
+                # Cancelled (the client left), or a failure that is not the upstream's.
                 attempt.end(CANCELLED)
                 raise
             attempt.first = time.perf_counter()
-            usage = completion.get("usage")
-            attempt.usage = usage if isinstance(usage, dict) else None
+            _note_usage(attempt, completion)
             attempt.end(OK)
             return completion
         raise AssertionError("a route has at least one target")
@@ -213,7 +211,6 @@ class Router:
         """The chunks of the first target whose stream starts, trying the next while no chunk
         has arrived; once one has, the stream is that backend's to its end (a failure then
         propagates, never a replay). Close it to stop early: the upstream request ends too."""
-        last = len(route) - 1
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
@@ -226,20 +223,15 @@ class Router:
                     return
                 except UpstreamError as exc:
                     attempt.end(exc.reason, exc)
-                    if exc.retryable and index < last:
-                        self._falling_back(attempt, exc, route[index + 1])
+                    if self._fall_back(attempt, exc, route, index):
                         continue
                     raise
                 attempt.first = time.perf_counter()
-                while True:
-                    usage = chunk.get("usage")
-                    if usage is not None:
-                        attempt.usage = usage if isinstance(usage, dict) else None
+                _note_usage(attempt, chunk)
+                yield chunk
+                async for chunk in chunks:
+                    _note_usage(attempt, chunk)
                     yield chunk
-                    try:
-                        chunk = await anext(chunks)
-                    except StopAsyncIteration:
-                        break
                 attempt.end(OK)
                 return
             except UpstreamError as exc:
@@ -252,15 +244,20 @@ class Router:
                     attempt.end(CANCELLED)
                 await chunks.aclose()  # type: ignore[attr-defined]
 
-    def _falling_back(self, attempt: Attempt, exc: UpstreamError, then: Target) -> None:
+    def _fall_back(self, attempt: Attempt, exc: UpstreamError, route: Route, index: int) -> bool:
+        """Whether the target after ``route[index]`` is to be asked, after ``exc`` (said so in
+        the log when it is)."""
+        if not exc.retryable or index + 1 >= len(route):
+            return False
         logger.warning(
             "backend %s failed for model %s (%s%s); trying backend %s",
             attempt.backend,
             attempt.model,
             exc.reason,
             f" {exc.status}" if exc.status is not None else "",
-            then.name,
+            route[index + 1].name,
         )
+        return True
 
     async def models(self) -> dict[str, Any]:
         """``GET /v1/models``: the names a backends file routes by name (globs cannot be
@@ -273,6 +270,13 @@ class Router:
         if self._owns_backends:
             for backend in self._backends:
                 await backend.aclose()
+
+
+def _note_usage(attempt: Attempt, answer: dict[str, Any]) -> None:
+    """Keep the ``usage`` object of a reply or chunk (a stream's comes in its last chunk)."""
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        attempt.usage = usage
 
 
 def _attempt(target: Target, body: dict[str, Any]) -> Attempt:

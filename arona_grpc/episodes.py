@@ -18,6 +18,7 @@ answer only once its entry is committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -30,12 +31,16 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from arona_grpc.database import is_unavailable, sqlite_migrate
+from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 INDEX_FILE = "episodes.db"
+INDEX_PART = "episode index"
+# What an entry the index cannot take costs.
+INDEX_COST = "stored episodes are missing from memory.list and memory.forget"
 PREVIEW_CHARS = 120
 _SQLITE_STEPS = (
     """
@@ -139,10 +144,13 @@ class EpisodeIndex(Protocol):
 
 
 class SqliteEpisodeIndex:
-    """:class:`EpisodeIndex` in one SQLite file, written by one worker thread."""
+    """:class:`EpisodeIndex` in one SQLite file, written by one worker thread; a write that
+    fails is reported to ``storage`` (said once per fault), or logged without one."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, storage: StorageFaults | None = None) -> None:
         self.path = data_dir / INDEX_FILE
+        self._storage = storage
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episode-index")
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
@@ -153,6 +161,8 @@ class SqliteEpisodeIndex:
     def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
         if self._closed:
             return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         entry = _entry(node_id, scope_id, text, scoped)
         with self._lock:
             self._queued.append(entry)
@@ -262,10 +272,24 @@ class SqliteEpisodeIndex:
                     " VALUES (?, ?, ?, ?, ?)",
                     queued,
                 )
-        except sqlite3.Error as exc:
-            logger.error(
-                "episode index %s: %d entr(ies) not recorded: %s", self.path, len(queued), exc
-            )
+        except (sqlite3.Error, OSError) as exc:
+            self._said(exc)
+            return
+        self._said(None)
+
+    def _said(self, exc: BaseException | None) -> None:
+        """A flush's outcome, to the storage faults on the event loop (or to the log)."""
+        storage, loop = self._storage, self._loop
+        if storage is None or loop is None or loop.is_closed():
+            if exc is not None:
+                logger.error("episode index %s: entries not recorded: %s", self.path, exc)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody to tell
+            if exc is None:
+                if storage.failing(INDEX_PART):
+                    loop.call_soon_threadsafe(storage.succeeded, INDEX_PART)
+                return
+            loop.call_soon_threadsafe(storage.failed, INDEX_PART, str(self.path), exc, INDEX_COST)
 
     def _close(self) -> None:
         self._flush()
@@ -394,9 +418,12 @@ class PostgresEpisodeIndex:
             raise
 
 
-def open_index(data_dir: Path, pool: Any | None, url: str | None) -> EpisodeIndex:
-    """PostgreSQL when a pool is given, else ``episodes.db`` under ``data_dir``."""
+def open_index(
+    data_dir: Path, pool: Any | None, url: str | None, *, storage: StorageFaults | None = None
+) -> EpisodeIndex:
+    """PostgreSQL when a pool is given, else ``episodes.db`` under ``data_dir`` (whose write
+    faults go to ``storage``)."""
     if pool is not None:
         assert url is not None
         return PostgresEpisodeIndex(pool, url)
-    return SqliteEpisodeIndex(data_dir)
+    return SqliteEpisodeIndex(data_dir, storage)

@@ -32,10 +32,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from arona_grpc.breaker import BreakerState, CircuitBreaker
+from arona_grpc.storage import StorageFaults
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 PHILIA_METHODS = ("query", "store", "delete")
+# The gRPC service's files (arona_grpc.storage).
+SERVICE_STORAGE_PARTS = ("outbox", "episode index")
 PHILIA_OUTCOMES = ("ok", "error", "timeout")
 # Seconds: from half a millisecond (a loopback call) to the longest RPC timeout one expects.
 LATENCY_BUCKETS = (
@@ -134,6 +137,27 @@ class WatchedService(Protocol):
     @property
     def client(self) -> PhiliaLink | None: ...
 
+    @property
+    def storage(self) -> StorageFaults: ...
+
+
+STORAGE_FAILING = "arona_storage_write_failing"
+
+
+def storage_gauge(storage: StorageFaults, parts: Sequence[str]) -> GaugeMetricFamily:
+    """``arona_storage_write_failing{part}``: 1 while a part's writes fail, else 0 (read from
+    ``storage`` when scraped, which first tries the failing parts' directories again)."""
+    storage.recheck()
+    gauge = GaugeMetricFamily(
+        STORAGE_FAILING,
+        "1 while writes to this part's file fail (a full disk, a read-only file system, "
+        "permissions), else 0.",
+        labels=("part",),
+    )
+    for part in parts:
+        gauge.add_metric((part,), 1.0 if storage.failing(part) else 0.0)
+    return gauge
+
 
 class ServiceMetrics:
     """The gRPC service's metrics; :attr:`collector` exposes them."""
@@ -217,6 +241,7 @@ class ServiceMetrics:
             "dead-letter list, as the outbox counts them.",
             value=float(outbox.dead_letters if outbox is not None else 0),
         )
+        yield storage_gauge(domain.storage, SERVICE_STORAGE_PARTS)
         client = domain.client
         yield CounterMetricFamily(
             "arona_philia_reconnects",

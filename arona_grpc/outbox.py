@@ -485,7 +485,7 @@ class Outbox(_Kept):
             if job.cancelled():
                 done.cancel()
             elif (exc := job.exception()) is not None:
-                logger.error("could not keep an episode in the outbox: %s", exc)
+                # Said by the service, once per fault (arona_grpc.storage).
                 done.set_exception(exc)
             else:
                 seq, counts = job.result()

@@ -82,6 +82,7 @@ from arona_grpc.scopes import (
     scoped_node_type,
 )
 from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
+from arona_grpc.storage import StorageFault, StorageFaults, write_error
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,8 @@ class StatusSnapshot:
     dead_letters: int = 0
     # The newest dead letters, newest first (no text).
     recent_dead_letters: tuple[DeadLetter, ...] = ()
+    # The service's files that cannot be written now (arona_grpc.storage).
+    storage_faults: tuple[StorageFault, ...] = ()
 
 
 class MemoryDomainError(Exception):
@@ -362,6 +365,11 @@ class _InFlight:
     kept: bool = False
 
 
+OUTBOX_PART = "outbox"
+# What a write the outbox cannot take loses.
+OUTBOX_FAULT_COST = "episodes Philia cannot take now are lost until it can be written"
+
+
 class ScopeModeRefused(ConfigError):
     """The index holds per-user memories and the service was asked to share memory."""
 
@@ -412,6 +420,8 @@ class MemoryDomain:
         if self.metrics is not None:
             self.metrics.watch(self)
         self._user_scoped = settings.user_scoped
+        # Which of the service's files cannot be written now: said once, shown by Status.
+        self.storage = StorageFaults()
         self._client: PhiliaClient | None = None
         self._index: EpisodeIndex | None = None
         if settings.memory_enabled:
@@ -424,7 +434,9 @@ class MemoryDomain:
                 metrics=self.metrics,
             )
             # Lazy too: the file appears with the first episode (or the first List).
-            self._index = index or open_index(settings.data_dir, pool, settings.database_url)
+            self._index = index or open_index(
+                settings.data_dir, pool, settings.database_url, storage=self.storage
+            )
         # (kind, detail, wall-clock seconds, scope id): a turn records one or two events,
         # Status reads them rarely, so the MemoryEvent and its datetime are made only then.
         self._events: deque[tuple[EventKind, str, float, str]] = deque(maxlen=EVENT_BUFFER_SIZE)
@@ -659,7 +671,12 @@ class MemoryDomain:
                 already_kept, record.kept = record.kept, True
                 raise await self._bury(episode, exc, queued=already_kept) from None
             # Recorded before the outbox write, so Status shows the failure at once.
-            error = self._fault("writeback", exc, sid, " (queued in the outbox)")
+            kept = (
+                " (queued in the outbox)"
+                if not self.storage.failing(OUTBOX_PART)
+                else " (lost: the outbox cannot be written)"
+            )
+            error = self._fault("writeback", exc, sid, kept)
             if not record.kept:
                 record.kept = True
                 await self._keep(episode)
@@ -753,6 +770,7 @@ class MemoryDomain:
     def status(self, limit: int = 0) -> StatusSnapshot:
         """Configuration, breaker, outbox and the most recent events, newest first."""
         limit = min(limit or DEFAULT_STATUS_LIMIT, EVENT_BUFFER_SIZE)
+        self.storage.recheck()
         newest_first = tuple(
             MemoryEvent(kind, detail, datetime.fromtimestamp(at, UTC), sid)
             for kind, detail, at, sid in itertools.islice(reversed(self._events), limit)
@@ -770,6 +788,7 @@ class MemoryDomain:
             outbox_bytes=outbox.bytes if outbox is not None else 0,
             dead_letters=outbox.dead_letters if outbox is not None else 0,
             recent_dead_letters=outbox.recent_dead_letters if outbox is not None else (),
+            storage_faults=self.storage.current(),
         )
 
     async def aclose(self, grace_s: float = 5.0) -> None:
@@ -830,11 +849,14 @@ class MemoryDomain:
         except OutboxClosed:
             raise MemoryUnavailable("the memory service is stopped; the episode is lost") from None
         except Exception as exc:  # the disk: full, read-only, corrupt file
-            logger.error("could not keep an episode in the outbox: %s", type(exc).__name__)
-            self._record(
-                EventKind.ERROR, "outbox write failed: an episode was lost", episode.scope_id
-            )
+            if self.storage.failed(OUTBOX_PART, self._outbox.where, exc, OUTBOX_FAULT_COST):
+                self._record(
+                    EventKind.ERROR,
+                    f"cannot write the outbox: {write_error(exc)}; {OUTBOX_FAULT_COST}",
+                    "",
+                )
             raise MemoryUnavailable("writeback failed and the outbox could not keep it") from None
+        self.storage.succeeded(OUTBOX_PART)
         episode.kept = True
         self._kick_replay()
         return seq

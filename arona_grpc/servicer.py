@@ -384,6 +384,14 @@ def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
         outbox_bytes=snapshot.outbox_bytes,
         dead_letters=snapshot.dead_letters,
     )
+    for fault in snapshot.storage_faults:
+        failing = reply.storage_faults.add(
+            part=fault.part,
+            where=fault.where,
+            reason=fault.reason,
+            failed_writes=fault.failed_writes,
+        )
+        failing.since.FromNanoseconds(int(fault.since * 1e6) * 1000)
     for dead in snapshot.recent_dead_letters:
         item = reply.recent_dead_letters.add(
             reason=dead.reason, chars=dead.chars, scope_id=dead.scope_id

@@ -44,6 +44,7 @@ import functools
 import hmac
 import logging
 import os
+import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -58,6 +59,7 @@ from typing import Any, TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from arona_grpc.storage import StorageFaults, write_error
 from arona_store import jsonrpc
 from arona_store.jsonrpc import Call, JsonId, RpcError
 from arona_store.nodes import StoreError, key_of
@@ -81,6 +83,9 @@ WRITE_BATCH_MAX = 64
 # Philia answers a stalled handler with -32603 after about 8 s; so do we.
 HANDLER_TIMEOUT_S = 8.0
 DEFAULT_PORT = 8424
+STORE_PART = "memory store"
+# What a store the database cannot take costs.
+STORE_COST = "stores are refused until it can be written"
 # Hybrid ranking: recalls embed their query outside the store's read lock, so two can use two
 # cores at once (a recall is mostly the model's few milliseconds).
 RECALL_THREADS = 2
@@ -226,6 +231,8 @@ class StoreServer:
         recall_executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.store = store
+        # The database's write faults: said once, not a traceback per refused store.
+        self._storage = StorageFaults()
         self._executor = executor
         # Hybrid ranking only: the model's threads (module docstring).
         self._embed_executor = embed_executor
@@ -613,10 +620,19 @@ class StoreServer:
                         functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
             except Exception as err:
+                if isinstance(err, sqlite3.Error):
+                    # The disk (full, read-only, permissions): one line per fault, and a
+                    # refusal that says so instead of "Internal error".
+                    self._storage.failed(STORE_PART, str(self.store.path), err, STORE_COST)
+                    err = RpcError(
+                        jsonrpc.INTERNAL_ERROR,
+                        f"the memory store cannot write its database: {write_error(err)}",
+                    )
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(err)
                 continue
+            self._storage.succeeded(STORE_PART)
             for (_, done), node_id in zip(batch, ids, strict=True):
                 if not done.done():
                     done.set_result(node_id)
@@ -697,6 +713,9 @@ class StoreServer:
         """One WAL checkpoint (worker thread); a failure is logged, the next one retries."""
         try:
             self.store.checkpoint()
+        except sqlite3.Error as exc:
+            # A disk that takes no writes is said by the stores themselves.
+            logger.debug("memory store checkpoint failed: %s", exc)
         except Exception:
             logger.warning("memory store checkpoint failed", exc_info=True)
 

@@ -31,6 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from arona_grpc.config import Settings
 from arona_grpc.database import open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
+from arona_grpc.storage import StorageFaults
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
 from gateway_http.bodies import DisconnectLog
 from gateway_http.conversations import open_conversations
@@ -203,6 +204,10 @@ def create_app(
         else build_router(settings.upstream_url, settings.upstream_api_key, backends)
     )
     metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
+    # Which of this process's files cannot be written now: said once, shown by memory.status
+    # and /metrics.
+    storage = StorageFaults()
+    metrics.watch_storage(storage)
     # Likewise an unreadable ARONA_GRPC_TLS_CA (read here to fail early, and again by the
     # lifespan when it opens the channel).
     if memory_client is None:
@@ -236,7 +241,9 @@ def create_app(
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
         usage = await Metering.open(settings, db_pool, metrics) if settings.usage else None
         journal = (
-            Journal(journal_path(settings.data_dir, worker)) if settings.writeback_journal else None
+            Journal(journal_path(settings.data_dir, worker), storage)
+            if settings.writeback_journal
+            else None
         )
         pipeline = TurnPipeline(
             memory,
@@ -245,6 +252,7 @@ def create_app(
             user_scoped=settings.user_scoped,
             journal=journal,
             metrics=metrics,
+            storage=storage,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:

@@ -23,6 +23,7 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -143,6 +144,23 @@ def _url_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """``ARONA_DATA_DIR`` exists (made when missing) and takes a file, or one line saying
+    what to do: every part keeps files there (conversations, the writeback journal, the
+    outbox, the episode index, the embedded store's memories)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".arona-write-check-", dir=data_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StartupError(
+            f"ARONA_DATA_DIR {data_dir} is not a writable directory "
+            f"({exc.strerror or type(exc).__name__}): make it writable for this user, or set "
+            "ARONA_DATA_DIR to one that is"
+        ) from None
 
 
 def load_dev_secrets(data_dir: Path) -> dict[str, str]:
@@ -814,6 +832,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         _configure_logging(settings, backends)
+        if args.command in ("up", "serve", "store"):
+            check_data_dir(settings.data_dir)
         if args.command == "up" or (args.command == "serve" and only != "http"):
             # Before any part starts: a gRPC listener it would refuse (beyond loopback
             # without a token, unusable TLS files) is one line, nothing started and stopped.

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arona_grpc.storage import StorageFaults
+
 logger = logging.getLogger(__name__)
 
 # The longest an episode the service took stays in the journal when no turn comes.
@@ -173,10 +175,20 @@ def _lock(path: Path) -> int | None:
         os.close(fd)
 
 
-class Journal:
-    """Episodes answered but not yet taken by the memory service; see the module docstring."""
+JOURNAL_PART = "journal"
+# What a turn the journal cannot take costs (its writeback still goes out).
+JOURNAL_COST = (
+    "answered turns are not kept against a crash of this process until it can be written "
+    "(their writebacks still go out)"
+)
 
-    def __init__(self, path: Path) -> None:
+
+class Journal:
+    """Episodes answered but not yet taken by the memory service; see the module docstring.
+    A write of drops that fails is reported to ``storage`` (said once per fault)."""
+
+    def __init__(self, path: Path, storage: StorageFaults | None = None) -> None:
+        self._storage = storage
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _lock(path)
         if fd is None:
@@ -272,7 +284,10 @@ class Journal:
                 self._rewrite()
         except OSError as exc:
             # Sent again after a restart, and known by its id while it waits in the outbox.
-            logger.warning("could not write %d journal drop(s): %s", len(dropped), exc)
+            if self._storage is None:
+                logger.warning("could not write %d journal drop(s): %s", len(dropped), exc)
+            else:
+                self._storage.failed(JOURNAL_PART, str(self.path), exc, JOURNAL_COST)
 
     def pending(self) -> list[Journaled]:
         """Every episode still journaled, oldest first."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -27,7 +27,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
-from arona_grpc.service import DATABASE_UNAVAILABLE
+from arona_grpc.service import DATABASE_UNAVAILABLE, OUTBOX_PART
 from arona_grpc.service import NOT_INDEXED as NOT_INDEXED  # a Delete's reasons, for rpc
 from arona_grpc.service import OTHER_SCOPE as OTHER_SCOPE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
@@ -187,6 +187,19 @@ def _dead_letter_view(dead: pb.DeadLetter) -> dict[str, Any]:
     if dead.scope_id:
         view["scope_id"] = dead.scope_id
     return view
+
+
+def storage_fault_view(
+    part: str, where: str, reason: str, since: datetime, failed_writes: int
+) -> dict[str, Any]:
+    """``{part, file, reason, since, failed_writes}``: a file that cannot be written now."""
+    return {
+        "part": part,
+        "file": where,
+        "reason": reason,
+        "since": rfc3339_ms(since),
+        "failed_writes": failed_writes,
+    }
 
 
 class MemoryClient:
@@ -446,7 +459,16 @@ class MemoryClient:
             "dead_letters": reply.dead_letters,
             "dead_letters_recent": [_dead_letter_view(d) for d in reply.recent_dead_letters],
             "scope": _SCOPE_MODES.get(reply.scope_mode, "shared"),
+            "storage_faults": [
+                storage_fault_view(
+                    f.part, f.where, f.reason, f.since.ToDatetime(tzinfo=UTC), f.failed_writes
+                )
+                for f in reply.storage_faults
+            ],
         }
+        if any(f.part == OUTBOX_PART for f in reply.storage_faults):
+            # Not a count to trust: what the outbox could not keep is lost, not counted.
+            result["outbox_depth"] = None
         watch = self._replicas
         if isinstance(watch, str):
             result["replicas"] = [replica_view(watch)]

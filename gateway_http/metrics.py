@@ -21,12 +21,16 @@ import logging
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from arona_grpc.metrics import LATENCY_BUCKETS, OwnMetrics
+from arona_grpc.metrics import LATENCY_BUCKETS, OwnMetrics, storage_gauge
+from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 
+# This process's files (arona_grpc.storage).
+HTTP_STORAGE_PARTS = ("journal",)
 SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws")
 MEMORY_STATES = ("enabled", "disabled", "offline")
 OUTCOMES = ("ok", "upstream_error", "client_error", "cancelled")
@@ -131,6 +135,7 @@ class GatewayMetrics:
         self._recall = {m: recall.labels(m) for m in MEMORY_STATES}
         self._first_byte = {s: first_byte.labels(s) for s in SURFACES}
         self._writebacks = {o: writebacks.labels(o) for o in WRITEBACK_OUTCOMES}
+        self._storage: StorageFaults | None = None
         self.collector = OwnMetrics(
             (
                 turns,
@@ -141,8 +146,17 @@ class GatewayMetrics:
                 tokens,
                 budget_refusals,
                 usage_dropped,
-            )
+            ),
+            self._live,
         )
+
+    def watch_storage(self, storage: StorageFaults) -> None:
+        """Show whether this process's files (its journal) can be written, when scraped."""
+        self._storage = storage
+
+    def _live(self) -> Iterable[Metric]:
+        if self._storage is not None:
+            yield storage_gauge(self._storage, HTTP_STORAGE_PARTS)
 
     def registry(self) -> CollectorRegistry:
         """A registry holding these metrics (and the extra collectors)."""
@@ -192,6 +206,9 @@ class NoMetrics(GatewayMetrics):
     """``ARONA_METRICS=false``: nothing is recorded (the turn's debug line is still logged)."""
 
     def __init__(self) -> None:
+        pass
+
+    def watch_storage(self, storage: StorageFaults) -> None:
         pass
 
     def registry(self) -> CollectorRegistry:

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arona_grpc.database import DatabaseUnavailable
+from arona_grpc.storage import StorageFaults
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import ErrorKind, GatewayError
-from gateway_http.journal import Journal, Journaled
+from gateway_http.journal import JOURNAL_COST, JOURNAL_PART, Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.messages import is_memory_section, last_user_text, message_text
 from gateway_http.metrics import GatewayMetrics, NoMetrics
@@ -123,8 +124,12 @@ class TurnPipeline:
         user_scoped: bool = False,
         journal: Journal | None = None,
         metrics: GatewayMetrics | None = None,
+        storage: StorageFaults | None = None,
     ) -> None:
         self._memory = memory
+        # This process's files that cannot be written now (the journal): said once, shown
+        # by memory.status.
+        self.storage = storage or StorageFaults()
         self.metrics = metrics or NoMetrics()
         # Episodes answered but not yet taken by the memory service (durable before answered).
         self._journal = journal
@@ -337,17 +342,19 @@ class TurnPipeline:
         if self._journal is None:
             return None
         try:
-            return self._journal.add(user, assistant, scope)
+            entry = self._journal.add(user, assistant, scope)
         except OSError as exc:
-            logger.error("could not journal an episode: %s", exc)
+            self.storage.failed(JOURNAL_PART, str(self._journal.path), exc, JOURNAL_COST)
             return None
+        self.storage.succeeded(JOURNAL_PART)
+        return entry
 
     def _journal_drop(self, entry: int) -> None:
         assert self._journal is not None
         try:
             self._journal.drop(entry)
         except OSError as exc:
-            logger.warning("could not drop a journaled episode (it will be sent again): %s", exc)
+            self.storage.failed(JOURNAL_PART, str(self._journal.path), exc, JOURNAL_COST)
 
     def replay_journal(self) -> None:
         """Send again what the journal holds (at start, and once the service answers again)."""

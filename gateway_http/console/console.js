@@ -243,12 +243,33 @@
     breaker.textContent = s.breaker || "—";
     breaker.className = "badge breaker-" + (s.breaker || "unknown");
     time("breaker-opened-at", s.breaker_opened_at);
-    text("outbox-depth", s.outbox_depth);
+    // null while the outbox cannot be written: what it could not keep is lost, not counted.
+    text("outbox-depth", s.outbox_depth === null ? "unknown (cannot be written)" : s.outbox_depth);
     text("outbox-dropped", s.outbox_dropped);
     text("outbox-dead-letters", s.dead_letters);
+    renderStorage(s.storage_faults || []);
     text("replicas", describeReplicas(s.replicas, s.answered_by));
     time("refreshed", new Date().toISOString());
     renderEvents(s.events || []);
+  }
+
+  // "all writable", or each file that cannot be written: "outbox (outbox.db): database or disk
+  // is full, since 14:02:11, 50 failed writes".
+  function renderStorage(faults) {
+    const dd = $("storage");
+    dd.className = faults.length ? "storage-bad" : "";
+    if (!faults.length) {
+      dd.textContent = "all writable";
+      return;
+    }
+    const parts = document.createDocumentFragment();
+    faults.forEach((f, i) => {
+      if (i) parts.appendChild(document.createElement("br"));
+      parts.appendChild(document.createTextNode(f.part + " (" + f.file + "): " + f.reason + ", since "));
+      parts.appendChild(timeNode(f.since));
+      parts.appendChild(document.createTextNode(", " + f.failed_writes + " failed writes"));
+    });
+    dd.replaceChildren(parts);
   }
 
   // A cell; its label heads it where a narrow screen shows each row as a block.

@@ -28,7 +28,12 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
-from gateway_http.memory_client import DISABLED, NOT_INDEXED, OTHER_SCOPE
+from gateway_http.memory_client import (
+    DISABLED,
+    NOT_INDEXED,
+    OTHER_SCOPE,
+    storage_fault_view,
+)
 from gateway_http.routes.rest import turn_outcome
 from gateway_http.state import Gateway
 from gateway_http.turns import (
@@ -262,7 +267,19 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         if user_scoped and not ctx.admin:
             # Every user's recent questions are in it.
             raise _not_allowed("memory.status")
-        return await gw.memory.status(params.limit)
+        status = await gw.memory.status(params.limit)
+        gw.pipeline.storage.recheck()
+        # This HTTP process's own files (its journal) after the memory service's.
+        status["storage_faults"] = [
+            *status.get("storage_faults", ()),
+            *(
+                storage_fault_view(
+                    f.part, f.where, f.reason, datetime.fromtimestamp(f.since, UTC), f.failed_writes
+                )
+                for f in gw.pipeline.storage.current()
+            ),
+        ]
+        return status
 
     async def memory_recall(params: RecallParams, ctx: RpcContext) -> dict[str, Any]:
         """What a turn asking ``query`` would recall and inject, without a turn."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import re
 import signal
 import sys
@@ -31,6 +32,15 @@ def gateway_env(data_dir: Path, extra: Mapping[str, str] | None = None) -> dict[
     env.update(ARONA_DATA_DIR=str(data_dir), ARONA_HTTP_PORT="0", ARONA_GRPC_PORT="0")
     env.update(extra or {})
     return env
+
+
+def _as_user(user: str | None, command: list[str]) -> list[str]:
+    """``command``, run as the system user ``user`` (its uid and group) when one is given."""
+    if user is None:
+        return command
+    entry = pwd.getpwnam(user)
+    ids = [f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups"]
+    return ["setpriv", *ids, *command]
 
 
 def level_of(line: str) -> str | None:
@@ -74,9 +84,7 @@ async def served(
     ``user`` runs it as that system user (``setpriv``, as root), the way a service account
     runs it, so that file permissions apply to it.
     """
-    command = [COMMAND, "serve", *argv]
-    if user is not None:
-        command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
+    command = _as_user(user, [COMMAND, "serve", *argv])
     process = await asyncio.create_subprocess_exec(
         *command,
         env=gateway_env(data_dir, env),
@@ -114,9 +122,7 @@ async def run(
     data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
 ) -> tuple[int, str]:
     """``arona-gateway ARGV`` to its end: the exit code and all it wrote to stderr."""
-    command = [COMMAND, *argv]
-    if user is not None:
-        command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
+    command = _as_user(user, [COMMAND, *argv])
     process = await asyncio.create_subprocess_exec(
         *command,
         env=gateway_env(data_dir, env),

@@ -389,6 +389,7 @@ class StatusResponse(_message.Message):
     OUTBOX_BYTES_FIELD_NUMBER: _builtins.int
     DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     RECENT_DEAD_LETTERS_FIELD_NUMBER: _builtins.int
+    STORAGE_FAULTS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     writeback: _builtins.bool
     breaker: Global___BreakerState.ValueType
@@ -416,6 +417,13 @@ class StatusResponse(_message.Message):
     def recent_dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]:
         """The most recent of them, newest first."""
 
+    @_builtins.property
+    def storage_faults(self) -> _containers.RepeatedCompositeFieldContainer[Global___StorageFault]:
+        """The service's files that cannot be written now (the outbox, the episode
+        index), the longest-failing first; empty when every write succeeds. While
+        the outbox is among them, outbox_depth counts only what it kept before.
+        """
+
     def __init__(
         self,
         *,
@@ -430,14 +438,57 @@ class StatusResponse(_message.Message):
         outbox_bytes: _builtins.int = ...,
         dead_letters: _builtins.int = ...,
         recent_dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
+        storage_faults: _abc.Iterable[Global___StorageFault] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["breaker_opened_at", b"breaker_opened_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "dead_letters", b"dead_letters", "enabled", b"enabled", "events", b"events", "outbox_bytes", b"outbox_bytes", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "recent_dead_letters", b"recent_dead_letters", "scope_mode", b"scope_mode", "writeback", b"writeback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "dead_letters", b"dead_letters", "enabled", b"enabled", "events", b"events", "outbox_bytes", b"outbox_bytes", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "recent_dead_letters", b"recent_dead_letters", "scope_mode", b"scope_mode", "storage_faults", b"storage_faults", "writeback", b"writeback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class StorageFault(_message.Message):
+    """StorageFault is a file the service cannot write (a full disk, a read-only
+    file system, permissions): its last write failed, and none succeeded since.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PART_FIELD_NUMBER: _builtins.int
+    WHERE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    FAILED_WRITES_FIELD_NUMBER: _builtins.int
+    part: _builtins.str
+    """"outbox" or "episode index"."""
+    where: _builtins.str
+    """The file's name (its full path is in the service's log)."""
+    reason: _builtins.str
+    """As the system or SQLite says it ("No space left on device")."""
+    failed_writes: _builtins.int
+    """Writes that failed since (for the outbox, each one an episode lost)."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """When its first write failed."""
+
+    def __init__(
+        self,
+        *,
+        part: _builtins.str = ...,
+        where: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        failed_writes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed_writes", b"failed_writes", "part", b"part", "reason", b"reason", "since", b"since", "where", b"where"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StorageFault: _TypeAlias = StorageFault  # noqa: Y015
 
 @_typing.final
 class DeadLetter(_message.Message):

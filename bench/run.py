@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, recall_bench
+from bench import corpus, outage, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -76,8 +76,8 @@ DEFAULT_STORE_GATEWAYS = frozenset(
     {"gw_on", "gw_unary", "gw_nometrics", "gw_nojournal", "gw_workers", "gw_pg", "gw_routing"}
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
-# and recall alone inside the store process.
-PARTS = ("turns", "recall", "store-recall")
+# recall alone inside the store process, and a store outage under load (bench.outage).
+PARTS = ("turns", "recall", "store-recall", "outage")
 PY = sys.executable
 # What `make run` gives: hybrid with the semantic extra installed, lexical without.
 DEFAULT_RANKING = ranking_from_env({})
@@ -233,6 +233,7 @@ class Run:
     # Run at the end whatever happened (a PostgreSQL cluster's removal).
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     litellm_version: str | None = None
+    outage: outage.OutageResult | None = None
 
     def gateway_pids(self, name: str) -> list[int]:
         """The processes of the gateway (or store) ``name`` right now: the one started and
@@ -764,6 +765,9 @@ def execute(run: Run) -> None:
         run.store_recall = recall_bench.measure_sizes(
             work / "store_recall", (o.nodes, o.big_nodes), calls=40 if o.quick else 400
         )
+    if "outage" in o.parts:
+        log("store outage under load")
+        run.outage = outage.measure(work / "outage", quick=o.quick)
 
 
 # Reporting
@@ -1120,6 +1124,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
     if run.store_recall:
         lines += ["", "## Recall alone in the store process, lexical and hybrid ranking", ""]
         lines += recall_bench.table_lines(run.store_recall)
+    if run.outage is not None:
+        lines += ["", "## Store outage under load (SIGKILL, then started again)", ""]
+        lines += outage.table_lines(run.outage)
     lines += ["", "## Targets (ratios from this run)", ""]
     lines += _table(["target", "this run", "verdict"], targets(run))
     if run.notes:

@@ -127,3 +127,10 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for row in (cpu32, cpu1):
         figures = r"\| \d+\.\d\d× \(\d+ µs vs \d+ µs\) \(rounds: \d+\.\d\d–\d+\.\d\d×\) \|"
         assert re.search(figures, row), row
+    # The store outage: a short one in quick mode, every answered turn stored afterwards, and
+    # the replay measured against the rate episodes arrived.
+    assert "## Store outage under load (SIGKILL, then started again)" in table
+    [lost] = [row for row in rows if row.startswith("| answered turns the store never got")]
+    assert re.search(r"\| 0 of [\d,]+ — met \|$", lost), lost
+    [replay] = [row for row in rows if row.startswith("| replay rate")]
+    assert re.search(r"\| [\d,]+/s = \d+\.\d× the rate episodes arrived \|$", replay), replay

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from arona_grpc.scopes import scope_error
 from arona_grpc.service import MAX_FUTURE_SKEW_S
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
@@ -129,6 +130,10 @@ def parse_line(
                 f"{MAX_TURN_BYTES:,})"
             )
     scope = memory_scope(Principal(principal), user) if principal else (user or "")
+    problem = scope_error(scope) if scope else None
+    if problem is not None:
+        # The memory service would refuse it (a line's user alone is a principal).
+        raise BadLine(f"'user' cannot be a memory scope: {problem}")
     digest = line_digest(destination, raw)
     turns = tuple(
         Turn(user_text, reply, at, f"{digest}:{i}")

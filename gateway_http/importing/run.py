@@ -23,10 +23,10 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from arona_grpc.config import Settings
 from arona_grpc.scopes import principal_error
@@ -37,8 +37,12 @@ from gateway_http.importing.ledger import Ledger, LedgerError
 from gateway_http.importing.lines import BadLine, ImportLine, Turn, parse_line
 from gateway_http.memory_client import KeptEpisode, MemoryClient
 
-# How long the service may be away before the import stops: waits of 0.5, 1, 2, 4, 8, 16 s.
+T = TypeVar("T")
+
+# How long the service may be away before the import stops: waits of 0.5, 1, 2, 4, 8, 16 s;
+# at the start, before anything is sent, 0.5, 1 and 2 s.
 RETRIES = 6
+STATUS_RETRIES = 3
 FIRST_RETRY_S = 0.5
 # A Writeback waits for one Philia store (and, during an outage, for the outbox).
 CALL_MARGIN_S = 2.0
@@ -150,7 +154,10 @@ async def run_import(
     )
     importer = _Importer(settings, client, ledger, shown, stop, window)
     try:
-        user_scoped = await importer.check_service()
+        try:
+            user_scoped = await importer.check_service()
+        except _Interrupted:
+            return 130
         for number, raw in _lines(file):
             if importer.halted:
                 break
@@ -245,7 +252,8 @@ class _Importer:
         """Whether the service keeps each user's memory apart; :class:`ImportStopped` when
         it cannot be reached or stores nothing."""
         try:
-            status = await self._client.status(1)
+            # Waited for a little (the service starting, a loaded machine), not for long.
+            status = await self._retrying(lambda: self._client.status(1), STATUS_RETRIES)
         except GatewayError as exc:
             if exc.kind is ErrorKind.UNAVAILABLE:
                 raise ImportStopped(
@@ -340,26 +348,37 @@ class _Importer:
             self.tally.episodes += state.sent
 
     async def _keep(self, line: ImportLine, turn: Turn) -> KeptEpisode:
-        delay_s = FIRST_RETRY_S
-        for attempt in range(RETRIES + 1):
-            try:
-                return await self._client.keep_episode(
+        try:
+            return await self._retrying(
+                lambda: self._client.keep_episode(
                     turn.user,
                     turn.assistant,
                     line.scope,
                     f"import:{turn.key}",
                     turn.occurred_at,
                     self._timeout_s,
-                )
+                ),
+                RETRIES,
+            )
+        except GatewayError as exc:
+            if exc.kind is ErrorKind.BAD_INPUT:
+                raise BadLine(f"the memory service refused it: {exc.message}") from None
+            raise ImportStopped(
+                f"{self._unreachable(exc)}; run the same command again to go on"
+            ) from None
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], retries: int) -> T:
+        """``call()``, made again after waits of 0.5, 1, 2… s while the service is away
+        (``UNAVAILABLE``, a timeout), ``retries`` times at most; :class:`_Interrupted` when
+        the import is stopped meanwhile."""
+        delay_s = FIRST_RETRY_S
+        for attempt in range(retries + 1):
+            try:
+                return await call()
             except GatewayError as exc:
-                if exc.kind is ErrorKind.BAD_INPUT:
-                    raise BadLine(f"the memory service refused it: {exc.message}") from None
-                if exc.kind not in (ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT) or (
-                    attempt == RETRIES
-                ):
-                    raise ImportStopped(
-                        f"{self._unreachable(exc)}; run the same command again to go on"
-                    ) from None
+                away = exc.kind in (ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT)
+                if not away or attempt == retries:
+                    raise
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay_s):
                     await self._stop.wait()

@@ -202,6 +202,8 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
         ["not", "an", "object"],
         {"mesages": []},
         conversation("a bad user", "ok", user=7),
+        # Without --user a line's user is a principal, which has at most 128 characters.
+        conversation("a long user", "ok", user="u" * 200),
         {
             "request": {"messages": [{"role": "user", "content": "q"}]},
             "response": {"choices": [{"message": {"role": "user", "content": "a"}}]},
@@ -225,10 +227,12 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
         f"{history}:10: a line needs 'messages' (a conversation) or 'request' and 'response' "
         "(a turn)",
         f"{history}:11: 'user' must be a string",
-        f"{history}:12: 'response.choices[0].message.role' must be assistant",
+        f"{history}:12: 'user' cannot be a memory scope: scope: its principal (before the "
+        "first '/') must be 1 to 128 characters, not blank",
+        f"{history}:13: 'response.choices[0].message.role' must be assistant",
     ]
     assert run.out.strip() == (
-        "imported 2 lines (2 episodes); 11 bad lines (listed above; nothing of them is stored)"
+        "imported 2 lines (2 episodes); 12 bad lines (listed above; nothing of them is stored)"
     )
     assert sorted(s["text"] for s in service.philia.stored) == [
         "User: first good line\nAssistant: ok",
@@ -237,7 +241,7 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
     # --check reads the same file, stores nothing and says the same.
     checked = await run_import(tmp_path, service.grpc.target, "--check", str(history))
     assert checked.code == 1
-    assert checked.out.strip() == "checked 13 lines: 11 bad"
+    assert checked.out.strip() == "checked 14 lines: 12 bad"
     assert [line for line in checked.err.splitlines() if line.startswith(str(history))] == reports
     assert len(service.philia.frames_of(STORE)) == 2
 

@@ -12,12 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import re
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,6 +24,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.e2e.stack import ASK_TEXT, JWT_SECRET, Stack, running_stack
+from tests.faults.served import served
 
 pytestmark = pytest.mark.asyncio
 
@@ -217,7 +213,6 @@ async def test_a_connection_kept_alive_serves_several_requests_within_the_limits
 
 # --- over a real `arona-gateway serve` process: what the limits spare its memory ----------------
 
-COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 HUGE_HEADER = 8 * 1024 * 1024
 HUGE_FRAME = 15 * 1024 * 1024
 CLIENTS = 4
@@ -225,49 +220,6 @@ SOCKETS = 10
 # What the process may grow by, all clients together; one huge header or frame buffered
 # would be more than this on its own.
 GROWTH_BOUND = 6 * 1024 * 1024
-
-
-@contextlib.asynccontextmanager
-async def serving(tmp_path: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
-    env.update(
-        ARONA_DATA_DIR=str(tmp_path),
-        ARONA_HTTP_PORT="0",
-        ARONA_GRPC_PORT="0",
-        ARONA_JWT_SECRET=JWT_SECRET,
-        ARONA_LOG_LEVEL="info",
-    )
-    process = await asyncio.create_subprocess_exec(
-        COMMAND,
-        "serve",
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    try:
-        url = None
-        while True:
-            raw = await asyncio.wait_for(process.stderr.readline(), 60)
-            assert raw, "the gateway exited before it served"
-            line = raw.decode()
-            found = re.search(r"serving on (http://\S+?),? ", line + " ")
-            if found:
-                url = found.group(1)
-            if "Application startup complete" in line and url:
-                break
-        drain = asyncio.ensure_future(_drain(process.stderr))
-        yield process, url
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(process.wait(), 60)
-    drain.cancel()
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    async for _ in stream:
-        pass
 
 
 def rss_bytes(pid: int) -> int:
@@ -317,11 +269,12 @@ async def send_huge_header(url: str) -> bytes:
 
 
 async def test_huge_headers_are_431_and_the_process_does_not_hold_them(tmp_path: Path) -> None:
-    async with serving(tmp_path) as (process, url):
+    async with served(tmp_path, env={"ARONA_JWT_SECRET": JWT_SECRET}) as gateway:
+        url, pid = gateway.url, gateway.process.pid
         await warm_up(url)
-        before = rss_bytes(process.pid)
+        before = rss_bytes(pid)
         answers = await asyncio.gather(*(send_huge_header(url) for _ in range(CLIENTS)))
-        grown = rss_bytes(process.pid) - before
+        grown = rss_bytes(pid) - before
         for answer in answers:
             assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
         assert grown < GROWTH_BOUND, f"grew by {grown / 2**20:.1f} MiB"
@@ -333,9 +286,10 @@ async def test_a_huge_websocket_frame_is_refused_before_auth_and_before_it_is_re
     tmp_path: Path,
 ) -> None:
     frame = "f" * HUGE_FRAME
-    async with serving(tmp_path) as (process, url):
+    async with served(tmp_path, env={"ARONA_JWT_SECRET": JWT_SECRET}) as gateway:
+        url, pid = gateway.url, gateway.process.pid
         await warm_up(url)
-        before = rss_bytes(process.pid)
+        before = rss_bytes(pid)
         ws_url = url.replace("http://", "ws://") + "/api/rpc"  # no token: not authenticated
 
         async def one() -> int | None:
@@ -348,6 +302,6 @@ async def test_a_huge_websocket_frame_is_refused_before_auth_and_before_it_is_re
                 return ws.close_code
 
         codes = await asyncio.gather(*(one() for _ in range(SOCKETS)))
-        grown = rss_bytes(process.pid) - before
+        grown = rss_bytes(pid) - before
         assert codes == [1009] * SOCKETS  # message too big
         assert grown < GROWTH_BOUND, f"grew by {grown / 2**20:.1f} MiB"

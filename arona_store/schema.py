@@ -7,9 +7,12 @@ count, a count of changes, the highest key and a count of writes below it, kept 
 so a recall reads them in the same snapshot as the nodes and writes by any other process are
 counted too. A hybrid store adds ``vectors`` and ``vector_model``.
 
+``nodes_ctx`` holds each node's context document (:mod:`arona_store.context`), written by the
+write path; triggers drop a node's own document when it is deleted, moved or changed.
+
 ``PRAGMA user_version`` is the schema's version: 1 had insertion-ordered keys, 2 no digests, 3
-no character-pair index; an older database is brought up to date once, in one transaction,
-when opened.
+no character-pair index, 4 no context index; an older database is brought up to date once, in
+one transaction, when opened.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import logging
 import math
 import sqlite3
 
+from arona_store import context
 from arona_store.cjk import INSERT_CJK, cjk_index_text
 from arona_store.nodes import KEY_SCALE, MAX_ABS_EPOCH_S, digest
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # How long a connection waits for another one's write lock before giving up.
 BUSY_TIMEOUT_MS = 5000
 
@@ -85,6 +89,20 @@ END;
 CREATE TRIGGER IF NOT EXISTS nodes_cjk_moved AFTER UPDATE OF seq ON nodes BEGIN
     UPDATE nodes_cjk SET rowid = new.seq WHERE rowid = old.seq;
 END;
+CREATE INDEX IF NOT EXISTS nodes_type_seq ON nodes(node_type, seq);
+CREATE VIRTUAL TABLE IF NOT EXISTS nodes_ctx USING fts5(
+    text,
+    tokenize='porter unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER IF NOT EXISTS nodes_ctx_ad AFTER DELETE ON nodes BEGIN
+    DELETE FROM nodes_ctx WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_ctx_au AFTER UPDATE OF text ON nodes BEGIN
+    DELETE FROM nodes_ctx WHERE rowid = old.seq;
+END;
+CREATE TRIGGER IF NOT EXISTS nodes_ctx_moved AFTER UPDATE OF seq ON nodes BEGIN
+    DELETE FROM nodes_ctx WHERE rowid = old.seq;
+END;
 CREATE TRIGGER IF NOT EXISTS nodes_moved AFTER UPDATE OF seq ON nodes
 WHEN new.text = old.text BEGIN
     INSERT INTO nodes_fts(nodes_fts, rowid, text) VALUES ('delete', old.seq, old.text);
@@ -124,7 +142,7 @@ COUNTERS = "SELECT nodes, changes, hi, backdated FROM counters WHERE id = 1"
 def prepare_schema(conn: sqlite3.Connection) -> None:
     """Create the tables, or bring an older database up to date (once, in one transaction):
     version 1 had insertion-ordered keys, version 2 no digests, version 3 no character-pair
-    index."""
+    index, version 4 no context index."""
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     if version >= SCHEMA_VERSION:
         return
@@ -139,8 +157,13 @@ def prepare_schema(conn: sqlite3.Connection) -> None:
             _add_digests(conn)
         for statement in _split_script(_TABLES):
             conn.execute(statement)
-        if exists is not None:
+        if exists is not None and version < 4:
             _index_cjk(conn)
+        if exists is not None:
+            count = context.index_all(conn)
+            logger.info(
+                "memory store: indexed %d nodes with their context (one-time upgrade)", count
+            )
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except BaseException:
         conn.execute("ROLLBACK")

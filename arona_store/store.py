@@ -50,6 +50,7 @@ from arona_store.writes import (
     UNEMBEDDED_COUNT,
     NodeItem,
     begin_write,
+    delete_node,
     embedded_twins,
     rows_of,
     unembedded_of,
@@ -459,11 +460,18 @@ class MemoryStore:
         return len(rows)
 
     def delete(self, node_id: str) -> bool:
-        """Remove a node (and its index entry); True if it existed."""
+        """Remove a node (and its index entries, and its words from its neighbours' context);
+        True if it existed."""
         with self._lock:
             self._check_open()
-            cursor = self._conn.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
-            return cursor.rowcount > 0
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                deleted = delete_node(self._conn, node_id)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+            return deleted
 
     def count(self) -> int:
         """How many nodes are stored."""

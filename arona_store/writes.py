@@ -18,6 +18,7 @@ import sqlite3
 import uuid
 from collections.abc import Iterable
 
+from arona_store import context
 from arona_store.cjk import INSERT_CJK, cjk_index_text
 from arona_store.nodes import NewNode, Row, StoreError, Timestamp, digest, epoch, key_of
 from arona_store.schema import BUSY_TIMEOUT_MS, INSERT
@@ -51,6 +52,7 @@ _UNEMBEDDED_OF = (
     "SELECT n.id, n.text FROM nodes n WHERE n.id IN ({marks})"
     " AND NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
 )
+_NODE_OF_ID = "SELECT seq, node_type FROM nodes WHERE id = ?"
 # The taken keys from a candidate upwards, to find the first free one.
 _KEYS_FROM = "SELECT seq FROM nodes WHERE seq >= ? ORDER BY seq"
 
@@ -94,11 +96,14 @@ def write_rows(
     """Insert ``rows`` (write transaction open), or with ``refresh`` move their identical
     stored nodes to their time; their ids, in order."""
     ids: list[str] = []
+    # Nodes whose context documents change (arona_store.context), written once at the end.
+    touched: context.Touched = set()
     # Where to resume probing for each wanted key, so a batch sharing one
     # timestamp does not walk the same run of taken keys again for every node.
     resume: dict[int, int] = {}
     for row, vector in zip(rows, vectors, strict=True):
         wanted = row[0]
+        node_type = row[2]
         twin = _twin(conn, row) if refresh else None
         if vector is not None:
             # A twin keeps its vector (same text) or gets this one if it had none.
@@ -110,8 +115,11 @@ def write_rows(
                 continue  # already at least that recent
             key = _free_key(conn, resume.get(wanted, wanted))
             resume[wanted] = key + 1
+            # Its old neighbours lose it from their context, its new ones gain it.
+            context.touch(conn, touched, node_type, twin_seq)
             # Moved, not deleted and added: no word count changes.
             conn.execute(_MOVE, (key, row[4], twin_seq))
+            context.touch(conn, touched, node_type, key)
             continue
         ids.append(row[1])
         key = _free_key(conn, resume.get(wanted, wanted))
@@ -120,6 +128,8 @@ def write_rows(
         grams = cjk_index_text(row[3])
         if grams is not None:
             conn.execute(INSERT_CJK, (key, grams))
+        context.touch(conn, touched, node_type, key)
+    context.refresh(conn, touched)
     return ids
 
 
@@ -141,6 +151,20 @@ def unembedded_of(conn: sqlite3.Connection, ids: list[str]) -> list[tuple[str, s
         return []
     sql = _UNEMBEDDED_OF.format(marks=", ".join("?" * len(ids)))
     return [(str(node_id), str(text)) for node_id, text in conn.execute(sql, ids)]
+
+
+def delete_node(conn: sqlite3.Connection, node_id: str) -> bool:
+    """Delete a node and write its neighbours' context documents again (write transaction
+    open); True if it existed."""
+    row = conn.execute(_NODE_OF_ID, (node_id,)).fetchone()
+    if row is None:
+        return False
+    seq, node_type = int(row[0]), str(row[1])
+    touched: context.Touched = set()
+    context.touch(conn, touched, node_type, seq)
+    conn.execute("DELETE FROM nodes WHERE seq = ?", (seq,))
+    context.refresh(conn, touched)
+    return True
 
 
 def begin_write(conn: sqlite3.Connection, wait: bool) -> bool:

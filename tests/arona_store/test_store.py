@@ -586,3 +586,82 @@ def test_a_node_type_filter_ranks_its_own_nodes_with_their_unfiltered_scores(
             assert [h.score for h in got] == [score for _, score in expected]
             assert len(got) == 5
     assert store.query("tea", 5, now=NOW, node_type="episode:nobody") == []
+
+
+def _contexts(path: Path) -> dict[str, str]:
+    """Every node's context document as stored, by node text."""
+    with closing(sqlite3.connect(path)) as check:
+        rows = check.execute(
+            "SELECT n.text, c.text FROM nodes n JOIN nodes_ctx c ON c.rowid = n.seq"
+        ).fetchall()
+        assert check.execute("SELECT count(*) FROM nodes_ctx").fetchone()[0] == len(rows)
+    return dict(rows)
+
+
+def _expected_contexts(path: Path) -> dict[str, str]:
+    """The documents worked out from scratch: two neighbours each side, same node type."""
+    with closing(sqlite3.connect(path)) as check:
+        rows = check.execute("SELECT node_type, text FROM nodes ORDER BY node_type, seq").fetchall()
+    out = {}
+    for i, (node_type, text) in enumerate(rows):
+        same = [j for j in range(max(0, i - 2), min(len(rows), i + 3)) if rows[j][0] == node_type]
+        out[text] = "\n".join(rows[j][1] for j in same)
+    return out
+
+
+def test_each_memory_is_indexed_with_its_neighbours_of_the_same_type(tmp_path: Path) -> None:
+    # Writes, backdated writes, refreshed copies and deletes, in two scopes: after each, every
+    # node's context document is its own text between the two nodes before and after it of
+    # its own type, and a deleted memory's words are in no document any more.
+    rng = random.Random(5)
+    path = tmp_path / "ctx.db"
+    store = MemoryStore.open(path)
+    now = NOW.timestamp()
+    try:
+        ids: dict[str, str] = {}
+        deleted: list[str] = []
+        for step in range(60):
+            action = rng.random()
+            if action < 0.55 or len(ids) < 6:
+                text = f"note {step} {rng.choice(['tea', 'cat', 'rain'])}"
+                when = now - rng.uniform(0, 30) * DAY if rng.random() < 0.3 else now + step
+                ids[text] = store.add(text, rng.choice(["episode:a", "episode:b"]), when)
+            elif action < 0.8:
+                text = rng.choice(sorted(ids))
+                with closing(sqlite3.connect(path)) as check:
+                    (node_type,) = check.execute(
+                        "SELECT node_type FROM nodes WHERE id = ?", (ids[text],)
+                    ).fetchone()
+                assert store.add(text, node_type, now + 100 + step, refresh=True) == ids[text]
+            else:
+                text = rng.choice(sorted(ids))
+                assert store.delete(ids.pop(text))
+                deleted.append(text.split()[1])
+            assert _contexts(path) == _expected_contexts(path), step
+        # Each note's number is its own word: a deleted note's is in no document.
+        with closing(sqlite3.connect(path)) as check:
+            for number in deleted:
+                found = check.execute(
+                    "SELECT count(*) FROM nodes_ctx WHERE nodes_ctx MATCH ?", (f'"{number}"',)
+                ).fetchone()[0]
+                assert found == 0, number
+        assert deleted
+    finally:
+        store.close()
+
+
+def test_a_version_4_database_gets_its_contexts_indexed(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    store = MemoryStore.open(path)
+    store.add_many((f"turn {i}", "episode", NOW + timedelta(seconds=i)) for i in range(5))
+    store.close()
+    with closing(sqlite3.connect(path)) as old:
+        old.execute("DROP TABLE nodes_ctx")
+        old.execute("PRAGMA user_version = 4")
+        old.commit()
+    reopened = MemoryStore.open(path)
+    try:
+        assert _contexts(path) == _expected_contexts(path)
+        assert _contexts(path)["turn 2"] == "turn 0\nturn 1\nturn 2\nturn 3\nturn 4"
+    finally:
+        reopened.close()

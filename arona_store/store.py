@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_grams
-from arona_store.hybrid import hybrid_ranked, query_vector
+from arona_store.floor import names_unknown
+from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vector_model_id
 from arona_store.lexical import LexicalRanker
 from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
 from arona_store.ranking import Ranking, check_ranking
@@ -140,7 +141,7 @@ class MemoryStore:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             prepare_schema(conn)
             if embedder is not None:
-                prepare_vectors(conn, embedder.model_id)
+                prepare_vectors(conn, vector_model_id(embedder))
             conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
             reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error:
@@ -238,7 +239,7 @@ class MemoryStore:
         if missing:
             from arona_store.vectors import to_blob
 
-            embedded = self._embedder.embed([rows[i][3] for i in missing])
+            embedded = self._embedder.embed([embedding_text(rows[i][3]) for i in missing])
             vectors = list(vectors)
             for i, vector in zip(missing, embedded, strict=True):
                 vectors[i] = to_blob(vector)
@@ -252,7 +253,9 @@ class MemoryStore:
             raise StoreError("a lexical store does not embed")
         from arona_store.vectors import to_blob
 
-        return [to_blob(vector) for vector in self._embedder.embed(list(texts))]
+        return [
+            to_blob(vector) for vector in self._embedder.embed([embedding_text(t) for t in texts])
+        ]
 
     def vectors_for(self, nodes: Sequence[NewNode]) -> list[bytes | None]:
         """The vectors to store with ``nodes`` (hybrid store only; milliseconds a node: call it
@@ -389,8 +392,10 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
+                if names_unknown(self._reader, text, node_type):
+                    return []  # it asks about something this memory never heard of
                 if self._index is None:
-                    ranked, _ = self._lexical.ranked(terms, grams, limit, at, node_type)
+                    ranked = self._lexical.ranked(terms, grams, limit, at, node_type)
                 else:
                     ranked = hybrid_ranked(
                         self._reader,

@@ -117,6 +117,8 @@ class Run:
     condition: str
     grpc: bool
     answers: list[Answer] = field(default_factory=list)
+    # (kind, memories injected) of each unrelated question asked
+    unrelated: list[tuple[str, int]] = field(default_factory=list)
     write_s: float = 0.0
     unmapped: int = 0  # recalled memories whose text matched no turn
 
@@ -203,6 +205,45 @@ def stored_text(turn: Turn) -> str:
     return episode_text(turn.text, "")
 
 
+# Questions nobody's chat memory answers, asked of every conversation (written for this
+# benchmark).
+OFF_TOPIC = (
+    "What's the capital of Peru?",
+    "How do I bake sourdough bread?",
+    "What is the boiling point of water at sea level?",
+    "Can you recommend a laptop for programming?",
+    "How many moons does Jupiter have?",
+    "Will it rain in Oslo tomorrow?",
+    "Translate 'good morning' into Italian.",
+    "What is a Python decorator?",
+    "Who won the 1998 football world cup?",
+    "How do I reset my wifi router?",
+    "What's a good recipe for pad thai?",
+    "Explain quantum entanglement simply.",
+    "How tall is Mount Everest?",
+    "What time zone is Tokyo in?",
+    "How do I change a flat tire?",
+    "What is the GDP of Germany?",
+    "Write a haiku about the sea.",
+    "How do vaccines train the immune system?",
+    "When may a chess player castle?",
+    "How do I convert Celsius to Fahrenheit?",
+)
+# Questions of the next conversation asked of each one.
+CROSS_QUESTIONS = 20
+
+
+def unrelated_questions(conversations: Sequence[Conversation], index: int) -> list[tuple[str, str]]:
+    """The unrelated questions asked of conversation ``index``: the first
+    :data:`CROSS_QUESTIONS` of the next conversation (about other people) and the off-topic
+    ones, as (kind, text)."""
+    if len(conversations) < 2:
+        return [("off-topic", q) for q in OFF_TOPIC]
+    other = conversations[(index + 1) % len(conversations)]
+    cross = [("other conversation", q.text) for q in other.questions[:CROSS_QUESTIONS]]
+    return cross + [("off-topic", q) for q in OFF_TOPIC]
+
+
 # -- scoring -----------------------------------------------------------------------------------
 
 
@@ -257,6 +298,28 @@ def table(run: Run) -> list[str]:
     for label, s in rows:
         cells = [f"{s.recall[k]:.1f}" for k in KS] + [f"{s.hit[k]:.1f}" for k in KS]
         lines.append(f"| {label} | {s.questions} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def unrelated_lines(run: Run) -> list[str]:
+    """How often an unrelated question injected nothing, and a related one something."""
+    lines = []
+    for kind in ("other conversation", "off-topic"):
+        asked = [n for k, n in run.unrelated if k == kind]
+        if asked:
+            empty = sum(1 for n in asked if n == 0)
+            lines.append(
+                f"unrelated questions ({kind}) injecting nothing: {empty} of {len(asked)}"
+                f" ({100 * empty / len(asked):.1f} %)"
+            )
+    if run.unrelated:
+        empty = sum(1 for _, n in run.unrelated if n == 0)
+        lines.append(
+            f"**unrelated questions injecting nothing: {empty} of {len(run.unrelated)}"
+            f" ({100 * empty / len(run.unrelated):.1f} %)**"
+        )
+    related = sum(1 for a in run.answers if not a.recalled)
+    lines.append(f"related questions injecting nothing: {related} of {len(run.answers)}")
     return lines
 
 
@@ -350,6 +413,14 @@ async def _grpc_run(
                         elapsed,
                     )
                 )
+            for kind, text in unrelated_questions(conversations, index):
+                reply = await stub.Recall(
+                    pb.RecallRequest(query=text, limit=LIMIT, scope=conversation.scope),
+                    timeout=60,
+                )
+                if reply.state == pb.MEMORY_STATE_OFFLINE:
+                    raise SystemExit(f"recall offline for {text!r}")
+                run.unrelated.append((kind, len(reply.memories)))
             if progress:
                 print(f"  {condition}: {conversation.name} asked", file=sys.stderr, flush=True)
     return run
@@ -396,6 +467,7 @@ def direct_run(
     run = Run(condition, grpc=False)
     asked_at = time.time()
     store = MemoryStore.open(workdir / f"locomo-{condition}-{ranking}.db", ranking=ranking)  # type: ignore[arg-type]
+    vectors = _vectors(store, conversations) if ranking == "hybrid" else {}
     try:
         started = time.perf_counter()
         for conversation in conversations:
@@ -411,6 +483,7 @@ def direct_run(
                             node_type,
                             created_at=when,
                             properties=properties,
+                            vector=vectors.get(stored_text(turn)),
                         )
                     ],
                     refresh=True,
@@ -426,9 +499,36 @@ def direct_run(
                 run.answers.append(
                     Answer(index, question, _recalled(texts, [h.text for h in hits], run), elapsed)
                 )
+            for kind, text in unrelated_questions(conversations, index):
+                hits = store.query(text, LIMIT, node_type=node_type)
+                run.unrelated.append((kind, len(hits)))
     finally:
         store.close()
     return run
+
+
+def _vectors(store: Any, conversations: Sequence[Conversation]) -> dict[str, bytes]:
+    """Every turn's stored vector, embedded by ``store`` once and cached (by the model and
+    what it embeds) for the next trial."""
+    import hashlib
+
+    from arona_store.embedding import MODEL_SHA256
+    from arona_store.hybrid import VECTOR_TEXT
+    from bench.recall_bench import _cache_dir
+
+    texts = sorted({stored_text(t) for c in conversations for t in c.turns})
+    key = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"locomo-{key}-{MODEL_SHA256[:16]}-{VECTOR_TEXT}.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        return {text: bytes.fromhex(blob) for text, blob in cached.items()}
+    blobs = {}
+    for i in range(0, len(texts), 64):
+        chunk = texts[i : i + 64]
+        blobs.update(zip(chunk, store.embed(chunk), strict=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({text: blob.hex() for text, blob in blobs.items()}))
+    return blobs
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -446,6 +546,7 @@ def report(runs: Sequence[Run], ranking: str, via: str) -> str:
         lines += ["", f"## {run.condition}", ""]
         lines += table(run)
         lines += ["", latency_line(run, "through gRPC" if run.grpc else "in this process")]
+        lines += ["", *unrelated_lines(run)]
         if run.unmapped:
             lines.append(f"{run.unmapped} recalled memories matched no dialog turn")
     return "\n".join(lines) + "\n"

@@ -218,9 +218,15 @@ def test_scopes_delete_and_repeated_episodes_behave_alike_in_both_rankings(
             "Alice drinks oolong tea",
         ]
         assert store.query("tea", 10, now=NOW, node_type="episode:a") == []
-        everything = {h.node_id: h.score for h in store.query("tea", 10, now=NOW)}
-        # A scoped hit has the score it has unscoped.
-        assert {h.node_id: h.score for h in scoped}.items() <= everything.items()
+        unscoped = store.query("tea", 10, now=NOW)
+        everything = {h.node_id: h.score for h in unscoped}
+        if ranking == "lexical":
+            # A scoped hit has the score it has unscoped.
+            assert {h.node_id: h.score for h in scoped}.items() <= everything.items()
+        else:
+            # Hybrid scores are relative to the candidates (z-scores): the order is the same.
+            order = [h.node_id for h in unscoped if h.node_id in {s.node_id for s in scoped}]
+            assert [h.node_id for h in scoped] == order
         # Saying the same thing again is one memory, moved to now.
         again = store.add("Alice drinks oolong tea", "episode:aaaa", NOW, refresh=True)
         assert again == alice and store.count() == 3
@@ -520,3 +526,79 @@ def test_hybrid_without_the_extra_stops_start_up_with_one_line(
     assert "pip install 'arona-memory-gateway[semantic]'" in lines[0]
     # Nothing was opened or created.
     assert not db.exists()
+
+
+# -- facts over echoes, nothing when nothing is relevant, old memories kept -------------------
+
+
+@pytest.mark.parametrize("any_store", RANKINGS, indirect=True)
+def test_the_fact_outranks_an_earlier_copy_of_the_question(any_store: MemoryStore) -> None:
+    # The question asked earlier (and its echo) shares every word with the question asked
+    # again; the fact answering it comes first all the same.
+    any_store.add_many(
+        [
+            NewNode("User: I prefer oolong tea", created_at=NOW - timedelta(days=20)),
+            NewNode(
+                "User: My job is nurse at the city hospital", created_at=NOW - timedelta(days=9)
+            ),
+            NewNode(
+                "User: Which tea do I prefer?\nAssistant: Echo: Which tea do I prefer?",
+                created_at=NOW - timedelta(days=1),
+            ),
+            NewNode("User: Which tea do I prefer?", created_at=NOW - timedelta(hours=1)),
+        ]
+    )
+    assert _texts(any_store, "Which tea do I prefer?")[0] == "User: I prefer oolong tea"
+
+
+@pytest.mark.parametrize("any_store", RANKINGS, indirect=True)
+def test_a_question_about_someone_never_mentioned_recalls_nothing(any_store: MemoryStore) -> None:
+    any_store.add_many(
+        [
+            NewNode("User: I prefer oolong tea in the morning", created_at=NOW - timedelta(days=3)),
+            NewNode("User: My sister Clara lives in Melbourne", created_at=NOW - timedelta(days=2)),
+        ]
+    )
+    # Peru and Caroline are in no memory: nothing is injected, even though "capital" or
+    # "tea" might match something some day.
+    assert _texts(any_store, "What's the capital of Peru?") == []
+    assert _texts(any_store, "Which tea does Caroline like?") == []
+    # A name the memories hold, and a month, are no reason to refuse.
+    assert _texts(any_store, "Where does Clara live?")[0].endswith("Melbourne")
+    assert _texts(any_store, "Which tea did I drink in May?")[0].startswith("User: I prefer")
+
+
+@needs_semantic
+def test_an_unrelated_question_recalls_nothing_in_the_hybrid_ranking(hybrid: MemoryStore) -> None:
+    hybrid.add_many(
+        [
+            NewNode("User: I prefer oolong tea in the morning", created_at=NOW - timedelta(days=3)),
+            NewNode(
+                "User: My job is nurse at the city hospital", created_at=NOW - timedelta(days=2)
+            ),
+            NewNode(FACT, created_at=NOW - timedelta(days=1)),
+        ]
+    )
+    for question in (
+        "How do I bake sourdough bread?",
+        "What is the boiling point of water at sea level?",
+        "How do I change a flat tire?",
+    ):
+        assert _texts(hybrid, question) == [], question
+    assert _texts(hybrid, "What's my job?")[0] == "User: My job is nurse at the city hospital"
+    assert _texts(hybrid, PARAPHRASE)[:3].count(FACT) == 1
+
+
+@pytest.mark.parametrize("any_store", RANKINGS, indirect=True)
+def test_an_old_memory_that_matches_better_is_not_buried_by_a_recent_one(
+    any_store: MemoryStore,
+) -> None:
+    # Written a year apart, in two scopes so neither is in the other's context.
+    any_store.add(
+        "User: My passport number ends in 4471 and expires in 2031",
+        "episode:a",
+        NOW - timedelta(days=365),
+    )
+    any_store.add("User: I need a new passport photo", "episode:b", NOW - timedelta(hours=1))
+    found = _texts(any_store, "When does my passport expire, and which number is it?")
+    assert found[0].startswith("User: My passport number ends in 4471")

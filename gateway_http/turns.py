@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.messages import is_memory_section, last_user_text, message_text
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream.routing import OK, Attempt, Route, Router
+from gateway_http.usage.meter import EndedTurn
+from gateway_http.usage.metering import Metering
 from gateway_http.views import conversation_errors
 
 logger = logging.getLogger(__name__)
@@ -82,6 +85,18 @@ class PreparedTurn:
     # The backends to ask, in order, and each try made so far (the answering one last).
     route: Route = ()
     attempts: list[Attempt] = field(default_factory=list)
+    # The memory section injected ("" for none), and the reply as far as it came: what the
+    # meter counts when the upstream reports no usage.
+    section: str = ""
+    reply: StreamedReply | None = None
+    reply_message: dict[str, Any] | None = None
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The ``usage`` the answering backend reported (None when it reported none)."""
+        if self.attempts and self.attempts[-1].answered:
+            return self.attempts[-1].usage
+        return None
 
     @property
     def backend(self) -> str | None:
@@ -125,11 +140,14 @@ class TurnPipeline:
         journal: Journal | None = None,
         metrics: GatewayMetrics | None = None,
         storage: StorageFaults | None = None,
+        usage: Metering | None = None,
     ) -> None:
         self._memory = memory
         # This process's files that cannot be written now (the journal): said once, shown
         # by memory.status.
         self.storage = storage or StorageFaults()
+        # Usage metering and budgets (None: ARONA_USAGE=false).
+        self._usage = usage
         self.metrics = metrics or NoMetrics()
         # Episodes answered but not yet taken by the memory service (durable before answered).
         self._journal = journal
@@ -156,6 +174,9 @@ class TurnPipeline:
                 f"The model '{model}' does not exist or no backend serves it",
                 "model_not_found",
             )
+        if self._usage is not None and self._usage.budgets.active:
+            # Before recall and before anything is stored: a refused turn leaves no trace.
+            await self._usage.check(request.owner)
         new_messages: list[dict[str, Any]] = request.body["messages"]
         history: list[dict[str, Any]] = []
         if request.conversation_id is not None:
@@ -168,6 +189,7 @@ class TurnPipeline:
         state = DISABLED
         count = 0
         recall_s = 0.0
+        section = ""
         if (
             request.memory is not False
             and self._has_memory(request)
@@ -180,7 +202,8 @@ class TurnPipeline:
             self.metrics.recall(recall.state, recall_s)
             state = recall.state
             if recall.section:
-                messages.insert(0, {"role": "system", "content": recall.section})
+                section = recall.section
+                messages.insert(0, {"role": "system", "content": section})
                 count = recall.count
 
         if request.conversation_id is not None:
@@ -189,7 +212,9 @@ class TurnPipeline:
                 await self._conversations.append(request.conversation_id, *new_messages)
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
-        return PreparedTurn(request, upstream_body, state, user_text, count, recall_s, route=route)
+        return PreparedTurn(
+            request, upstream_body, state, user_text, count, recall_s, route=route, section=section
+        )
 
     def finished(self, turn: PreparedTurn, surface: str, outcome: str) -> None:
         """Record a turn that ended: its outcome, and for an answered one its timings."""
@@ -204,6 +229,8 @@ class TurnPipeline:
                 surface,
                 time.perf_counter() - turn.request.started - (end - turn.upstream_start),
             )
+        if self._usage is not None and turn.backend is not None:
+            self._usage.record(_ended(turn, surface, outcome))
 
     async def complete(self, turn: PreparedTurn) -> TurnReply:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
@@ -215,6 +242,7 @@ class TurnPipeline:
         message: dict[str, Any] = returned if isinstance(returned, dict) else {}
         content = message_text(message) if message else ""
         reply = message or {"role": "assistant", "content": content}
+        turn.reply_message = reply
         await self._finish(turn, content, reply, writeback=True)
         usage = completion.get("usage")
         return TurnReply(
@@ -231,14 +259,27 @@ class TurnPipeline:
         stream (UpstreamError propagates) or a consumer that stops early persists
         nothing and writes nothing back. Stopping early closes the upstream
         request at once.
+
+        With metering on, the upstream is asked for its usage
+        (``stream_options.include_usage``); a client that did not ask for it does not see
+        it (the extra chunk is left out, and the ``usage`` member of the others).
         """
-        reply = StreamedReply()
+        reply = turn.reply = StreamedReply()
+        body = turn.upstream_body
+        strip_usage = False
+        if self._usage is not None and not _asks_usage(body):
+            body = {**body, "stream_options": {**_stream_options(body), "include_usage": True}}
+            strip_usage = True
         turn.upstream_start = time.perf_counter()
-        upstream = self._router.stream(turn.route, turn.upstream_body, turn.attempts)
+        upstream = self._router.stream(turn.route, body, turn.attempts)
         try:
             async for chunk in upstream:
                 if not turn.upstream_first:
                     turn.upstream_first = time.perf_counter()
+                if strip_usage and "usage" in chunk:
+                    del chunk["usage"]
+                    if not chunk.get("choices"):
+                        continue
                 reply.add(chunk)
                 yield chunk
         finally:
@@ -407,6 +448,44 @@ def _log_answer(turn: PreparedTurn, outcome: str) -> None:
             tries,
             outcome,
         )
+
+
+def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("stream_options")
+    return options if isinstance(options, dict) else {}
+
+
+def _asks_usage(body: dict[str, Any]) -> bool:
+    return _stream_options(body).get("include_usage") is True
+
+
+def _ended(turn: PreparedTurn, surface: str, outcome: str) -> EndedTurn:
+    """What the meter needs of an answered turn."""
+    attempt = turn.attempts[-1]
+    request = turn.request
+    user = request.body.get("user")
+    text, message = "", None
+    if attempt.usage is None:
+        # Counted by the meter: the reply as far as it came.
+        if turn.reply is not None:
+            text, message = turn.reply.text, turn.reply.message()
+        elif turn.reply_message is not None:
+            text, message = message_text(turn.reply_message), turn.reply_message
+    return EndedTurn(
+        turn_id=os.urandom(16).hex(),
+        principal=request.owner,
+        user=user if isinstance(user, str) else "",
+        model=attempt.model,
+        backend=attempt.backend,
+        surface=surface,
+        outcome=outcome,
+        latency_ms=(time.perf_counter() - request.started) * 1000,
+        usage=attempt.usage,
+        prompt=turn.upstream_body["messages"],
+        reply=text,
+        reply_message=message,
+        section=turn.section,
+    )
 
 
 def first_choice(completion: dict[str, Any]) -> dict[str, Any]:

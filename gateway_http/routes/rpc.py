@@ -237,12 +237,9 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
             # path writes back whether or not a conversation is attached.
             parts: list[str] = []
             finish_reason = None
-            usage = None
             async for chunk in gw.pipeline.stream(turn, writeback=True):
                 token = delta_text(chunk)
                 finish_reason = first_choice(chunk).get("finish_reason") or finish_reason
-                if isinstance(chunk.get("usage"), dict):
-                    usage = chunk["usage"]
                 if token:
                     parts.append(token)
                     await ctx.notify(
@@ -253,6 +250,8 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
                 "chat.stream", {"stream_id": stream_id, "token": "", "is_complete": True}
             )
             content = "".join(parts)
+            # As the upstream reported it (asked for when metering is on).
+            usage = turn.usage
         return {
             "stream_id": stream_id,
             "memory": turn.memory_state,

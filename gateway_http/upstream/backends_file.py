@@ -10,6 +10,8 @@ The file is TOML (read with the standard library's ``tomllib``)::
     connect_timeout_s = 10
     models = ["gpt-4o", "gpt-4o-mini", "o*"]           # exact names and globs
     aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
+    # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
+    prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
 
     [fallbacks]
     "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
@@ -43,6 +45,7 @@ from yarl import URL
 
 from arona_grpc.config import ConfigError
 from gateway_http.upstream.client import DEFAULT_CONNECT_TIMEOUT_S, valid_base_url
+from gateway_http.usage.records import Price
 
 DEFAULT_TIMEOUT_S = 600.0
 # A backend's name goes into the X-Arona-Backend header and into log lines.
@@ -58,6 +61,17 @@ _SECTIONS = ("backends", "fallbacks")
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 # Strict: a number (an integer is one), never a string or a boolean.
 Seconds = Annotated[float, Field(gt=0, le=86_400, strict=True)]
+# A price per million tokens, in the operator's currency.
+PerMillion = Annotated[float, Field(ge=0, le=1_000_000, strict=True)]
+
+
+class _PriceTable(BaseModel):
+    """A model's price: ``{ input = 2.50, output = 10.00 }`` per million tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: PerMillion
+    output: PerMillion
 
 
 class _BackendTable(BaseModel):
@@ -71,6 +85,8 @@ class _BackendTable(BaseModel):
     connect_timeout_s: Seconds = DEFAULT_CONNECT_TIMEOUT_S
     models: list[NonEmpty] = []
     aliases: dict[NonEmpty, NonEmpty] = {}
+    # Per model name as sent to this backend (exact, or a glob): usage cost and cost budgets.
+    prices: dict[NonEmpty, _PriceTable] = {}
 
 
 class _FallbackTable(BaseModel):
@@ -109,6 +125,18 @@ class BackendSpec:
     globs: tuple[str, ...] = ()
     # Asked name -> the name sent upstream, in file order.
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # Model name as sent (or glob) -> its price, in file order.
+    prices: Mapping[str, Price] = field(default_factory=dict)
+
+    def price(self, model: str) -> Price | None:
+        """The price of ``model`` (as sent to this backend): its own, else the first glob's."""
+        price = self.prices.get(model)
+        if price is not None:
+            return price
+        for pattern, each in self.prices.items():
+            if is_glob(pattern) and fnmatch.fnmatchcase(model, pattern):
+                return each
+        return None
 
     def by_name(self, model: str) -> bool:
         """Whether it lists ``model`` by exact name or as an alias."""
@@ -200,6 +228,11 @@ class BackendsFile:
                 seen.add((spec.name, sent or model))
                 chain.append((spec, sent))
         return tuple(chain)
+
+    def price(self, backend: str, model: str) -> Price | None:
+        """What ``model`` costs on ``backend`` (as sent there), if the file prices it."""
+        spec = self.backend(backend)
+        return spec.price(model) if spec is not None else None
 
     def listed(self) -> list[tuple[str, BackendSpec]]:
         """The models that can be listed (exact names and aliases; globs cannot be), each with
@@ -372,6 +405,10 @@ class _Checker:
             models=tuple(models),
             globs=tuple(globs),
             aliases=dict(aliases),
+            prices={
+                model: Price(price["input"], price["output"])
+                for model, price in fields.get("prices", {}).items()
+            },
         )
 
     def _api_key(self, at: str, variable: str | None) -> str | None:
@@ -466,6 +503,10 @@ def _schema_problems(at: str, exc: PydanticValidationError, known: str) -> list[
             message = (
                 "keys never go in this file: put the key in an environment variable and name "
                 "the variable in api_key_env"
+            )
+        elif "prices" in error["loc"] and kind in ("extra_forbidden", "model_type"):
+            message = "a price is { input = N, output = N }, each per million tokens" + (
+                " (no other setting)" if kind == "extra_forbidden" else ""
             )
         elif kind == "extra_forbidden":
             message = f"unknown setting ({known})"

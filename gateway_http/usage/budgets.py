@@ -82,7 +82,12 @@ class Budgets:
         if not self.active:
             return
         if self._refresh_s == 0:
-            await self.refresh(principal)
+            try:
+                await self.refresh(principal)
+            except Exception as exc:
+                # Like a memory outage, an unreadable store never fails a chat: the last
+                # spending known stands.
+                logger.warning("budgets could not be read: %s", exc)
         budget = self._budgets.get(principal) or self._budgets.get(DEFAULT_BUDGET)
         if budget is None:
             return

@@ -12,6 +12,7 @@ Days and months are UTC: a budget is per calendar month in UTC, ``day`` groups b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -158,7 +159,7 @@ def micros(moment: datetime) -> int:
 
 
 def micros_now() -> int:
-    return micros(datetime.now(UTC))
+    return time.time_ns() // 1000
 
 
 def month_of(moment: datetime) -> str:

@@ -20,6 +20,10 @@ the request asks for a stream. ``up.script(...)`` queues replies consumed one pe
 * :class:`Garbage` — a 200 whose body is not JSON;
 * :class:`Hang` — never answers.
 
+Both answers report ``usage`` (word counts, unless scripted otherwise or left out with
+``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
+as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no choices.
+
 ``Stream.closed`` and ``Hang.closed`` are set when the client goes away before the reply was
 finished: the proof a test needs that a disconnect cancelled the upstream request.
 """
@@ -98,11 +102,16 @@ class Reply:
     arrived: asyncio.Event = field(default_factory=asyncio.Event, kw_only=True)
 
 
+# A reply's usage: word counts of the request and the reply ("words"), these numbers, or none.
+Usage = dict[str, Any] | Literal["words"] | None
+
+
 @dataclass
 class Complete(Reply):
     content: str | None = None  # None = default_content(request)
     finish_reason: str = "stop"
     message: dict[str, Any] | None = None  # the whole message instead (tool calls…)
+    usage: Usage = "words"
 
 
 @dataclass
@@ -135,6 +144,9 @@ class Stream(Reply):
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     sent: list[dict[str, Any]] = field(default_factory=list)  # the chunks sent so far
     deltas: Sequence[dict[str, Any]] | None = None  # raw deltas instead of content pieces
+    # Sent as OpenAI does when the request asks (stream_options.include_usage): "usage": null
+    # on every chunk, then a last chunk with no choices and the usage.
+    usage: Usage = "words"
 
 
 class FakeUpstream:
@@ -261,11 +273,21 @@ async def _answer(reply: Reply, body: dict[str, Any], receive: Receive, send: Se
         raise TypeError(f"unknown scripted reply {reply!r}")
 
 
-def _completion(reply: Complete, body: dict[str, Any]) -> dict[str, Any]:
-    content = default_content(body) if reply.content is None else reply.content
+def _usage(usage: Usage, body: dict[str, Any], content: str) -> dict[str, Any] | None:
+    if usage != "words":
+        return usage
     completion_tokens = len(content.split())
     prompt_tokens = len(last_user_text(body).split())
     return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _completion(reply: Complete, body: dict[str, Any]) -> dict[str, Any]:
+    content = default_content(body) if reply.content is None else reply.content
+    completion: dict[str, Any] = {
         "id": "chatcmpl-fake",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -277,12 +299,11 @@ def _completion(reply: Complete, body: dict[str, Any]) -> dict[str, Any]:
                 "finish_reason": reply.finish_reason,
             }
         ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
     }
+    usage = _usage(reply.usage, body, content)
+    if usage is not None:
+        completion["usage"] = usage
+    return completion
 
 
 async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -293,6 +314,12 @@ async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: S
         "created": int(time.time()),
         "model": body.get("model") or "fake-model",
     }
+
+    options = body.get("stream_options")
+    usage = _usage(reply.usage, body, "".join(pieces))
+    with_usage = isinstance(options, dict) and options.get("include_usage") is True and bool(usage)
+    if with_usage:
+        base["usage"] = None
 
     async def event(delta: dict[str, Any], finish_reason: str | None = None) -> None:
         chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
@@ -333,6 +360,10 @@ async def _stream(reply: Stream, body: dict[str, Any], receive: Receive, send: S
             await send(_body(b"data: " + orjson.dumps(_error("the model is overloaded")) + b"\n\n"))
         elif reply.end != "truncated":
             await event({}, "stop")
+            if with_usage:
+                last = {**base, "choices": [], "usage": usage}
+                reply.sent.append(last)
+                await send(_body(b"data: " + orjson.dumps(last) + b"\n\n"))
         if reply.end in ("no-done", "truncated"):
             # A well-formed end of the body, but without the ``[DONE]`` line.
             await send(_body(b"", more_body=False))

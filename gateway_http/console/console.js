@@ -1,5 +1,6 @@
 // The operator console: the gateway's own JSON-RPC methods (POST /api/rpc) and, when it is
-// there, GET /metrics. No dependencies, no build step. The JWT lives in this tab's
+// there, GET /metrics. Two pages: memory (#memory, the default) and usage (#usage: a daily
+// chart per model and tables, from usage.summary). No dependencies, no build step. The JWT lives in this tab's
 // sessionStorage and travels only in the Authorization header: never in a URL, never logged.
 // Everything the server sends is shown through textContent, never parsed as HTML.
 // Times arrive as UTC ISO strings; they are shown in the browser's time zone, with the UTC
@@ -12,6 +13,12 @@
   // Turns per minute are measured over the scrapes of the last minute.
   const RATE_WINDOW_MS = 60000;
   const MEMORY_STATES = ["enabled", "disabled", "offline"];
+
+  // One colour per model on the usage chart, in order of their tokens.
+  const COLOURS = ["#1a5fb4", "#c64600", "#26a269", "#9141ac", "#a51d2d", "#986a44", "#0a7d8c", "#5e5c64"];
+  const SVG = "http://www.w3.org/2000/svg";
+  const MAX_CHART_DAYS = 366;
+  const count = new Intl.NumberFormat("en-US");
 
   const AUTH_REQUIRED = -32005;
   const NOT_ALLOWED = -32007;
@@ -142,7 +149,7 @@
     showConsole(true);
     renderStatus(status);
     start();
-    $("status-title").focus();
+    showPage(true);
   }
 
   function signOut(message) {
@@ -577,6 +584,226 @@
     (next || $("episodes-scope")).focus();
   }
 
+  // ---- pages: #memory (the default) and #usage ----
+  function showPage(focus) {
+    const usage = location.hash === "#usage";
+    $("memory-view").hidden = usage;
+    $("usage-view").hidden = !usage;
+    for (const [id, on] of [["nav-memory", !usage], ["nav-usage", usage]]) {
+      if (on) $(id).setAttribute("aria-current", "page");
+      else $(id).removeAttribute("aria-current");
+    }
+    if (usage && token) loadUsage(null);
+    if (focus) $(usage ? "usage-title" : "status-title").focus();
+  }
+
+  // ---- usage: usage.summary by day and model (the chart, the models) and by principal ----
+  const utcDay = (d) => d.toISOString().slice(0, 10);
+
+  function defaultPeriod() {
+    const now = new Date();
+    if (!$("usage-to").value) $("usage-to").value = utcDay(now);
+    if (!$("usage-from").value) $("usage-from").value = utcDay(now).slice(0, 8) + "01";
+  }
+
+  async function loadUsage(event) {
+    if (event) event.preventDefault();
+    defaultPeriod();
+    const from = $("usage-from").value;
+    const to = $("usage-to").value;
+    const principal = $("usage-principal").value.trim();
+    const note = $("usage-note");
+    if (to < from) {
+      note.textContent = "The last day comes before the first.";
+      return;
+    }
+    const params = { from: from, to: to };
+    if (principal) params.principal = principal;
+    note.textContent = "Loading…";
+    let byDay;
+    let byPrincipal;
+    try {
+      [byDay, byPrincipal] = await Promise.all([
+        rpc("usage.summary", Object.assign({ group_by: ["day", "model"] }, params)),
+        rpc("usage.summary", Object.assign({ group_by: ["principal"] }, params)),
+      ]);
+    } catch (err) {
+      note.textContent = "Usage not shown: " + (err.code === NOT_ALLOWED ? err.message : describe(err));
+      renderUsage(null, null, from, to);
+      return;
+    }
+    renderUsage(byDay, byPrincipal, from, to);
+    const t = byDay.totals;
+    note.textContent =
+      count.format(t.turns) + " turn" + (t.turns === 1 ? "" : "s") + ", " + count.format(t.total_tokens) +
+      " tokens from " + from + " to " + to + (principal ? " for " + principal : "") +
+      (byDay.truncated ? " (only the first rows)" : "") + ".";
+  }
+
+  // The days of [from, to] as YYYY-MM-DD, at most MAX_CHART_DAYS of them (the last ones).
+  function daysOf(from, to) {
+    const days = [];
+    const day = new Date(from + "T00:00:00Z");
+    const last = new Date(to + "T00:00:00Z");
+    while (day <= last) {
+      days.push(utcDay(day));
+      day.setUTCDate(day.getUTCDate() + 1);
+    }
+    return days.slice(-MAX_CHART_DAYS);
+  }
+
+  // 1,234 -> "1.2k", for the chart's axis.
+  function compact(n) {
+    if (n >= 1e9) return (n / 1e9).toFixed(n % 1e9 ? 1 : 0) + "G";
+    if (n >= 1e6) return (n / 1e6).toFixed(n % 1e6 ? 1 : 0) + "M";
+    if (n >= 1e3) return (n / 1e3).toFixed(n % 1e3 ? 1 : 0) + "k";
+    return String(n);
+  }
+
+  // The smallest 1, 2 or 5 times a power of ten at or above ``n``.
+  function niceMax(n) {
+    if (n <= 0) return 1;
+    const power = Math.pow(10, Math.floor(Math.log10(n)));
+    for (const step of [1, 2, 5, 10]) if (step * power >= n) return step * power;
+    return 10 * power;
+  }
+
+  function svg(name, attributes, parent) {
+    const node = document.createElementNS(SVG, name);
+    for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, String(value));
+    if (parent) parent.appendChild(node);
+    return node;
+  }
+
+  function money(cost) {
+    return cost === null || cost === undefined ? "—" : Number(cost).toFixed(4);
+  }
+
+  function usageRow(body, name, r, label) {
+    const row = document.createElement("tr");
+    cell(row, name, "mono", label);
+    cell(row, count.format(r.turns), "num", "Turns");
+    cell(row, count.format(r.prompt_tokens), "num", "Prompt");
+    cell(row, count.format(r.completion_tokens), "num", "Completion");
+    cell(row, count.format(r.total_tokens), "num", "Total");
+    cell(row, count.format(r.memory_tokens), "num", "Memory");
+    cell(row, count.format(r.estimated_turns), "num", "Estimated");
+    cell(row, money(r.cost), "num", "Cost");
+    body.appendChild(row);
+  }
+
+  function renderUsage(byDay, byPrincipal, from, to) {
+    const chart = $("usage-chart");
+    const legend = $("usage-legend");
+    const models = $("usage-models").tBodies[0];
+    const principals = $("usage-principals").tBodies[0];
+    chart.replaceChildren();
+    legend.replaceChildren();
+    models.replaceChildren();
+    principals.replaceChildren();
+    const desc = svg("desc", { id: "usage-chart-desc" }, chart);
+    const budget = $("usage-budget");
+    budget.hidden = true;
+    if (byDay === null) {
+      desc.textContent = "No usage shown.";
+      return;
+    }
+
+    // Per model: its total (for the order, the legend and the table) and its tokens per day.
+    const perModel = new Map();
+    for (const r of byDay.rows) {
+      let m = perModel.get(r.model);
+      if (!m) {
+        m = { model: r.model, days: new Map(), turns: 0, prompt_tokens: 0, completion_tokens: 0,
+              total_tokens: 0, memory_tokens: 0, estimated_turns: 0, cost: null };
+        perModel.set(r.model, m);
+      }
+      m.days.set(r.day, (m.days.get(r.day) || 0) + r.total_tokens);
+      for (const k of ["turns", "prompt_tokens", "completion_tokens", "total_tokens", "memory_tokens", "estimated_turns"]) m[k] += r[k];
+      if (r.cost !== null) m.cost = (m.cost || 0) + r.cost;
+    }
+    const ordered = Array.from(perModel.values()).sort((a, b) => b.total_tokens - a.total_tokens || (a.model < b.model ? -1 : 1));
+    const colour = new Map(ordered.map((m, i) => [m.model, COLOURS[i % COLOURS.length]]));
+
+    const days = daysOf(from, to);
+    const stacked = days.map((day) => ordered.reduce((sum, m) => sum + (m.days.get(day) || 0), 0));
+    const top = niceMax(Math.max(0, ...stacked));
+    const W = 800, H = 260, left = 52, right = 8, topPad = 10, bottom = 30;
+    const plotW = W - left - right, plotH = H - topPad - bottom;
+    for (let i = 0; i <= 4; i++) {
+      const y = topPad + plotH - (plotH * i) / 4;
+      svg("line", { class: "axis", x1: left, x2: W - right, y1: y, y2: y }, chart);
+      const label = svg("text", { x: left - 6, y: y + 4, "text-anchor": "end" }, chart);
+      label.textContent = compact((top * i) / 4);
+    }
+    const slot = plotW / days.length;
+    const barW = Math.max(1, Math.min(40, slot * 0.72));
+    const labelEvery = Math.ceil(days.length / 12);
+    days.forEach((day, i) => {
+      const x = left + slot * i + (slot - barW) / 2;
+      let y = topPad + plotH;
+      for (const m of ordered) {
+        const tokens = m.days.get(day) || 0;
+        if (!tokens) continue;
+        const h = (plotH * tokens) / top;
+        y -= h;
+        const bar = svg("rect", { class: "bar", x: x.toFixed(2), y: y.toFixed(2), width: barW.toFixed(2),
+                                  height: Math.max(h, 0.5).toFixed(2), fill: colour.get(m.model),
+                                  "data-day": day, "data-model": m.model, "data-tokens": tokens }, chart);
+        svg("title", {}, bar).textContent = day + " · " + m.model + ": " + count.format(tokens) + " tokens";
+      }
+      if (i % labelEvery === 0) {
+        const label = svg("text", { x: (left + slot * i + slot / 2).toFixed(2), y: H - 10, "text-anchor": "middle" }, chart);
+        label.textContent = day.slice(5);
+      }
+    });
+    const busiest = stacked.indexOf(Math.max(...stacked));
+    desc.textContent = ordered.length
+      ? "Tokens per day from " + from + " to " + to + ", stacked by model (" +
+        ordered.map((m) => m.model + " " + count.format(m.total_tokens)).join(", ") +
+        "); the busiest day was " + days[busiest] + " with " + count.format(stacked[busiest]) + " tokens."
+      : "No tokens from " + from + " to " + to + ".";
+
+    for (const m of ordered) {
+      const item = document.createElement("li");
+      const swatch = svg("svg", { width: 12, height: 12, viewBox: "0 0 12 12", "aria-hidden": "true" });
+      svg("rect", { width: 12, height: 12, rx: 2, fill: colour.get(m.model) }, swatch);
+      const name = document.createElement("span");
+      name.textContent = m.model + " (" + count.format(m.total_tokens) + ")";
+      item.append(swatch, name);
+      legend.appendChild(item);
+      usageRow(models, m.model, m, "Model");
+    }
+    if (!ordered.length) {
+      const row = document.createElement("tr");
+      cell(row, "No turns in this period.").colSpan = 8;
+      models.appendChild(row);
+    }
+    for (const r of byPrincipal.rows) usageRow(principals, r.principal, r, "Principal");
+    if (!byPrincipal.rows.length) {
+      const row = document.createElement("tr");
+      cell(row, "No turns in this period.").colSpan = 8;
+      principals.appendChild(row);
+    }
+
+    const b = byDay.budget;
+    if (b) {
+      const parts = [];
+      let spent = false;
+      if (b.tokens !== null) {
+        parts.push(count.format(b.spent_tokens) + " of " + count.format(b.tokens) + " tokens");
+        spent = spent || b.spent_tokens >= b.tokens;
+      }
+      if (b.cost !== null) {
+        parts.push(money(b.spent_cost) + " of " + money(b.cost));
+        spent = spent || b.spent_cost >= b.cost;
+      }
+      budget.textContent = "Budget for " + b.month + " (UTC): " + parts.join(" and ") + " spent" + (spent ? " — used up: turns are refused until next month." : ".");
+      budget.className = spent ? "spent" : "";
+      budget.hidden = false;
+    }
+  }
+
   // ---- wiring ----
   function init() {
     $("sign-in-form").addEventListener("submit", (event) => {
@@ -587,8 +814,13 @@
     $("recall-form").addEventListener("submit", recall);
     $("episodes-form").addEventListener("submit", listEpisodes);
     $("episodes-more").addEventListener("click", () => loadEpisodes(episodesNext));
+    $("usage-form").addEventListener("submit", loadUsage);
+    window.addEventListener("hashchange", () => {
+      if (token) showPage(true);
+    });
     // Headings that take focus after sign-in, for screen readers and keyboards.
     $("status-title").tabIndex = -1;
+    $("usage-title").tabIndex = -1;
     const zone = timeZoneName();
     for (const node of document.querySelectorAll(".time-zone")) node.textContent = zone;
     const saved = sessionStorage.getItem(TOKEN_KEY);

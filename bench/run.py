@@ -73,7 +73,16 @@ SETTLE_MAX_S = 5.0
 BLACKHOLE_TIMEOUT_S = "0.5"
 # The gateways that share the run's store of the default configuration.
 DEFAULT_STORE_GATEWAYS = frozenset(
-    {"gw_on", "gw_unary", "gw_nometrics", "gw_nojournal", "gw_workers", "gw_pg", "gw_routing"}
+    {
+        "gw_on",
+        "gw_unary",
+        "gw_nometrics",
+        "gw_nojournal",
+        "gw_nousage",
+        "gw_workers",
+        "gw_pg",
+        "gw_routing",
+    }
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
 # recall alone inside the store process, and a store outage under load (bench.outage).
@@ -154,6 +163,12 @@ CONFIGS = (
         "mem_nojournal",
         "3j. gateway, memory enabled, no writeback journal (ARONA_WRITEBACK_JOURNAL=false)",
         "gw_nojournal",
+        expect="enabled",
+    ),
+    Config(
+        "mem_nousage",
+        "3n. gateway, memory enabled, no usage metering (ARONA_USAGE=false)",
+        "gw_nousage",
         expect="enabled",
     ),
     Config(
@@ -705,6 +720,9 @@ def execute(run: Run) -> None:
         start_gateway(run, "gw_nojournal", {**memory, "ARONA_WRITEBACK_JOURNAL": "false"})
     if "gw_routing" in needed:
         start_routing_gateway(run, memory)
+    if "gw_nousage" in needed:
+        # The same gateway without usage metering: what metering costs a turn.
+        start_gateway(run, "gw_nousage", {**memory, "ARONA_USAGE": "false"})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if "gw_pg" in needed:
@@ -842,6 +860,7 @@ RECALL_GROWTH = 2.0  # recall alone at the big store's size at most this × at t
 MEMORY_SHARE = 0.5  # memory's own added p50 (3 − 2) at most this × the gateway's (2 − 1)
 STREAM_CPU_SHARE = 0.70  # gateway CPU per memory turn, streams (3) ÷ unary calls (3g), c=32
 WITHIN = 1.10  # the journal, user-scope and metrics rows: added p50 at most this × reference
+METERING_WITHIN = 1.05  # usage metering (3 against 3n): added p50 at most this × without it
 
 
 CONFIG_NAMES = {"mem_on": "default configuration", "mem_lexical": "lexical-ranking store"}
@@ -1000,15 +1019,15 @@ def targets(run: Run) -> list[list[str]]:
             None,
         )
 
-    def added_within(name: str, key: str, base: str) -> None:
-        """A target: ``key``'s added p50 at c=1 at most WITHIN × ``base``'s (same run)."""
+    def added_within(name: str, key: str, base: str, within: float = WITHIN) -> None:
+        """A target: ``key``'s added p50 at c=1 at most ``within`` × ``base``'s (same run)."""
         if not have(key, base, "direct"):
             return
         ours, reference = added(key), added(base)
         add(
             f"{name}, c=1",
             f"{ratio(ours, reference):.2f}× ({ours:.3f} ms vs {reference:.3f} ms)",
-            ratio(ours, reference) <= WITHIN,
+            ratio(ours, reference) <= within,
         )
 
     added_within(
@@ -1035,6 +1054,12 @@ def targets(run: Run) -> list[list[str]]:
             f"{ratio(ours, reference):.2f}× ({ours:.3f} ms vs {reference:.3f} ms)",
             ratio(ours, reference) <= ROUTING_WITHIN,
         )
+    added_within(
+        f"usage metering: memory turn's added p50 ≤ {METERING_WITHIN:.2f} × without it (3 vs 3n)",
+        "mem_on",
+        "mem_nousage",
+        METERING_WITHIN,
+    )
     return out
 
 

@@ -242,7 +242,9 @@ class Settings:
                 env, "ARONA_MEMORY_STATUS_DETAIL_CHARS", DEFAULT_STATUS_DETAIL_CHARS
             ),
             usage=_strict_bool(env, "ARONA_USAGE", True),
-            usage_refresh_s=_seconds_or_zero(env, "ARONA_USAGE_REFRESH_S", DEFAULT_USAGE_REFRESH_S),
+            usage_refresh_s=_positive_float(
+                env, "ARONA_USAGE_REFRESH_S", DEFAULT_USAGE_REFRESH_S, zero=True
+            ),
         )
 
     @property
@@ -300,7 +302,10 @@ def _strict_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     return default
 
 
-def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+def _positive_float(
+    env: Mapping[str, str], name: str, default: float, *, zero: bool = False
+) -> float:
+    """Seconds: a positive number (or 0 too, with ``zero``)."""
     raw = _str(env, name)
     if raw is None:
         return default
@@ -308,21 +313,9 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value
-
-
-def _seconds_or_zero(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = _str(env, name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ConfigError(f"{name} must be 0 or a positive number of seconds, got {raw!r}")
+    if not (value >= 0 if zero else value > 0) or value == float("inf"):
+        allowed = "0 or a positive number" if zero else "a positive number"
+        raise ConfigError(f"{name} must be {allowed} of seconds, got {raw!r}")
     return value
 
 

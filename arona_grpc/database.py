@@ -18,15 +18,20 @@ carries the URL's credentials.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from arona_grpc.redact import redact_text, redact_url
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # pg_advisory_lock key for migrations ("Arona" in ASCII).
 MIGRATION_LOCK = 0x41726F6E61
@@ -335,6 +340,45 @@ async def _migrate(conn: Any, applied: list[Migration]) -> None:
             )
         logger.info("database migration %d applied: %s", migration.version, migration.name)
         applied.append(migration)
+
+
+class SqliteThread:
+    """One SQLite connection and the one thread that may use it.
+
+    A commit may wait on the disk and must never stall the event loop, and a connection must
+    stay on the thread that made it: every piece of work on the file runs here, in turn.
+    """
+
+    def __init__(
+        self, path: Path, connect: Callable[[Path], sqlite3.Connection], name: str, what: str
+    ) -> None:
+        """Open (creating its directories) the file at ``path`` with ``connect``, on a new
+        thread named after ``name``; ``what`` names the database in errors."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._what = what
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        try:
+            self._db = self._executor.submit(connect, path).result()
+        except BaseException:
+            self._executor.shutdown(wait=True)
+            raise
+        self._closed = False
+
+    async def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise RuntimeError(f"{self._what} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, work, self._db)
+
+    def close(self) -> None:
+        """Close the database; idempotent. Work already submitted finishes first."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._executor.submit(self._db.close).result()
+        finally:
+            self._executor.shutdown(wait=True)
 
 
 # One SQLite step: a script, or a function of the connection (for steps that must look first).

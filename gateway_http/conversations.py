@@ -16,13 +16,11 @@ when the database is unreachable its calls raise
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +28,13 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from arona_grpc.database import DatabaseUnavailable, is_unavailable, sqlite_migrate, unavailable
+from arona_grpc.database import (
+    DatabaseUnavailable,
+    SqliteThread,
+    is_unavailable,
+    sqlite_migrate,
+    unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,24 +139,14 @@ class ConversationStore(Protocol):
 class SqliteConversationStore:
     """:class:`ConversationStore` in one SQLite file; see the module docstring."""
 
-    def __init__(self, executor: ThreadPoolExecutor, connection: sqlite3.Connection) -> None:
-        # Use :meth:`open`; the connection must only ever be used on ``executor``'s thread.
-        self._executor = executor
-        self._db = connection
-        self._closed = False
+    def __init__(self, path: Path) -> None:
+        """Open (creating if needed) the database at ``path``, its parent directories and schema."""
+        self._thread = SqliteThread(path, _connect, "arona-conversations", "the conversation store")
+        logger.debug("conversation store opened at %s", path)
 
     @classmethod
     def open(cls, path: Path) -> SqliteConversationStore:
-        """Open (creating if needed) the database at ``path``, its parent directories and schema."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-conversations")
-        try:
-            connection = executor.submit(_connect, path).result()
-        except BaseException:
-            executor.shutdown(wait=True)
-            raise
-        logger.debug("conversation store opened at %s", path)
-        return cls(executor, connection)
+        return cls(path)
 
     async def create(self, owner: str, title: str | None = None) -> Conversation:
         conversation_id = _new_id()
@@ -239,19 +233,10 @@ class SqliteConversationStore:
 
     def close(self) -> None:
         """Close the database; idempotent. Work already submitted finishes first."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._executor.submit(self._db.close).result()
-        finally:
-            self._executor.shutdown(wait=True)
+        self._thread.close()
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        if self._closed:
-            raise RuntimeError("the conversation store is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, work, self._db)
+        return await self._thread.run(work)
 
 
 class PostgresConversationStore:

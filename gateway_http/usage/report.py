@@ -16,6 +16,7 @@ from gateway_http.usage.records import (
     Budget,
     Spent,
     UsageQuery,
+    UsageRow,
     UsageSummary,
     micros,
     month_start,
@@ -70,35 +71,38 @@ def query(when: Period, groups: tuple[str, ...], principal: str | None) -> Usage
     return UsageQuery(micros(when.start), micros(when.end), groups, principal)
 
 
+def _numbers(row: UsageRow) -> dict[str, Any]:
+    return {
+        "turns": row.turns,
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "total_tokens": row.total_tokens,
+        "memory_tokens": row.memory_tokens,
+        "estimated_turns": row.estimated_turns,
+        "cost": _money(row.cost_micro),
+    }
+
+
 def rows(summary: UsageSummary, groups: tuple[str, ...]) -> list[dict[str, Any]]:
     """One JSON object per row: its group values, then the numbers (cost null: unpriced)."""
-    out = []
-    for row in summary.rows:
-        item: dict[str, Any] = dict(zip(groups, row.groups, strict=True))
-        item.update(
-            turns=row.turns,
-            prompt_tokens=row.prompt_tokens,
-            completion_tokens=row.completion_tokens,
-            total_tokens=row.total_tokens,
-            memory_tokens=row.memory_tokens,
-            estimated_turns=row.estimated_turns,
-            cost=_money(row.cost_micro),
-        )
-        out.append(item)
-    return out
+    return [{**dict(zip(groups, row.groups, strict=True)), **_numbers(row)} for row in summary.rows]
 
 
 def totals(summary: UsageSummary) -> dict[str, Any]:
-    costs = [r.cost_micro for r in summary.rows if r.cost_micro is not None]
-    return {
-        "turns": sum(r.turns for r in summary.rows),
-        "prompt_tokens": sum(r.prompt_tokens for r in summary.rows),
-        "completion_tokens": sum(r.completion_tokens for r in summary.rows),
-        "total_tokens": sum(r.total_tokens for r in summary.rows),
-        "memory_tokens": sum(r.memory_tokens for r in summary.rows),
-        "estimated_turns": sum(r.estimated_turns for r in summary.rows),
-        "cost": _money(sum(costs)) if costs else None,
-    }
+    """The numbers of every row added up (cost null when no row has one)."""
+    each = summary.rows
+    costs = [r.cost_micro for r in each if r.cost_micro is not None]
+    return _numbers(
+        UsageRow(
+            (),
+            sum(r.turns for r in each),
+            sum(r.prompt_tokens for r in each),
+            sum(r.completion_tokens for r in each),
+            sum(r.memory_tokens for r in each),
+            sum(r.estimated_turns for r in each),
+            sum(costs) if costs else None,
+        )
+    )
 
 
 def answer(when: Period, groups: tuple[str, ...], summary: UsageSummary) -> dict[str, Any]:

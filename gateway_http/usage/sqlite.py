@@ -8,16 +8,14 @@ the file's ``user_version``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from arona_grpc.database import sqlite_migrate
+from arona_grpc.database import SqliteThread, sqlite_migrate
 from gateway_http.usage.records import (
     Budget,
     Spent,
@@ -87,23 +85,13 @@ _ADD_MONTH = (
 class SqliteUsageStore:
     """Usage records and budgets in one SQLite file; see the module docstring."""
 
-    def __init__(self, executor: ThreadPoolExecutor, connection: sqlite3.Connection) -> None:
-        # Use :meth:`open`; the connection must only ever be used on ``executor``'s thread.
-        self._executor = executor
-        self._db = connection
-        self._closed = False
+    def __init__(self, path: Path) -> None:
+        """Open (creating if needed) the database at ``path`` and bring its schema up to date."""
+        self._thread = SqliteThread(path, _connect, "arona-usage", "the usage store")
 
     @classmethod
     def open(cls, path: Path) -> SqliteUsageStore:
-        """Open (creating if needed) the database at ``path`` and bring its schema up to date."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-usage")
-        try:
-            connection = executor.submit(_connect, path).result()
-        except BaseException:
-            executor.shutdown(wait=True)
-            raise
-        return cls(executor, connection)
+        return cls(path)
 
     async def add(self, records: Sequence[UsageRecord]) -> int:
         rows = [
@@ -190,19 +178,10 @@ class SqliteUsageStore:
 
     def close(self) -> None:
         """Close the database; idempotent. Work already submitted finishes first."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._executor.submit(self._db.close).result()
-        finally:
-            self._executor.shutdown(wait=True)
+        self._thread.close()
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        if self._closed:
-            raise RuntimeError("the usage store is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, work, self._db)
+        return await self._thread.run(work)
 
 
 def _connect(path: Path) -> sqlite3.Connection:

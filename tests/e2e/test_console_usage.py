@@ -8,7 +8,6 @@ its budget, and the page on a 420 px phone.
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,11 @@ from typing import Any
 import pytest
 from playwright.async_api import expect
 
-from gateway_http.usage.records import Budget, UsageRecord, micros
+from gateway_http.usage.records import Budget, UsageRecord
 from tests.e2e.scoped import TEAM_A_KEY, jwt, scoped_stack
 from tests.e2e.test_console_browser import WAIT_MS, open_console, sign_in
 from tests.support.browser import artifact_dir, chromium
+from tests.support.usage import usage_record
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -32,21 +32,9 @@ TODAY = NOW.strftime("%Y-%m-%d")
 
 
 def record(principal: str, at: datetime, model: str, prompt: int, completion: int) -> UsageRecord:
-    return UsageRecord(
-        turn_id=uuid.uuid4().hex,
-        at_us=micros(at),
-        principal=principal,
-        user="",
-        model=model,
-        backend="openai",
-        surface="rest",
-        outcome="ok",
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        memory_tokens=40,
-        estimated=False,
-        latency_ms=900.0,
-        cost_micro=prompt * 2 + completion * 10 if model == "gpt-4o" else None,
+    cost = prompt * 2 + completion * 10 if model == "gpt-4o" else None
+    return usage_record(
+        principal, prompt, completion, at=at, model=model, memory_tokens=40, cost_micro=cost
     )
 
 

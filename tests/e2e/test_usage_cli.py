@@ -9,15 +9,15 @@ import io
 import os
 import subprocess
 import sys
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from arona_grpc.database import open_pool
-from gateway_http.usage.records import Budget, UsageRecord, micros
+from gateway_http.usage.records import Budget, UsageRecord
 from gateway_http.usage.store import USAGE_FILE, open_usage_store
+from tests.support.usage import usage_record
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 NOW = datetime.now(UTC)
@@ -39,20 +39,15 @@ def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def record(principal: str, model: str, prompt: int, completion: int) -> UsageRecord:
-    return UsageRecord(
-        turn_id=uuid.uuid4().hex,
-        at_us=micros(NOW),
-        principal=principal,
-        user="",
+    return usage_record(
+        principal,
+        prompt,
+        completion,
+        at=NOW,
         model=model,
-        backend="default",
-        surface="rest",
-        outcome="ok",
-        prompt_tokens=prompt,
-        completion_tokens=completion,
+        backend="upstream",
         memory_tokens=12,
         estimated=model == "echo",
-        latency_ms=4.0,
         cost_micro=1_250_000 if model == "priced" else None,
     )
 

@@ -3,7 +3,6 @@ caller's budget; records are put in the gateway's own usage store as its meter w
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,31 +13,17 @@ import pytest
 import pytest_asyncio
 
 from gateway_http.auth import mint_token
-from gateway_http.usage.records import Budget, UsageRecord, micros
+from gateway_http.usage.records import Budget, UsageRecord
 from tests.e2e.stack import JWT_SECRET, Stack, running_stack
+from tests.support.usage import usage_record
 
 NOW = datetime.now(UTC)
 TODAY = NOW.strftime("%Y-%m-%d")
 
 
 def record(principal: str, prompt: int, completion: int, **fields: Any) -> UsageRecord:
-    values: dict[str, Any] = {
-        "turn_id": uuid.uuid4().hex,
-        "at_us": micros(NOW),
-        "principal": principal,
-        "user": "",
-        "model": "fake-model",
-        "backend": "default",
-        "surface": "rest",
-        "outcome": "ok",
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "memory_tokens": 0,
-        "estimated": False,
-        "latency_ms": 5.0,
-        **fields,
-    }
-    return UsageRecord(**values)
+    defaults: dict[str, Any] = {"model": "fake-model", "backend": "upstream", "memory_tokens": 0}
+    return usage_record(principal, prompt, completion, at=NOW, **{**defaults, **fields})
 
 
 @pytest_asyncio.fixture
@@ -134,8 +119,8 @@ async def test_groupings_by_user_backend_and_day(stack: Stack) -> None:
     by = (await summary(stack, {"group_by": ["day", "backend", "user"]}))["result"]["rows"]
 
     assert [(r["day"], r["backend"], r["user"], r["turns"]) for r in by] == [
-        (TODAY, "default", "phone", 1),
         (TODAY, "local", "", 1),
+        (TODAY, "upstream", "phone", 1),
     ]
 
 

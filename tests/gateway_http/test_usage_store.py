@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ from gateway_http.usage.records import (
     micros,
 )
 from gateway_http.usage.store import USAGE_FILE, UsageStore, open_usage_store
+from tests.support.usage import usage_record
 
 DEC_1 = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
 DEC_2 = datetime(2026, 12, 2, 23, 59, 59, tzinfo=UTC)
@@ -35,32 +35,12 @@ def record(
     principal: str = "alice",
     *,
     at: datetime = DEC_1,
-    model: str = "gpt-4o",
-    backend: str = "openai",
     prompt: int = 100,
     completion: int = 20,
     memory: int = 30,
-    estimated: bool = False,
-    user: str = "",
-    cost_micro: int | None = None,
-    turn_id: str | None = None,
+    **fields: Any,
 ) -> UsageRecord:
-    return UsageRecord(
-        turn_id=turn_id or uuid.uuid4().hex,
-        at_us=micros(at),
-        principal=principal,
-        user=user,
-        model=model,
-        backend=backend,
-        surface="rest",
-        outcome="ok",
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        memory_tokens=memory,
-        estimated=estimated,
-        latency_ms=12.5,
-        cost_micro=cost_micro,
-    )
+    return usage_record(principal, prompt, completion, at=at, memory_tokens=memory, **fields)
 
 
 @pytest_asyncio.fixture

@@ -14,6 +14,12 @@ each lives in its own SQLite file under ``ARONA_DATA_DIR``. Either way the schem
 reached, :class:`SchemaRefused` when it is reached but the schema cannot be brought up to date
 (a role without the right to create tables, a schema from a newer version); neither message
 carries the URL's credentials.
+
+A database that goes away while the process runs is said once: the first
+:class:`DatabaseUnavailable` of an outage (:func:`unavailable`) is one WARNING line, the rest of
+it debug records, and the first operation that works again (:func:`database_answered`, which
+every backend calls after a successful one) one INFO line. asyncpg's own pool warnings, with
+their tracebacks, are left to debug level (:func:`quiet_asyncpg_pool`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,13 +221,101 @@ def is_unavailable(exc: BaseException) -> bool:
     return any(kind.__name__ in _UNAVAILABLE_NAMES for kind in type(exc).__mro__)
 
 
-def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
-    """A :class:`DatabaseUnavailable` for ``exc``, its text free of the URL's credentials."""
+def unavailable(url: str, exc: BaseException, *, outage: bool = True) -> DatabaseUnavailable:
+    """A :class:`DatabaseUnavailable` for ``exc``, its text free of the URL's credentials;
+    ``outage``: the database went away under a running process (said once per outage), not
+    a start that could not reach it (said by the start's own one line)."""
     password = _password(url)
     detail = redact_text(str(exc) or type(exc).__name__, (password,))
-    return DatabaseUnavailable(
+    error = DatabaseUnavailable(
         f"the database at {redact_url(url)} is unavailable ({type(exc).__name__}: {detail})"
     )
+    if outage:
+        OUTAGES.refused(redact_url(url), str(error))
+    return error
+
+
+async def run_on(pool: Any, url: str, work: Callable[[Any], Awaitable[T]]) -> T:
+    """``work`` on a connection of ``pool``: :class:`DatabaseUnavailable` when the database
+    does not answer (the outage said once), the end of an outage noted when it does."""
+    try:
+        async with pool.acquire() as conn:
+            result = await work(conn)
+    except Exception as exc:
+        if is_unavailable(exc):
+            raise unavailable(url, exc) from None
+        raise
+    database_answered(url)
+    return result
+
+
+def database_answered(url: str) -> None:
+    """An operation on ``url`` worked: the end of its outage, if it had one."""
+    if OUTAGES.any:
+        OUTAGES.answered(redact_url(url))
+
+
+@dataclass
+class _Outage:
+    since: float
+    refused: int
+
+
+class DatabaseOutages:
+    """This process's databases that do not answer now, by (redacted) URL: one WARNING when
+    an outage begins, one INFO line when it ends."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._outages: dict[str, _Outage] = {}
+
+    @property
+    def any(self) -> bool:
+        return bool(self._outages)
+
+    def refused(self, where: str, message: str) -> None:
+        outage = self._outages.get(where)
+        if outage is not None:
+            outage.refused += 1
+            logger.debug("%s", message)
+            return
+        self._outages[where] = _Outage(self._clock(), 1)
+        logger.warning(
+            "%s; what needs it answers 503 database_unavailable until it is back "
+            "(said once per outage)",
+            message,
+        )
+
+    def answered(self, where: str) -> None:
+        outage = self._outages.pop(where, None)
+        if outage is not None:
+            logger.info(
+                "the database at %s answers again (away %.1f s, %d operation(s) refused)",
+                where,
+                self._clock() - outage.since,
+                outage.refused,
+            )
+
+
+# One process, one record: every pool and backend of the process reports to it.
+OUTAGES = DatabaseOutages()
+
+
+class _DebugOnly(logging.Filter):
+    """asyncpg's pool warnings (with their tracebacks) as debug records: the outage they are
+    part of is said once by :class:`DatabaseOutages`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info, record.exc_text = None, None
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def quiet_asyncpg_pool() -> None:
+    """Send asyncpg's pool records through :class:`_DebugOnly` (logging set-up calls it)."""
+    pool_logger = logging.getLogger("asyncpg.pool")
+    if not any(isinstance(f, _DebugOnly) for f in pool_logger.filters):
+        pool_logger.addFilter(_DebugOnly())
 
 
 def _password(url: str) -> str | None:
@@ -237,6 +332,7 @@ async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX)
     when the server cannot be reached."""
     import asyncpg
 
+    quiet_asyncpg_pool()
     try:
         pool = await asyncpg.create_pool(
             url,
@@ -249,7 +345,7 @@ async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX)
         )
     except Exception as exc:
         if is_unavailable(exc) or type(exc).__module__.startswith("asyncpg"):
-            raise unavailable(url, exc) from None
+            raise unavailable(url, exc, outage=False) from None
         raise
     if migrate:
         try:
@@ -278,7 +374,7 @@ async def _apply(pool: Any, url: str) -> list[Migration]:
         raise SchemaRefused(f"{redact_url(url)}: {exc}") from None
     except Exception as exc:
         if is_unavailable(exc):
-            raise unavailable(url, exc) from None
+            raise unavailable(url, exc, outage=False) from None
         raise
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from arona_grpc.database import is_unavailable, sqlite_migrate
+from arona_grpc.database import database_answered, is_unavailable, sqlite_migrate, unavailable
 from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
@@ -385,12 +385,17 @@ class PostgresEpisodeIndex:
                             queued,
                         )
                 except Exception as exc:
-                    logger.error(
-                        "episode index: %d entr(ies) not recorded: %s",
-                        len(queued),
-                        type(exc).__name__,
-                    )
+                    if is_unavailable(exc):
+                        unavailable(self._url, exc)  # the outage, said once
+                        logger.debug("episode index: %d entr(ies) not recorded", len(queued))
+                    else:
+                        logger.error(
+                            "episode index: %d entr(ies) not recorded: %s",
+                            len(queued),
+                            type(exc).__name__,
+                        )
                     return
+                database_answered(self._url)
                 self._written(upto)
         finally:
             # Given up (an error, shutdown) or all done: nobody waits any longer.
@@ -411,11 +416,13 @@ class PostgresEpisodeIndex:
         try:
             async with self._pool.acquire() as conn:
                 rows: list[Any] = await conn.fetch(sql, *args)
-                return rows
         except Exception as exc:
             if is_unavailable(exc):
+                unavailable(self._url, exc)  # the outage, said once
                 raise IndexUnavailable("the episode index's database is unavailable") from None
             raise
+        database_answered(self._url)
+        return rows
 
 
 def open_index(

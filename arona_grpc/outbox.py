@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arona_grpc.config import Settings
-from arona_grpc.database import SqliteStep, is_unavailable, sqlite_migrate, unavailable
+from arona_grpc.database import SqliteStep, run_on, sqlite_migrate
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.redact import redact_url
 
@@ -826,13 +826,7 @@ class PostgresOutbox(_Kept):
         return _Counts(int(depth), int(dropped), int(size), int(dead), recent)
 
     async def _run(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        try:
-            async with self._pool.acquire() as conn:
-                return await work(conn)
-        except Exception as exc:
-            if is_unavailable(exc):
-                raise unavailable(self._url, exc) from None
-            raise
+        return await run_on(self._pool, self._url, work)
 
 
 AnyOutbox = Outbox | PostgresOutbox

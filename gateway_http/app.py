@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from arona_grpc.config import Settings
-from arona_grpc.database import open_pool
+from arona_grpc.database import DatabaseUnavailable, open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
 from arona_grpc.storage import StorageFaults
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
@@ -57,6 +57,7 @@ from gateway_http.upstream.backend import ChatBackend
 from gateway_http.upstream.backends_file import BackendsFile
 from gateway_http.upstream.routing import Router, build_router
 from gateway_http.usage.metering import Metering
+from gateway_http.views import database_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class GatewayApp(FastAPI):
             response = await rest.chat_completions(request)
         except GatewayError as exc:
             response = _error_response(exc)
+        except DatabaseUnavailable:
+            response = _error_response(database_unavailable())
         except rest.ClientGone:
             # Nobody is left to answer.
             return
@@ -338,6 +341,11 @@ def create_app(
         return _error_response(
             GatewayError(ErrorKind.BAD_INPUT, "invalid request", "invalid_request")
         )
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def _database_unavailable(request: Request, exc: DatabaseUnavailable) -> Response:
+        # Said once per outage by arona_grpc.database; here only its answer.
+        return _error_response(database_unavailable())
 
     @app.exception_handler(rest.ClientGone)
     async def _client_gone(request: Request, exc: rest.ClientGone) -> Response:

@@ -31,9 +31,8 @@ import orjson
 from arona_grpc.database import (
     DatabaseUnavailable,
     SqliteThread,
-    is_unavailable,
+    run_on,
     sqlite_migrate,
-    unavailable,
 )
 
 logger = logging.getLogger(__name__)
@@ -334,15 +333,7 @@ class PostgresConversationStore:
         """The pool belongs to the process; nothing of its own to close."""
 
     async def _run(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        try:
-            async with self._pool.acquire() as conn:
-                return await work(conn)
-        except (ConversationNotFound, ConversationForbidden):
-            raise
-        except Exception as exc:
-            if is_unavailable(exc):
-                raise unavailable(self._url, exc) from None
-            raise
+        return await run_on(self._pool, self._url, work)
 
 
 def _owned(row: Sequence[Any] | None, conversation_id: str, owner: str) -> Conversation:

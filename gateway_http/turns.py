@@ -317,7 +317,8 @@ class TurnPipeline:
                 await self._conversations.append(conversation_id, reply)
             except DatabaseUnavailable as exc:
                 # The answer exists; losing its copy in the history must not lose the answer.
-                logger.warning("the reply was not added to its conversation: %s", exc)
+                # (The outage is said once, by arona_grpc.database.)
+                logger.debug("the reply was not added to its conversation: %s", exc)
         if (
             writeback
             and (turn.user_text or content)

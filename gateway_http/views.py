@@ -36,17 +36,23 @@ def conversation_view(conversation: Conversation) -> dict[str, Any]:
     }
 
 
+def database_unavailable() -> GatewayError:
+    """503 ``database_unavailable`` (JSON-RPC ``-32000``): what needs the database while it
+    does not answer."""
+    return GatewayError(
+        ErrorKind.UNAVAILABLE, "the database is unavailable", "database_unavailable"
+    )
+
+
 @contextmanager
 def conversation_errors() -> Iterator[None]:
     """Unknown id -> 404 ``conversation_not_found``; another owner's -> 403; the database
     unreachable -> 503 ``database_unavailable``."""
     try:
         yield
-    except DatabaseUnavailable as exc:
-        logger.warning("%s", exc)
-        raise GatewayError(
-            ErrorKind.UNAVAILABLE, "the database is unavailable", "database_unavailable"
-        ) from None
+    except DatabaseUnavailable:
+        # The outage is said once, by arona_grpc.database.
+        raise database_unavailable() from None
     except ConversationNotFound:
         raise GatewayError(
             ErrorKind.NOT_FOUND, "conversation not found", "conversation_not_found"

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
+from arona_grpc.database import DatabaseUnavailable
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.usage.records import (
@@ -67,7 +68,7 @@ class Budgets:
             await self.refresh()
         except Exception as exc:
             # The refreshing task reads them as soon as the store answers.
-            logger.warning("budgets could not be read: %s", exc)
+            _unread(exc)
         if self._refresh_s > 0:
             self._task = asyncio.create_task(self._refreshing(), name="usage-budgets")
 
@@ -154,7 +155,13 @@ class Budgets:
                 await self.refresh()
             except Exception as exc:
                 # The last known budgets and spending stand until the store answers again.
-                logger.warning("budgets could not be read: %s", exc)
+                _unread(exc)
+
+
+def _unread(exc: Exception) -> None:
+    # A database outage is said once, by arona_grpc.database; anything else here.
+    level = logging.DEBUG if isinstance(exc, DatabaseUnavailable) else logging.WARNING
+    logger.log(level, "budgets could not be read: %s", exc)
 
 
 def _add(into: dict[str, Spent], principal: str, spent: Spent) -> None:

@@ -195,7 +195,9 @@ class UsageMeter:
                 self._budgets.stored(spent)
         except (DatabaseUnavailable, sqlite3.Error, OSError) as exc:
             if not self._failing:
-                logger.warning(
+                # A database outage is said once, by arona_grpc.database.
+                logger.log(
+                    logging.DEBUG if isinstance(exc, DatabaseUnavailable) else logging.WARNING,
                     "usage records could not be stored (they wait, %d now): %s",
                     len(self._waiting),
                     exc,

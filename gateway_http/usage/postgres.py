@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from arona_grpc.database import is_unavailable, unavailable
+from arona_grpc.database import run_on
 from gateway_http.usage.records import (
     Budget,
     Spent,
@@ -157,10 +157,4 @@ class PostgresUsageStore:
         """The pool belongs to the process; nothing of its own to close."""
 
     async def _run(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        try:
-            async with self._pool.acquire() as conn:
-                return await work(conn)
-        except Exception as exc:
-            if is_unavailable(exc):
-                raise unavailable(self._url, exc) from None
-            raise
+        return await run_on(self._pool, self._url, work)

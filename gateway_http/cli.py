@@ -373,8 +373,7 @@ def _banner(
     http = running.http_url or ""
     grpc_target = running.grpc_target or ""
     # The chat hint asks for a model that is routed: echo, or the backends file's first one.
-    listed = backends.listed() if backends is not None else []
-    model = listed[0][0] if listed else "echo"
+    model = (backends.example_model() if backends is not None else None) or "echo"
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
     )

@@ -246,6 +246,21 @@ class BackendsFile:
                     listed.append((name, spec))
         return listed
 
+    def example_model(self) -> str | None:
+        """A model name this file routes, for a hint to show: the first listed one, else a name
+        one of the globs matches (None when none can be made)."""
+        listed = self.listed()
+        if listed:
+            return listed[0][0]
+        for spec in self.backends:
+            for pattern in spec.globs:
+                # A class becomes its first character, * nothing, ? an x; checked below.
+                name = re.sub(r"\[!?([^\]]?)[^\]]*\]", r"\1", pattern)
+                name = name.replace("*", "").replace("?", "x")
+                if name and self.primary(name) is spec:
+                    return name
+        return None
+
     @property
     def secret_values(self) -> tuple[str, ...]:
         """The backends' keys, for the log formatters' backstop."""

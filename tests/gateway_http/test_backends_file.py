@@ -251,3 +251,9 @@ def test_the_readme_example_is_a_valid_file_routing_as_it_says(tmp_path: Path) -
     assert chain(backends, "sonnet") == [("anthropic", "claude-sonnet-4-5")]
     assert chain(backends, "claude-opus-4-1") == [("anthropic", None), ("openai", "gpt-4o")]
     assert [model for model, _ in backends.listed()] == ["gpt-4o", "gpt-4o-mini", "fast", "sonnet"]
+
+
+def test_a_name_to_show_in_a_hint_is_one_the_file_routes(tmp_path: Path) -> None:
+    assert load(tmp_path, FILE).example_model() == "o1"
+    globs_only = '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["gpt-4o-[mn]*", "x?"]'
+    assert load(tmp_path, globs_only).example_model() == "gpt-4o-m"

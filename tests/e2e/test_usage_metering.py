@@ -384,3 +384,19 @@ async def test_replicas_on_postgresql_enforce_one_budget(tmp_path: Path, databas
         "spent_tokens": 105,
         "spent_cost": 0.0,
     }
+
+
+async def test_the_echo_model_reports_its_usage_like_an_upstream(tmp_path: Path) -> None:
+    async with metered(tmp_path, upstream_url=None) as stack:
+        json_turn = await stack.turn("rest", ASK)
+        await stack.turn("sse", ASK)
+        await stack.turn("rpc_ws", ASK)
+
+        rows = (await summary(stack, group_by=["backend", "model"]))["rows"]
+
+    reported = json_turn.body["usage"]
+    assert [(r["backend"], r["model"], r["turns"]) for r in rows] == [("echo", "fake-model", 3)]
+    assert rows[0]["estimated_turns"] == 0
+    # The same turn three times: the same counts each time, as the JSON answer reported them.
+    assert rows[0]["prompt_tokens"] == 3 * reported["prompt_tokens"]
+    assert rows[0]["completion_tokens"] == 3 * reported["completion_tokens"]

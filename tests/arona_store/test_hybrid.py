@@ -6,13 +6,14 @@ deletes and the dedup of identical episodes behave as with the lexical ranking."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -301,6 +302,18 @@ def test_int8_products_keep_the_vectors_and_a_text_gets_one_vector_whatever_besi
 # -- the server ---------------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _hybrid_client(tmp_path: Path) -> AsyncIterator[StoreClient]:
+    """A client, handshake done, of a hybrid store server on a fresh database."""
+    async with await StoreServer.start(
+        db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
+    ) as server:
+        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+            client = StoreClient(ws)
+            await client.handshake()
+            yield client
+
+
 # Filling in 302 vectors took 1.4 to 4.8 s on a 2-core box, idle or loaded.
 FILL_WAIT_S = 120
 
@@ -370,39 +383,34 @@ async def test_stopping_while_older_memories_are_embedded_neither_hangs_nor_lose
 @needs_semantic
 @pytest.mark.asyncio
 async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path: Path) -> None:
-    async with await StoreServer.start(
-        db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
-    ) as server:
-        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
-            client = StoreClient(ws)
-            await client.handshake()
-            stored = await client.call(
-                "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
-            )
-            await client.call(
-                "Sync.MemoryStoreRequest", {"text": DISTRACTOR, "node_type": "episode:u2"}
-            )
-            again = await client.call(
-                "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
-            )
-            assert again["node_id"] == stored["node_id"]
-            # Found by meaning as soon as the store is answered.
-            mine = await client.call(
-                "Sync.MemoryQueryRequest",
-                {"query": PARAPHRASE, "limit": 5, "node_type_filter": "episode:u1"},
-            )
-            assert mine["query"] == PARAPHRASE and mine["total"] == 1
-            assert [r["node_type"] for r in mine["results"]] == ["episode:u1"]
-            assert set(mine["results"][0]) == {"node_type", "text", "score"}
-            other = await client.call(
-                "Sync.MemoryQueryRequest",
-                {"query": PARAPHRASE, "node_type_filter": "episode:u3"},
-            )
-            assert other == {"query": PARAPHRASE, "total": 0, "results": []}
-            deleted = await client.call("Sync.MemoryDeleteRequest", {"node_id": stored["node_id"]})
-            assert deleted == {"deleted": True}
-            after = await client.call("Sync.MemoryQueryRequest", {"query": PARAPHRASE})
-            assert FACT not in [r["text"] for r in after["results"]]
+    async with _hybrid_client(tmp_path) as client:
+        stored = await client.call(
+            "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
+        )
+        await client.call(
+            "Sync.MemoryStoreRequest", {"text": DISTRACTOR, "node_type": "episode:u2"}
+        )
+        again = await client.call(
+            "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
+        )
+        assert again["node_id"] == stored["node_id"]
+        # Found by meaning as soon as the store is answered.
+        mine = await client.call(
+            "Sync.MemoryQueryRequest",
+            {"query": PARAPHRASE, "limit": 5, "node_type_filter": "episode:u1"},
+        )
+        assert mine["query"] == PARAPHRASE and mine["total"] == 1
+        assert [r["node_type"] for r in mine["results"]] == ["episode:u1"]
+        assert set(mine["results"][0]) == {"node_type", "text", "score"}
+        other = await client.call(
+            "Sync.MemoryQueryRequest",
+            {"query": PARAPHRASE, "node_type_filter": "episode:u3"},
+        )
+        assert other == {"query": PARAPHRASE, "total": 0, "results": []}
+        deleted = await client.call("Sync.MemoryDeleteRequest", {"node_id": stored["node_id"]})
+        assert deleted == {"deleted": True}
+        after = await client.call("Sync.MemoryQueryRequest", {"query": PARAPHRASE})
+        assert FACT not in [r["text"] for r in after["results"]]
 
 
 @needs_semantic
@@ -428,29 +436,24 @@ def test_a_repeated_memory_is_not_embedded_again_and_one_whose_twin_went_gets_it
 async def test_recalls_sent_together_on_one_connection_each_get_their_own_answer(
     tmp_path: Path,
 ) -> None:
-    async with await StoreServer.start(
-        db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
-    ) as server:
-        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
-            client = StoreClient(ws)
-            await client.handshake()
-            for text in (FACT, TEA_DE, "I work as a nurse at St. Mary's hospital."):
-                await client.call("Sync.MemoryStoreRequest", {"text": text})
-            questions = {100 + i: q for i, q in enumerate([PARAPHRASE, "What is my job?"] * 4)}
-            # Sent without waiting for any answer; answered in any order, each by its id.
-            for request_id, question in questions.items():
-                await client.send(
-                    {
-                        "jsonrpc": "2.0",
-                        "id": request_id,
-                        "method": "Sync.MemoryQueryRequest",
-                        "params": {"query": question, "limit": 1},
-                    }
-                )
-            answers = {}
-            for _ in questions:
-                reply = await client.recv()
-                answers[reply["id"]] = reply["result"]
+    async with _hybrid_client(tmp_path) as client:
+        for text in (FACT, TEA_DE, "I work as a nurse at St. Mary's hospital."):
+            await client.call("Sync.MemoryStoreRequest", {"text": text})
+        questions = {100 + i: q for i, q in enumerate([PARAPHRASE, "What is my job?"] * 4)}
+        # Sent without waiting for any answer; answered in any order, each by its id.
+        for request_id, question in questions.items():
+            await client.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": request_id,
+                    "method": "Sync.MemoryQueryRequest",
+                    "params": {"query": question, "limit": 1},
+                }
+            )
+        answers = {}
+        for _ in questions:
+            reply = await client.recv()
+            answers[reply["id"]] = reply["result"]
     assert set(answers) == set(questions)
     for request_id, question in questions.items():
         assert answers[request_id]["query"] == question

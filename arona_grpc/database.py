@@ -481,6 +481,23 @@ class SqliteThread:
 SqliteStep = str | Callable[[sqlite3.Connection], None]
 
 
+def sqlite_wal(db: sqlite3.Connection, attempts: int = 50) -> None:
+    """Put ``db``'s file in WAL mode, waiting for a process that opens it at the same moment.
+
+    Switching a new file to WAL takes an exclusive lock for which SQLite may answer "database
+    is locked" at once, without its busy handler (``serve --workers N`` opening one file in
+    each worker): the switch is tried again, every 0.1 s for at most ``attempts`` tries.
+    """
+    for attempt in range(attempts):
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.1)
+
+
 def sqlite_migrate(db: sqlite3.Connection, steps: Sequence[SqliteStep], what: str) -> int:
     """Apply ``steps[user_version:]`` in order, each with its version; the version now.
 

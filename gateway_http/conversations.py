@@ -33,6 +33,7 @@ from arona_grpc.database import (
     SqliteThread,
     run_on,
     sqlite_migrate,
+    sqlite_wal,
 )
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     # Autocommit off (the default isolation level): writes commit through ``with db:``.
     db = sqlite3.connect(path)
     try:
-        db.execute("PRAGMA journal_mode = WAL")
+        sqlite_wal(db)
         # WAL + NORMAL: a commit does not wait for fsync; a power cut can lose the last
         # commits but never corrupts the file.
         db.execute("PRAGMA synchronous = NORMAL")

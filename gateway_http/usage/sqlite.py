@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from arona_grpc.database import SqliteThread, sqlite_migrate
+from arona_grpc.database import SqliteThread, sqlite_migrate, sqlite_wal
 from gateway_http.usage.records import (
     Budget,
     Spent,
@@ -187,7 +187,7 @@ class SqliteUsageStore:
 def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path)
     try:
-        db.execute("PRAGMA journal_mode = WAL")
+        sqlite_wal(db)
         # A power cut may lose the last batches, never corrupt the file.
         db.execute("PRAGMA synchronous = NORMAL")
         db.execute("PRAGMA busy_timeout = 5000")

@@ -94,16 +94,23 @@ async def served(
     assert process.stderr is not None
     log: list[str] = []
     url = ""
+    # Under --workers, the supervisor's own line comes once every child serves.
+    ready = (
+        re.compile(r"^serving on (http://[\d.:]+) \(\d+ HTTP workers\)")
+        if "--workers" in argv
+        else re.compile(r"serving on (http://[\d.:]+)")
+    )
     try:
         while not url:
             raw = await asyncio.wait_for(process.stderr.readline(), 60)
             assert raw, "the gateway stopped before it served:\n" + "\n".join(log)
             log.append(raw.decode().rstrip("\n"))
-            found = re.search(r"serving on (http://[\d.:]+)", log[-1])
+            found = ready.search(log[-1])
             url = found.group(1) if found else ""
         gateway = Served(process, url, log)
         gateway._reader = asyncio.create_task(gateway._read())
-        await gateway.wait_for("Application startup complete")
+        if "--workers" not in argv:
+            await gateway.wait_for("Application startup complete")
         yield gateway
     finally:
         if process.returncode is None:

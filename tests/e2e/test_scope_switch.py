@@ -8,10 +8,7 @@ shared-mode recall, wherever it runs, drops the episodes Philia holds for one us
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import sys
 from pathlib import Path
 
 import grpc
@@ -23,32 +20,16 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.server import GrpcServer
 from tests.e2e.scoped import jwt, scoped_stack
 from tests.e2e.test_up import gateway_up
+from tests.support.served import run
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
-COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 FACT = "My locker code is 4417"
 ASK = "What is my locker code?"
 
 
 def chat(text: str) -> dict[str, object]:
     return {"model": "echo", "messages": [{"role": "user", "content": text}]}
-
-
-async def run(data_dir: Path, *argv: str, **extra: str) -> tuple[int, str]:
-    """A command's exit code and everything it wrote to stderr (at the default log level)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
-    env.update(ARONA_DATA_DIR=str(data_dir), ARONA_HTTP_PORT="0", ARONA_GRPC_PORT="0", **extra)
-    process = await asyncio.create_subprocess_exec(
-        COMMAND,
-        *argv,
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, err.decode()
 
 
 async def test_per_user_memories_refuse_a_shared_start_in_one_line(tmp_path: Path) -> None:
@@ -69,8 +50,8 @@ async def test_per_user_memories_refuse_a_shared_start_in_one_line(tmp_path: Pat
         assert await run(data_dir, "up") == (2, line)
         # serve refuses before it listens or reaches Philia (nothing answers at this URL).
         philia = {"ARONA_MEMORY_URL": "ws://127.0.0.1:9/ws", "ARONA_MEMORY_TOKEN": "t0k3n"}
-        assert await run(data_dir, "serve", **philia) == (2, line)
-        assert await run(data_dir, "serve", "--workers", "2", **philia) == (2, line)
+        assert await run(data_dir, "serve", env=philia) == (2, line)
+        assert await run(data_dir, "serve", "--workers", "2", env=philia) == (2, line)
 
         async with gateway_up(data_dir, user_mode) as up:
             again = await up.rpc(client, "chat.send", chat(ASK))

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.fake_philia import FakePhilia
 from tests.support.fake_upstream import FakeUpstream, Stream
+from tests.support.served import served
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -106,50 +107,34 @@ async def test_sigterm_to_the_process_group_drains_the_workers_before_the_grpc_s
         streams = [Stream(pieces=["one ", "two ", "three"], pause_after=1) for _ in range(turns)]
         upstream.script(*streams)
         philia.memories = [{"text": "I prefer oolong tea", "score": 0.8, "node_type": "entity"}]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
-        env.update(
-            ARONA_DATA_DIR=str(tmp_path),
-            ARONA_HTTP_PORT="0",
-            ARONA_GRPC_PORT="0",
-            ARONA_MEMORY_URL=philia.url,
-            ARONA_MEMORY_TOKEN=PHILIA_TOKEN,
-            ARONA_UPSTREAM_URL=upstream.base_url,
-        )
-        process = await asyncio.create_subprocess_exec(
-            COMMAND,
-            "serve",
-            "--workers",
-            "2",
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group, as under systemd
-        )
-        log: list[str] = []
-        try:
-            url = await _serving_url(process, log)
-            lines = _LogLines(process, log)
-            async with asyncio.TaskGroup() as group:
-                replies = [
-                    group.create_task(_streamed_turn(url, f"turn {i}")) for i in range(turns)
-                ]
-                for stream in streams:
-                    await asyncio.wait_for(stream.paused.wait(), 30)
-                os.killpg(process.pid, signal.SIGTERM)
-                # Both workers have the signal (and wait for their open streams).
-                await lines.wait_for("uvicorn.error: Shutting down", 2)
-                for stream in streams:
-                    stream.resume.set()
-            for reply in replies:
-                status, text = reply.result()
-                assert (status, text) == (200, "one two three")
-            await asyncio.wait_for(process.wait(), 60)
-            await lines.ended()
-        finally:
-            if process.returncode is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-        text = "\n".join(log)
+        env = {
+            "ARONA_MEMORY_URL": philia.url,
+            "ARONA_MEMORY_TOKEN": PHILIA_TOKEN,
+            "ARONA_UPSTREAM_URL": upstream.base_url,
+        }
+        # A process group of its own, as under systemd.
+        async with served(tmp_path, "--workers", "2", env=env, new_session=True) as gateway:
+            process = gateway.process
+            try:
+                async with asyncio.TaskGroup() as group:
+                    replies = [
+                        group.create_task(_streamed_turn(gateway.url, f"turn {i}"))
+                        for i in range(turns)
+                    ]
+                    for stream in streams:
+                        await asyncio.wait_for(stream.paused.wait(), 30)
+                    os.killpg(process.pid, signal.SIGTERM)
+                    # Both workers have the signal (and wait for their open streams).
+                    await gateway.wait_for("uvicorn.error: Shutting down", 2)
+                    for stream in streams:
+                        stream.resume.set()
+                for reply in replies:
+                    assert reply.result() == (200, "one two three")
+                await gateway.ended()
+            finally:
+                if process.returncode is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+        text = "\n".join(gateway.log)
         assert process.returncode == 0, text
         # Every answered turn reached Philia now, none waits in a journal for the next start.
         assert sorted(s["text"] for s in philia.stored) == sorted(
@@ -158,49 +143,14 @@ async def test_sigterm_to_the_process_group_drains_the_workers_before_the_grpc_s
         assert "no stream to the memory service is open" not in text
         assert "Traceback" not in text
         # By the time on each line (the three processes' lines interleave as they are copied).
-        worker_ends = [_logged_at(line) for line in log if "Application shutdown complete" in line]
-        (service_end,) = [_logged_at(line) for line in log if "MemoryService stopped" in line]
+        worker_ends = [_logged_at(x) for x in gateway.matching("Application shutdown complete")]
+        (service_end,) = [_logged_at(x) for x in gateway.matching("MemoryService stopped")]
         assert len(worker_ends) == 2 and max(worker_ends) <= service_end, text
 
 
 def _logged_at(line: str) -> datetime:
     """The time at the start of a log line (``2026-12-02 04:24:56,757 INFO …``)."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-
-
-async def _serving_url(process: asyncio.subprocess.Process, log: list[str]) -> str:
-    assert process.stderr is not None
-    while True:
-        raw = await asyncio.wait_for(process.stderr.readline(), 60)
-        assert raw, "\n".join(log)
-        log.append(raw.decode().rstrip())
-        found = re.search(r"serving on (http://\S+) \(\d+ HTTP workers\)", log[-1])
-        if found:
-            return found.group(1)
-
-
-class _LogLines:
-    """The rest of a process's stderr, read into ``log`` as it comes."""
-
-    def __init__(self, process: asyncio.subprocess.Process, log: list[str]) -> None:
-        self._log = log
-        self._changed = asyncio.Event()
-        self._task = asyncio.create_task(self._read(process))
-
-    async def _read(self, process: asyncio.subprocess.Process) -> None:
-        assert process.stderr is not None
-        async for raw in process.stderr:
-            self._log.append(raw.decode().rstrip())
-            self._changed.set()
-
-    async def wait_for(self, text: str, count: int, timeout_s: float = 30.0) -> None:
-        async with asyncio.timeout(timeout_s):
-            while sum(text in line for line in self._log) < count:
-                self._changed.clear()
-                await self._changed.wait()
-
-    async def ended(self) -> None:
-        await asyncio.wait_for(self._task, 30)
 
 
 async def _streamed_turn(url: str, text: str) -> tuple[int, str]:
@@ -225,28 +175,15 @@ async def _streamed_turn(url: str, text: str) -> tuple[int, str]:
 
 async def test_the_grpc_service_does_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
     """It ignores stop signals, so it must end by itself when ``serve`` is SIGKILLed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
-    env.update(ARONA_DATA_DIR=str(tmp_path), ARONA_HTTP_PORT="0", ARONA_GRPC_PORT="0")
-    process = await asyncio.create_subprocess_exec(
-        COMMAND,
-        "serve",
-        "--workers",
-        "2",
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    log: list[str] = []
-    try:
-        await _serving_url(process, log)
-        (service,) = [pid for pid, argv in _child_pids(process.pid) if "--only grpc" in argv]
-        ended = _process_end(service)
-        process.kill()
-        await asyncio.wait_for(ended, 30)
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the HTTP workers, orphaned
-        await process.wait()
+    async with served(tmp_path, "--workers", "2", new_session=True) as gateway:
+        process = gateway.process
+        try:
+            (service,) = [p for p, argv in _child_pids(process.pid) if "--only grpc" in argv]
+            ended = _process_end(service)
+            process.kill()
+            await asyncio.wait_for(ended, 30)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)  # the HTTP workers, orphaned
 
 
 def _child_pids(pid: int) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.e2e.stack import ASK_TEXT, JWT_SECRET, Stack, running_stack
-from tests.faults.served import served
+from tests.support.served import served
 
 pytestmark = pytest.mark.asyncio
 

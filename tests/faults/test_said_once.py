@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.served import level_of, served
 from tests.support.fake_philia import FakePhilia
 from tests.support.postgres import PgCluster, pg_cluster
+from tests.support.served import level_of, served
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 

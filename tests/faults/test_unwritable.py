@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults.served import COMMAND, gateway_env, level_of, run
+from tests.support.served import COMMAND, gateway_env, level_of, run
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 

@@ -68,6 +68,12 @@ class Served:
                 await self._changed.wait()
         return self.matching(text)
 
+    async def ended(self, timeout_s: float = 60.0) -> None:
+        """Wait for the process to end and for the rest of its log."""
+        await asyncio.wait_for(self.process.wait(), timeout_s)
+        if self._reader is not None:
+            await asyncio.wait_for(self._reader, timeout_s)
+
     async def _read(self) -> None:
         assert self.process.stderr is not None
         async for raw in self.process.stderr:
@@ -77,12 +83,17 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def served(
-    data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
+    data_dir: Path,
+    *argv: str,
+    env: Mapping[str, str] | None = None,
+    user: str | None = None,
+    new_session: bool = False,
 ) -> AsyncIterator[Served]:
     """``arona-gateway serve ARGV`` until the block ends (then SIGTERM, and its whole log).
 
     ``user`` runs it as that system user (``setpriv``, as root), the way a service account
-    runs it, so that file permissions apply to it.
+    runs it, so that file permissions apply to it; ``new_session`` in a session (and process
+    group) of its own, as a service manager starts it.
     """
     command = _as_user(user, [COMMAND, "serve", *argv])
     process = await asyncio.create_subprocess_exec(
@@ -90,6 +101,7 @@ async def served(
         env=gateway_env(data_dir, env),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
+        start_new_session=new_session,
     )
     assert process.stderr is not None
     log: list[str] = []

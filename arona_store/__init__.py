@@ -1,9 +1,11 @@
 """The embedded Philia-compatible memory store: a WebSocket JSON-RPC server over SQLite FTS5.
 
-- :mod:`arona_store.store`: ``MemoryStore``, nodes in SQLite with BM25 + recency recall; its
-  parts: :mod:`~arona_store.nodes`, :mod:`~arona_store.schema`, :mod:`~arona_store.writes`,
+- :mod:`arona_store.store`: ``MemoryStore``, nodes in SQLite, recalled by words, context and
+  meaning; its parts: :mod:`~arona_store.nodes`, :mod:`~arona_store.schema`,
+  :mod:`~arona_store.writes`,
   :mod:`~arona_store.words`, :mod:`~arona_store.cjk`, :mod:`~arona_store.scoring`,
-  :mod:`~arona_store.lexical` and :mod:`~arona_store.hybrid`.
+  :mod:`~arona_store.context`, :mod:`~arona_store.lexical`, :mod:`~arona_store.hybrid` and
+  :mod:`~arona_store.floor`.
 - :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint.
 - :mod:`arona_store.jsonrpc`: JSON-RPC 2.0 envelope validation and reply frames.
 - :mod:`arona_store.ranking`: which ranking runs (``ARONA_STORE_RANKING``: lexical or hybrid).

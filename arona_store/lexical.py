@@ -205,13 +205,13 @@ class LexicalRanker:
 
         BM25 gives nothing to a word in half the memories or more, so in a store of a handful
         of memories every match weighs about zero; the count of words held still tells "I
-        prefer oolong tea" from a memory that only sits next to it. A rowid lookup per listed
-        row, no BM25: cheap at any store size."""
+        prefer oolong tea" from a memory that only sits next to it. One walk of each word's
+        matches (``+rowid``: see :meth:`bm25s`), no BM25."""
         held: dict[int, int] = {}
         marks = ", ".join("?" * len(seqs))
         for word in expression.split(" OR "):
             for (seq,) in self._reader.execute(
-                f"SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? AND rowid IN ({marks})",
+                f"SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? AND +rowid IN ({marks})",
                 [word, *seqs],
             ):
                 held[int(seq)] = held.get(int(seq), 0) + 1

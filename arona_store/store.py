@@ -13,9 +13,11 @@ Where each part lives:
 - :mod:`arona_store.schema`: tables, triggers and the migrations of older databases;
 - :mod:`arona_store.writes`: the write path (keys, identical nodes refreshed);
 - :mod:`arona_store.words`, :mod:`arona_store.cjk`: what a question is searched for;
-- :mod:`arona_store.scoring`: the lexical score (BM25 relevance and recency);
-- :mod:`arona_store.lexical`: the lexical recall (the scan and its early stop);
+- :mod:`arona_store.context`: each memory's context document (its neighbours);
+- :mod:`arona_store.scoring`: the lexical score (words, context, recency for near-ties);
+- :mod:`arona_store.lexical`: the lexical recall (candidates of both indexes);
 - :mod:`arona_store.hybrid`: the hybrid recall (words and sentence embeddings);
+- :mod:`arona_store.floor`: when nothing is relevant;
 - :mod:`arona_store.vectors`, :mod:`arona_store.embedding`: the vectors and the model.
 
 Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
@@ -73,7 +75,8 @@ FILL_BATCH = 32
 
 
 class MemoryStore:
-    """Nodes persisted in SQLite with BM25 + recency recall. Thread-safe; use :meth:`open`."""
+    """Nodes persisted in SQLite, recalled by words, context and meaning. Thread-safe; use
+    :meth:`open`."""
 
     def __init__(
         self,

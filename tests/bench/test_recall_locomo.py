@@ -5,6 +5,7 @@ every question asked through gRPC."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +134,7 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = out.read_text()
     assert report == done.stdout
-    for condition in ("undated", "dated") if recall_locomo.dated_writebacks() else ("undated",):
+    for condition in ("undated", "dated"):
         section = report.split(f"## {condition}\n", 1)[1].split("\n## ", 1)[0]
         rows = {
             cells[0]: cells[1:]
@@ -147,3 +148,9 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
         assert float(rows["4 single-hop"][1]) >= 50.0  # R@1
         assert "recall through gRPC: p50" in section
         assert "matched no dialog turn" not in section
+        # The other conversation's questions (about people never mentioned) inject nothing,
+        # and nearly every off-topic one too.
+        assert "(other conversation) injecting nothing: 8 of 8 (100.0 %)" in section
+        unrelated = re.search(r"\*\*unrelated questions injecting nothing: (\d+) of 48", section)
+        assert unrelated is not None and int(unrelated.group(1)) >= 45
+        assert "related questions injecting nothing: 0 of 8" in section

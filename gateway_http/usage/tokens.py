@@ -31,8 +31,13 @@ ENCODING = "cl100k_base"
 _PER_MESSAGE = 3
 _PER_NAME = 1
 _REPLY_PRIMING = 3
-# Memory sections seen lately and their counts: the same memories are recalled again and again.
-_SECTION_CACHE = 1024
+# Memories (and a section's other parts) seen lately and their counts.
+_PARTS_CACHE = 8192
+_SYSTEM = "system"
+# Where a section's bullets start, and where a bullet's score ends.
+_BULLET = "\n- ["
+_BULLET_START = "- ["
+_SCORE_END = "] "
 
 
 _LOAD_LOCK = threading.Lock()
@@ -69,7 +74,7 @@ class TokenCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sections: OrderedDict[str, int] = OrderedDict()
+        self._parts: OrderedDict[str, int] = OrderedDict()
 
     def load(self) -> bool:
         """Load the encoding now, once per process (the meter does as the app starts, on a
@@ -105,18 +110,40 @@ class TokenCounter:
         return self.count(orjson.dumps(calls).decode())
 
     def section(self, text: str) -> int:
-        """The tokens of a memory section (a recent section's count is remembered)."""
+        """The tokens of a memory section as a system message of its own (framing and role).
+
+        Counted a memory at a time, each memory's count remembered (the same memories are
+        recalled again and again, under other scores): cl100k_base never lets a pre-token run
+        across a bullet's start (a newline then ``-``) or from its ``[score]`` into the space
+        after it, so the parts' counts add up to the whole section's exactly.
+        """
         if not text:
             return 0
+        header, *bullets = text.split(_BULLET)
+        total = (
+            _PER_MESSAGE
+            + self._cached(_SYSTEM)
+            + self._cached(header + "\n" if bullets else header)
+        )
+        for index, bullet in enumerate(bullets):
+            score, cut, memory = bullet.partition(_SCORE_END)
+            if not cut:
+                # Not a section the gateway rendered: counted whole.
+                return _PER_MESSAGE + self._cached(_SYSTEM) + self.count(text)
+            last = index == len(bullets) - 1
+            total += self._cached(_BULLET_START + score + "]")
+            total += self._cached(" " + memory + ("" if last else "\n"))
+        return total
+
+    def _cached(self, text: str) -> int:
         with self._lock:
-            cached = self._sections.get(text)
+            cached = self._parts.get(text)
             if cached is not None:
-                self._sections.move_to_end(text)
+                self._parts.move_to_end(text)
                 return cached
-        # As a system message of its own: its framing and role too.
-        counted = self.count(text) + _PER_MESSAGE + self.count("system")
+        counted = self.count(text)
         with self._lock:
-            self._sections[text] = counted
-            if len(self._sections) > _SECTION_CACHE:
-                self._sections.popitem(last=False)
+            self._parts[text] = counted
+            if len(self._parts) > _PARTS_CACHE:
+                self._parts.popitem(last=False)
         return counted

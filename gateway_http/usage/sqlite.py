@@ -70,11 +70,18 @@ _SQLITE_STEPS = (
     """,
 )
 
-_INSERT = (
+_INSERT_HEAD = (
     "INSERT OR IGNORE INTO usage_records (turn_id, at_us, day, principal, user_name, model,"
     " backend, surface, outcome, prompt_tokens, completion_tokens, memory_tokens, estimated,"
-    " latency_ms, cost_micro) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " latency_ms, cost_micro) VALUES "
 )
+_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT = _INSERT_HEAD + _ROW
+# What the rows a statement inserted spent (RETURNING reports only rows inserted: SQLite 3.35).
+_RETURNED = " RETURNING principal, day, prompt_tokens + completion_tokens, coalesce(cost_micro, 0)"
+_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 0)
+# Rows one statement inserts (15 values each, well within SQLite's 32,766 variables).
+_ROWS_PER_INSERT = 256
 _ADD_MONTH = (
     "INSERT INTO usage_months (principal, month, tokens, cost_micro) VALUES (?, ?, ?, ?)"
     " ON CONFLICT (principal, month) DO UPDATE"
@@ -119,10 +126,21 @@ class SqliteUsageStore:
             months: dict[tuple[str, str], Spent] = defaultdict(Spent)
             added = 0
             with db:
-                for record, row in zip(records, rows, strict=True):
-                    if db.execute(_INSERT, row).rowcount:
-                        added += 1
-                        months[record.principal, record.month] += spent_of(record)
+                if _RETURNING:
+                    # A statement per 256 records, the new ones reported back: the records'
+                    # own B-tree work is all that is left per record.
+                    for start in range(0, len(rows), _ROWS_PER_INSERT):
+                        chunk = rows[start : start + _ROWS_PER_INSERT]
+                        sql = _INSERT_HEAD + ", ".join([_ROW] * len(chunk)) + _RETURNED
+                        values = [value for row in chunk for value in row]
+                        for principal, day, tokens, cost in db.execute(sql, values):
+                            added += 1
+                            months[principal, day[:7]] += Spent(tokens, cost)
+                else:
+                    for record, row in zip(records, rows, strict=True):
+                        if db.execute(_INSERT, row).rowcount:
+                            added += 1
+                            months[record.principal, record.month] += spent_of(record)
                 db.executemany(
                     _ADD_MONTH,
                     [(p, m, s.tokens, s.cost_micro) for (p, m), s in sorted(months.items())],

@@ -197,3 +197,29 @@ async def test_the_sqlite_file_is_versioned(tmp_path: Path) -> None:
         db.execute("PRAGMA user_version = 99")
     with pytest.raises(RuntimeError, match="newer version"):
         open_usage_store(tmp_path, None, None)
+
+
+@pytest.mark.asyncio
+async def test_an_older_sqlite_without_returning_stores_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite before 3.35 has no RETURNING: records go in one at a time, to the same end."""
+    from gateway_http.usage import sqlite as usage_sqlite
+
+    monkeypatch.setattr(usage_sqlite, "_RETURNING", False)
+    store = open_usage_store(tmp_path, None, None)
+    try:
+        batch = [record("alice", prompt=10, completion=1), record("bob", prompt=5, completion=0)]
+        assert await store.add(batch) == 2
+        assert await store.add([*batch, record("alice", prompt=1, completion=0)]) == 1
+        assert await store.spent("2026-12") == {"alice": Spent(12, 0), "bob": Spent(5, 0)}
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_large_batch_is_stored_whole(store: UsageStore) -> None:
+    batch = [record(f"p{i % 3}", prompt=i, completion=0) for i in range(1000)]
+
+    assert await store.add(batch) == 1000
+    assert sum(s.tokens for s in (await store.spent("2026-12")).values()) == sum(range(1000))

@@ -101,8 +101,23 @@ def _sides(text: str) -> tuple[str, str]:
 
 
 def _only_questions(text: str) -> bool:
-    sentences = [s.strip() for s in _SENTENCE.findall(text) if len(_WORDS.findall(s)) >= 3]
+    sentences = [s.strip() for s in _sentences(text) if len(_WORDS.findall(s)) >= 3]
     return bool(sentences) and all(_asks(s) for s in sentences)
+
+
+def _sentences(text: str) -> list[str]:
+    """The runs of ``text`` that end with their punctuation, and the last one (a line
+    ending without punctuation is no sentence: chat lines that only trail off).
+
+    In one pass: a pattern that can fail after a long run (a run that must end in
+    punctuation) is retried from every character of that run, which made a 16,000-character
+    word without a full stop cost eleven seconds."""
+    end = len(text.removesuffix("\n"))
+    found = []
+    for run in _SENTENCE.finditer(text):
+        if run.group().endswith((".", "!", "?")) or run.end() >= end:
+            found.append(run.group())
+    return found
 
 
 def _asks(sentence: str) -> bool:
@@ -120,8 +135,9 @@ def recency_factor(seq: int, now_key: int) -> float:
 
 
 _WORDS = re.compile(r"[^\W_]+")
-# Sentences: runs ending with their punctuation (or the end of the text).
-_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
+# Runs of a line, each with the punctuation that ends it (if any): it always matches, so
+# never backtracks (:func:`_sentences` keeps the sentences among them).
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
 _EPISODE = re.compile(r"\AUser:[ \t]*(.*?)(?:\nAssistant:[ \t]*(.*))?\Z", re.DOTALL)
 _QUESTION_WORDS = frozenset(
     "what which who whom whose where when why how do does did is are am was were can could"

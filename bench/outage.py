@@ -146,21 +146,29 @@ def measure(work: Path, *, quick: bool) -> OutageResult:
             time.sleep(SAMPLE_S)
         up_again = time.monotonic()
         during = _per_s(load, down, up_again)
+        # Counted before the store is back: nothing can have been replayed yet. (Read after
+        # its start, a replay that began at once, or even ended, before that first sample
+        # was never seen.)
+        replayed_before = _metrics(url).get("arona_outbox_replayed_total", 0.0)
         procs.append(_start_store(work, port, "outage_store_again"))
         back = time.monotonic()
 
-        # The replay: from its first stored episode until the outbox is empty.
-        replayed_at_back = _metrics(url).get("arona_outbox_replayed_total", 0.0)
+        # The replay: from the last sample before its first stored episode (at the latest
+        # the store's return) until the outbox is empty.
         first: tuple[float, float] | None = None
         drained: tuple[float, float] | None = None
+        last_before = back
         while time.monotonic() - back < DRAIN_MAX_S:
             sample = _metrics(url)
             now = time.monotonic()
             replayed = sample.get("arona_outbox_replayed_total", 0.0)
             peak_depth = max(peak_depth, sample.get("arona_outbox_depth", 0.0))
             peak_bytes = max(peak_bytes, sample.get("arona_outbox_bytes", 0.0))
-            if first is None and replayed > replayed_at_back:
-                first = (now, replayed_at_back)
+            if first is None:
+                if replayed > replayed_before:
+                    first = (last_before, replayed_before)
+                else:
+                    last_before = now
             if first is not None and sample.get("arona_outbox_depth", 0.0) == 0:
                 drained = (now, replayed)
                 break

@@ -232,13 +232,21 @@ async def run_parts(
         from gateway_http.workers import stop_when_supervisor_closes
 
         unwatch = stop_when_supervisor_closes(stop)
-    else:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
     running = Running(settings)
     metrics_collectors = []
     grpc_server: GrpcServer | None = None
     http_server: _Uvicorn | None = None
+
+    def on_signal(sig: signal.Signals) -> None:
+        # A second Ctrl-C forces the HTTP part out (as uvicorn's own does); a second SIGTERM
+        # (a supervisor's, after the process group's) changes nothing.
+        if stop.is_set() and sig == signal.SIGINT and http_server is not None:
+            http_server.force_exit = True
+        stop.set()
+
+    if unwatch is None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
     http_task: asyncio.Task[None] | None = None
     try:
         if grpc_part:
@@ -299,9 +307,6 @@ async def run_parts(
     finally:
         if unwatch is not None:
             unwatch()
-        else:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
         if http_server is not None and http_task is not None:
             http_server.should_exit = True
             with contextlib.suppress(SystemExit, Exception, asyncio.CancelledError):
@@ -311,6 +316,11 @@ async def run_parts(
         if pool is not None:
             await pool.close()
         forget_live_metrics()
+        if unwatch is None:
+            # Only now: a second SIGTERM while the turns drain (the supervisor's, after the
+            # process group's) must not find the default action and kill the drain.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def forget_live_metrics() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
@@ -185,6 +186,22 @@ def test_a_question_whose_known_words_are_all_common_finds_their_memories(
         f"User: which tea do I prefer in the morning {i}" for i in range(5)
     ]
     assert store.query("which xylophone 2067", 5, now=NOW) == []
+
+
+def test_a_long_word_without_a_full_stop_is_recalled_at_once(store: MemoryStore) -> None:
+    # An oversized question written back (each side kept to 16,000 characters and more, one
+    # "word" without punctuation): telling whether it only asks took 11 s a recall, each
+    # following recall that matched it held the store that long.
+    long_side = "q" * 16_000 + "\n[… 984,000 characters omitted …]\n" + "q" * 16_000
+    store.add(f"User: {long_side} which tea?\nAssistant: {long_side} which tea?", "episode")
+    store.add("User: I prefer oolong tea\nAssistant: noted", "episode")
+    started = time.monotonic()
+    hits = store.query("q" * 3_990 + " which tea do I prefer?", 5)
+    # About a millisecond now; a tenfold margin and more for a loaded machine.
+    assert time.monotonic() - started < 2.0
+    assert hits[0].text == "User: I prefer oolong tea\nAssistant: noted"
+    assert is_question(f"User: {long_side} which tea?")
+    assert not is_question(f"User: {long_side}\nAssistant: noted")
 
 
 def test_concurrent_callers_from_threads_are_safe(store: MemoryStore) -> None:

@@ -213,3 +213,36 @@ def _process_end(pid: int) -> asyncio.Future[None]:
 
     loop.add_reader(fd, readable)
     return ended
+
+
+async def test_a_second_sigterm_while_turns_drain_changes_nothing_a_second_ctrl_c_forces(
+    tmp_path: Path,
+) -> None:
+    """A supervisor (or an impatient script) repeating SIGTERM must not cut the streams the
+    first one let finish; a second Ctrl-C, as in uvicorn, stops without waiting for them."""
+    async with FakeUpstream.start() as upstream:
+        streams = [Stream(pieces=["one ", "two ", "three"], pause_after=1) for _ in range(2)]
+        upstream.script(*streams)
+        env = {"ARONA_MEMORY_URL": "", "ARONA_UPSTREAM_URL": upstream.base_url}
+        async with served(tmp_path / "term", env=env) as gateway:
+            reply = asyncio.create_task(_streamed_turn(gateway.url, "turn"))
+            await asyncio.wait_for(streams[0].paused.wait(), 30)
+            gateway.process.send_signal(signal.SIGTERM)
+            await gateway.wait_for("uvicorn.error: Shutting down")
+            gateway.process.send_signal(signal.SIGTERM)
+            await gateway.wait_for("Waiting for connections to close")
+            streams[0].resume.set()
+            assert await asyncio.wait_for(reply, 60) == (200, "one two three")
+            await gateway.ended()
+            assert gateway.process.returncode == 0, "\n".join(gateway.log)
+        async with served(tmp_path / "int", env=env) as gateway:
+            reply = asyncio.create_task(_streamed_turn(gateway.url, "turn"))
+            await asyncio.wait_for(streams[1].paused.wait(), 30)
+            gateway.process.send_signal(signal.SIGINT)
+            await gateway.wait_for("Waiting for connections to close")
+            gateway.process.send_signal(signal.SIGINT)
+            # Forced: the paused stream is cut and the process ends without it.
+            await gateway.ended()
+            assert gateway.process.returncode == 0, "\n".join(gateway.log)
+            with pytest.raises(httpx.HTTPError):
+                await asyncio.wait_for(reply, 60)

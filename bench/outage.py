@@ -1,7 +1,7 @@
 """The store-outage row of the benchmark: chat turns while the memory store is down, and after.
 
 Its own processes on 127.0.0.1: the embedded store (lexical ranking) on a fixed port and one
-gateway (``arona-gateway serve``, the echo model). Chat turns arrive at :data:`RATE` a second from
+gateway (``arona-gateway serve``, the echo model). Chat turns arrive at :data:`RATE` a second (``--quick``: :data:`QUICK_RATE`) from
 :data:`CONCURRENCY` clients (paced, so the arrival rate is known) while the store is killed
 with SIGKILL for :data:`OUTAGE_S` and started again on the same database. ``/metrics`` is
 read every :data:`SAMPLE_S` for the outbox's depth, bytes and replayed episodes; at the end
@@ -32,8 +32,11 @@ CONCURRENCY = 16
 OUTAGE_S = 60.0
 BEFORE_S = 5.0
 AFTER_S = 20.0
-# --quick: the same steps, short.
+# --quick: the same steps, short, and at a rate any machine serves with memory on (200 memory
+# turns a second on a loaded 2-core machine can be more than it serves once the store is back,
+# and then the outbox never empties: the quick run checks the steps, not the machine).
 QUICK_OUTAGE_S, QUICK_BEFORE_S, QUICK_AFTER_S = 5.0, 2.0, 5.0
+QUICK_RATE = 40.0
 SAMPLE_S = 0.1
 # The outbox drains in seconds; the store gets every answered turn within this (bounds).
 DRAIN_MAX_S = 300.0
@@ -106,6 +109,7 @@ def measure(work: Path, *, quick: bool) -> OutageResult:
     outage_s, before_s, after_s = (
         (QUICK_OUTAGE_S, QUICK_BEFORE_S, QUICK_AFTER_S) if quick else (OUTAGE_S, BEFORE_S, AFTER_S)
     )
+    rate = QUICK_RATE if quick else RATE
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[Proc] = []
@@ -130,7 +134,7 @@ def measure(work: Path, *, quick: bool) -> OutageResult:
         gateway.wait_for(r"Application startup complete", 60)
 
         total_s = before_s + outage_s + after_s + DRAIN_MAX_S
-        load = PacedTurns(RATE, CONCURRENCY, int(RATE * total_s), prefix="outage")
+        load = PacedTurns(rate, CONCURRENCY, int(rate * total_s), prefix="outage")
         load.point_at(url)
         stop_turns = load.start_thread()
         time.sleep(before_s)
@@ -193,7 +197,7 @@ def measure(work: Path, *, quick: bool) -> OutageResult:
             drain_s = drained[0] - back
             replay_per_s = (drained[1] - first[1]) / max(drained[0] - first[0], SAMPLE_S)
         return OutageResult(
-            rate=RATE,
+            rate=rate,
             outage_s=outage_s,
             answered=len(answered),
             failed=load.failed,

@@ -42,6 +42,13 @@ T = TypeVar("T")
 
 CONVERSATIONS_FILE = "conversations.db"
 _MAX_LIST = 1000
+# A page of a conversation's messages (``GET /v1/conversations/{id}``, ``conversations.get``):
+# the most recent ``limit`` messages (default and maximum below), and never more than
+# PAGE_MAX_BYTES of them (at least one), so no answer grows with the conversation.
+PAGE_DEFAULT_MESSAGES = 100
+PAGE_MAX_MESSAGES = 1000
+PAGE_MAX_BYTES = 4 * 2**20
+_NO_CURSOR = 2**63 - 1
 _SQLITE_STEPS = (
     # 1: conversations and their messages as role + text.
     """
@@ -110,6 +117,43 @@ def _new_id() -> str:
     return f"conv_{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class MessagesPage:
+    """The most recent messages before a cursor, oldest first; ``first_id`` is the cursor of
+    the first of them when older messages remain (pass it as ``before`` for those), else None."""
+
+    messages: list[dict[str, Any]]
+    first_id: str | None
+
+    @property
+    def has_more(self) -> bool:
+        return self.first_id is not None
+
+
+def parse_cursor(before: str | None) -> int:
+    """A ``before`` cursor as the key it stands for (ValueError when it is none of ours)."""
+    if before is None:
+        return _NO_CURSOR
+    if not before.isascii() or not before.isdigit() or len(before) > 19:
+        raise ValueError("'before' must be a cursor from 'first_id'")
+    return int(before)
+
+
+def _page(rows: Sequence[Sequence[Any]], limit: int) -> MessagesPage:
+    """A page from rows of (key, body), newest first, at most ``limit + 1`` of them."""
+    taken: list[dict[str, Any]] = []
+    size = 0
+    first: int | None = None
+    for index, (_key, body) in enumerate(rows):
+        size += len(body)
+        if index == limit or (taken and size > PAGE_MAX_BYTES):
+            first = int(rows[index - 1][0])
+            break
+        taken.append(orjson.loads(body))
+    taken.reverse()
+    return MessagesPage(taken, None if first is None else str(first))
+
+
 class ConversationStore(Protocol):
     """What the turn pipeline and the conversation routes need (one per backend)."""
 
@@ -131,6 +175,12 @@ class ConversationStore(Protocol):
 
     async def messages(self, conversation_id: str) -> builtins.list[dict[str, Any]]:
         """Every message, oldest first, exactly as stored (ownership is checked by ``get``)."""
+        ...
+
+    async def page(
+        self, conversation_id: str, limit: int = PAGE_DEFAULT_MESSAGES, before: int = _NO_CURSOR
+    ) -> MessagesPage:
+        """The ``limit`` most recent messages before the cursor ``before``, as a page."""
         ...
 
     async def aclose(self) -> None: ...
@@ -225,6 +275,19 @@ class SqliteConversationStore:
                 (conversation_id,),
             ).fetchall()
             return [orjson.loads(body) for (body,) in rows]
+
+        return await self._run(work)
+
+    async def page(
+        self, conversation_id: str, limit: int = PAGE_DEFAULT_MESSAGES, before: int = _NO_CURSOR
+    ) -> MessagesPage:
+        def work(db: sqlite3.Connection) -> MessagesPage:
+            rows = db.execute(
+                "SELECT seq, body FROM messages WHERE conversation_id = ? AND seq < ?"
+                " ORDER BY seq DESC LIMIT ?",
+                (conversation_id, before, limit + 1),
+            ).fetchall()
+            return _page(rows, limit)
 
         return await self._run(work)
 
@@ -327,6 +390,21 @@ class PostgresConversationStore:
                 conversation_id,
             )
             return [orjson.loads(row[0]) for row in rows]
+
+        return await self._run(work)
+
+    async def page(
+        self, conversation_id: str, limit: int = PAGE_DEFAULT_MESSAGES, before: int = _NO_CURSOR
+    ) -> MessagesPage:
+        async def work(conn: Any) -> MessagesPage:
+            rows = await conn.fetch(
+                "SELECT seq, body FROM messages WHERE conversation_id = $1 AND seq < $2"
+                " ORDER BY seq DESC LIMIT $3",
+                conversation_id,
+                before,
+                limit + 1,
+            )
+            return _page([tuple(row) for row in rows], limit)
 
         return await self._run(work)
 

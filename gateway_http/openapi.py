@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from gateway_http.chat_request import ChatCompletionRequest
+from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_BYTES, PAGE_MAX_MESSAGES
 from gateway_http.errors import TABLE, ErrorKind
 from gateway_http.routes.rpc import METHOD_PARAMS
 
@@ -232,20 +233,50 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
             },
         },
         ("get", "/v1/conversations/{conversation_id}"): {
+            "parameters": [
+                {
+                    "name": "conversation_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "title": "Conversation Id"},
+                },
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "required": False,
+                    "description": "How many of the most recent messages (default "
+                    f"{PAGE_DEFAULT_MESSAGES}; at most {PAGE_MAX_BYTES // 2**20} MiB of them)",
+                    "schema": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": PAGE_MAX_MESSAGES,
+                        "default": PAGE_DEFAULT_MESSAGES,
+                    },
+                },
+                {
+                    "name": "before",
+                    "in": "query",
+                    "required": False,
+                    "description": "A page's first_id: the messages before it",
+                    "schema": {"type": "string"},
+                },
+            ],
             "responses": {
                 "200": _json(
                     {
                         **_CONVERSATION,
-                        "required": [*_CONVERSATION["required"], "messages"],
+                        "required": [*_CONVERSATION["required"], "messages", "has_more"],
                         "properties": {
                             **_CONVERSATION["properties"],
                             "messages": {"type": "array"},
+                            "has_more": {"type": "boolean"},
+                            "first_id": {"type": ["string", "null"]},
                         },
                     },
-                    "The conversation and its messages",
+                    "The conversation and its most recent messages, oldest first",
                 ),
-                **_errors(*conversation_errors, ErrorKind.UNAVAILABLE),
-            }
+                **_errors(ErrorKind.BAD_INPUT, *conversation_errors, ErrorKind.UNAVAILABLE),
+            },
         },
         ("delete", "/v1/conversations/{conversation_id}"): {
             "responses": {

@@ -11,11 +11,15 @@ from typing import Any
 
 from arona_grpc.database import DatabaseUnavailable
 from gateway_http.conversations import (
+    PAGE_DEFAULT_MESSAGES,
+    PAGE_MAX_MESSAGES,
     Conversation,
     ConversationForbidden,
     ConversationNotFound,
+    ConversationStore,
+    parse_cursor,
 )
-from gateway_http.errors import ErrorKind, GatewayError
+from gateway_http.errors import ErrorKind, GatewayError, bad_input
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,29 @@ def conversation_view(conversation: Conversation) -> dict[str, Any]:
         "title": conversation.title,
         "created_at": rfc3339_ms(conversation.created_at),
         "updated_at": rfc3339_ms(conversation.updated_at),
+    }
+
+
+async def conversation_with_messages(
+    conversations: ConversationStore,
+    conversation: Conversation,
+    limit: int = PAGE_DEFAULT_MESSAGES,
+    before: str | None = None,
+) -> dict[str, Any]:
+    """A conversation and a page of its messages: the most recent ``limit`` (before the
+    cursor ``before``), ``has_more`` and the cursor of older ones (``first_id``)."""
+    if not 1 <= limit <= PAGE_MAX_MESSAGES:
+        raise bad_input(f"'limit' must be an integer from 1 to {PAGE_MAX_MESSAGES}")
+    try:
+        key = parse_cursor(before)
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
+    page = await conversations.page(conversation.id, limit, key)
+    return {
+        **conversation_view(conversation),
+        "messages": page.messages,
+        "has_more": page.has_more,
+        "first_id": page.first_id,
     }
 
 

@@ -17,12 +17,13 @@ from starlette.requests import ClientDisconnect
 from gateway_http.auth import ANONYMOUS, AuthError, InvalidSubject, Principal, memory_scope
 from gateway_http.bodies import read_limited
 from gateway_http.chat_request import split_body
+from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.memory_client import DISABLED
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.turns import PreparedTurn, TurnRequest
 from gateway_http.upstream.backend import UpstreamError
-from gateway_http.views import conversation_errors, conversation_view
+from gateway_http.views import conversation_errors, conversation_view, conversation_with_messages
 
 logger = logging.getLogger(__name__)
 
@@ -310,10 +311,18 @@ async def list_conversations(request: Request) -> Response:
 async def get_conversation(conversation_id: str, request: Request) -> Response:
     gw = gateway_of(request)
     owner = rest_owner(gw, request)
+    query = request.query_params
+    limit_text = query.get("limit")
+    if limit_text is not None and not (limit_text.isascii() and limit_text.isdigit()):
+        raise bad_input(f"'limit' must be an integer from 1 to {PAGE_MAX_MESSAGES}")
+    limit = PAGE_DEFAULT_MESSAGES if limit_text is None else int(limit_text[:8])
     with conversation_errors():
         conversation = await gw.conversations.get(conversation_id, owner)
-    messages = await gw.conversations.messages(conversation_id)
-    return _json({**conversation_view(conversation), "messages": messages})
+        return _json(
+            await conversation_with_messages(
+                gw.conversations, conversation, limit, query.get("before")
+            )
+        )
 
 
 @router.delete("/v1/conversations/{conversation_id}")

@@ -26,6 +26,7 @@ from pydantic import (
 
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
+from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
 from gateway_http.memory_client import (
@@ -46,7 +47,7 @@ from gateway_http.turns import (
 from gateway_http.upstream.backend import UpstreamError
 from gateway_http.usage import report
 from gateway_http.usage.records import month_of
-from gateway_http.views import conversation_errors, conversation_view
+from gateway_http.views import conversation_errors, conversation_view, conversation_with_messages
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -112,6 +113,11 @@ class ConversationParams(_Params):
     conversation_id: NonEmpty
 
 
+class GetConversationParams(ConversationParams):
+    limit: Annotated[StrictInt, Field(ge=1, le=PAGE_MAX_MESSAGES)] = PAGE_DEFAULT_MESSAGES
+    before: NonEmpty | None = None
+
+
 class NoParams(_Params):
     pass
 
@@ -143,7 +149,7 @@ METHOD_PARAMS: dict[str, type[BaseModel]] = {
     "memory.list": ListParams,
     "memory.forget": ForgetParams,
     "conversations.create": CreateConversationParams,
-    "conversations.get": ConversationParams,
+    "conversations.get": GetConversationParams,
     "conversations.list": NoParams,
     "conversations.delete": ConversationParams,
     "usage.summary": UsageSummaryParams,
@@ -326,12 +332,11 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
     ) -> dict[str, Any]:
         return conversation_view(await gw.conversations.create(ctx.user, params.title))
 
-    async def conversations_get(params: ConversationParams, ctx: RpcContext) -> dict[str, Any]:
+    async def conversations_get(params: GetConversationParams, ctx: RpcContext) -> dict[str, Any]:
         conversation = await gw.conversations.get(params.conversation_id, ctx.user)
-        return {
-            **conversation_view(conversation),
-            "messages": await gw.conversations.messages(conversation.id),
-        }
+        return await conversation_with_messages(
+            gw.conversations, conversation, params.limit, params.before
+        )
 
     async def conversations_list(params: NoParams, ctx: RpcContext) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ import pytest_asyncio
 
 from arona_grpc.database import open_pool
 from gateway_http.conversations import (
+    PAGE_MAX_BYTES,
     ConversationForbidden,
     ConversationNotFound,
     ConversationStore,
@@ -127,6 +128,47 @@ async def test_messages_come_back_oldest_first(store: ConversationStore) -> None
     assert await store.messages(conversation.id) == [
         {"role": role, "content": content} for role, content in turns
     ]
+
+
+@pytest.mark.asyncio
+async def test_a_page_holds_the_most_recent_messages_and_the_cursor_of_older_ones(
+    store: ConversationStore,
+) -> None:
+    conversation = await store.create("alice")
+    other = await store.create("alice")
+    for i in range(7):
+        await store.append(conversation.id, msg("user", f"m{i}"))
+        await store.append(other.id, msg("user", f"other {i}"))
+
+    def texts(messages: list[dict[str, Any]]) -> list[str]:
+        return [m["content"] for m in messages]
+
+    first = await store.page(conversation.id, 3)
+    assert texts(first.messages) == ["m4", "m5", "m6"] and first.has_more
+    assert first.first_id is not None
+    second = await store.page(conversation.id, 3, int(first.first_id))
+    assert texts(second.messages) == ["m1", "m2", "m3"] and second.has_more
+    assert second.first_id is not None
+    last = await store.page(conversation.id, 3, int(second.first_id))
+    assert texts(last.messages) == ["m0"] and not last.has_more and last.first_id is None
+    whole = await store.page(conversation.id, 7)
+    assert texts(whole.messages) == [f"m{i}" for i in range(7)] and not whole.has_more
+
+
+@pytest.mark.asyncio
+async def test_a_page_stops_at_its_byte_cap_but_holds_at_least_one_message(
+    store: ConversationStore,
+) -> None:
+    conversation = await store.create("alice")
+    big = "x" * (PAGE_MAX_BYTES // 3 - 100)  # three fit, with their JSON around them
+    for i in range(5):
+        await store.append(conversation.id, msg("user", f"{i} {big}"))
+    page = await store.page(conversation.id, 100)
+    assert [m["content"][0] for m in page.messages] == ["2", "3", "4"] and page.has_more
+    huge = await store.create("alice")
+    await store.append(huge.id, msg("user", "y" * (PAGE_MAX_BYTES + 10)))
+    alone = await store.page(huge.id, 100)
+    assert len(alone.messages) == 1 and not alone.has_more
 
 
 @pytest.mark.asyncio

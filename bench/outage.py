@@ -1,8 +1,9 @@
 """The store-outage row of the benchmark: chat turns while the memory store is down, and after.
 
 Its own processes on 127.0.0.1: the embedded store (lexical ranking) on a fixed port and one
-gateway (``arona-gateway serve``, the echo model). Chat turns arrive at :data:`RATE` a second (``--quick``: :data:`QUICK_RATE`) from
-:data:`CONCURRENCY` clients (paced, so the arrival rate is known) while the store is killed
+gateway (``arona-gateway serve``, the echo model). Chat turns arrive at :data:`RATE` a second
+(``--quick``: :data:`QUICK_RATE`) from :data:`CONCURRENCY` clients (paced, so the arrival rate
+is known) while the store is killed
 with SIGKILL for :data:`OUTAGE_S` and started again on the same database. ``/metrics`` is
 read every :data:`SAMPLE_S` for the outbox's depth, bytes and replayed episodes; at the end
 every answered turn is looked for in the store's own database file.

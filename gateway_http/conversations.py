@@ -134,7 +134,7 @@ def parse_cursor(before: str | None) -> int:
     """A ``before`` cursor as the key it stands for (ValueError when it is none of ours)."""
     if before is None:
         return _NO_CURSOR
-    if not before.isascii() or not before.isdigit() or len(before) > 19:
+    if not before.isascii() or not before.isdigit() or int(before) >= _NO_CURSOR:
         raise ValueError("'before' must be a cursor from 'first_id'")
     return int(before)
 

@@ -116,7 +116,14 @@ async def test_a_long_conversation_is_read_a_page_at_a_time(tmp_path: Path) -> N
         older = (await stack.http.get(url, params=before)).json()
         assert [m["content"] for m in older["messages"]] == texts[:2]
         assert older["has_more"] is False
-        for params in ({"limit": 0}, {"limit": 1001}, {"limit": "many"}, {"before": "x1"}):
+        huge = "9" * 30
+        for params in (
+            {"limit": 0},
+            {"limit": 1001},
+            {"limit": "many"},
+            {"before": "x1"},
+            {"before": huge},
+        ):
             refused = await stack.http.get(url, params=params)
             assert refused.status_code == 400, params
             assert refused.json()["error"]["type"] == "invalid_request_error", params
@@ -140,7 +147,7 @@ async def test_a_long_conversation_is_read_a_page_at_a_time(tmp_path: Path) -> N
         rest = await stack.rpc("conversations.get", cursor)
         assert [m["content"] for m in rest["result"]["messages"]] == texts[:2]
         assert rest["result"]["has_more"] is False
-        for params in ({"limit": 0}, {"limit": 1001}, {"before": "x1"}):
+        for params in ({"limit": 0}, {"limit": 1001}, {"before": "x1"}, {"before": huge}):
             refused_rpc = await stack.rpc(
                 "conversations.get", {"conversation_id": created, **params}
             )

@@ -134,9 +134,13 @@ def parse_cursor(before: str | None) -> int:
     """A ``before`` cursor as the key it stands for (ValueError when it is none of ours)."""
     if before is None:
         return _NO_CURSOR
-    if not before.isascii() or not before.isdigit() or int(before) >= _NO_CURSOR:
-        raise ValueError("'before' must be a cursor from 'first_id'")
-    return int(before)
+    refusal = ValueError("'before' must be a cursor from 'first_id'")
+    if not before.isascii() or not before.isdigit() or len(before.lstrip("0")) > 19:
+        raise refusal
+    key = int(before)
+    if key >= _NO_CURSOR:
+        raise refusal
+    return key
 
 
 def _page(rows: Sequence[Sequence[Any]], limit: int) -> MessagesPage:

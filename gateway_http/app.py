@@ -201,12 +201,12 @@ def create_app(
     without a ``backend`` given) the one ``ARONA_UPSTREAM_URL``, or ``echo``, answers."""
     # Built now, not in the lifespan, so that a bad ARONA_UPSTREAM_URL fails
     # start-up with one clear line (ConfigError) instead of inside uvicorn.
-    router = (
-        Router.single(backend, owns_backend=False)
-        if backend is not None
-        else build_router(settings.upstream_url, settings.upstream_api_key, backends)
-    )
     metrics = GatewayMetrics(metrics_collectors) if settings.metrics else NoMetrics()
+    router = (
+        Router.single(backend, owns_backend=False, metrics=metrics)
+        if backend is not None
+        else build_router(settings.upstream_url, settings.upstream_api_key, backends, metrics)
+    )
     # Which of this process's files cannot be written now: said once, shown by memory.status
     # and /metrics.
     storage = StorageFaults()

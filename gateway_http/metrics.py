@@ -4,6 +4,8 @@
 - the gateway's own time per completed turn (total minus the upstream call), recall time
   and upstream time to first byte (recorded by the turn pipeline);
 - writebacks by outcome (recorded by the memory client);
+- every attempt the router makes on a backend, by backend and outcome (recorded by the router,
+  :mod:`gateway_http.upstream.routing`, when the attempt ends);
 - tokens of metered turns by kind and backend, turns refused over budget and usage records
   given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`).
 
@@ -38,6 +40,24 @@ WRITEBACK_OUTCOMES = ("stored", "not_stored", "failed")
 # prompt and completion as the upstream reported them (or as counted when it did not);
 # memory: the memory section's share of the prompt.
 TOKEN_KINDS = ("prompt", "completion", "memory")
+# How an attempt on a backend ended: answered (its whole reply, or its stream to the end);
+# connect_error (refused, reset, unknown host: no answer began); timeout (nothing within the
+# backend's timeout); status_429, status_5xx, status_4xx (the upstream's error status); broken
+# (the connection broke, or the stream ended early); cancelled (the client left, or the turn
+# stopped for a reason not the upstream's); other (a reply that is not a valid answer, an
+# error event). connect_error, timeout, status_429, status_5xx and broken (before the first
+# chunk) are the failures the router falls back from.
+ATTEMPT_OUTCOMES = (
+    "answered",
+    "connect_error",
+    "timeout",
+    "status_429",
+    "status_5xx",
+    "status_4xx",
+    "broken",
+    "cancelled",
+    "other",
+)
 # The gateway's own time per turn: tens of microseconds to tens of milliseconds.
 OVERHEAD_BUCKETS = (
     0.0001,
@@ -101,6 +121,14 @@ class GatewayMetrics:
             ("outcome",),
             registry=None,
         )
+        attempts = Counter(
+            "arona_upstream_attempts",
+            "Attempts on a backend by backend and outcome (answered, connect_error, timeout, "
+            "status_429, status_5xx, status_4xx, broken, cancelled, other), counted when each "
+            "ends: a turn that fell back counts one attempt on each backend it asked.",
+            ("backend", "outcome"),
+            registry=None,
+        )
         tokens = Counter(
             "arona_tokens",
             "Tokens of metered turns by kind (prompt, completion: as the upstream reported them, "
@@ -121,6 +149,8 @@ class GatewayMetrics:
             "ended than the meter keeps waiting.",
             registry=None,
         )
+        self._attempts_counter = attempts
+        self._attempts: dict[tuple[str, str], Counter] = {}
         self._tokens_counter = tokens
         self._tokens: dict[str, tuple[Counter, Counter, Counter]] = {}
         self._budget_refusals = budget_refusals
@@ -143,6 +173,7 @@ class GatewayMetrics:
                 recall,
                 first_byte,
                 writebacks,
+                attempts,
                 tokens,
                 budget_refusals,
                 usage_dropped,
@@ -181,6 +212,16 @@ class GatewayMetrics:
 
     def writeback(self, outcome: str) -> None:
         self._writebacks[outcome].inc()
+
+    def attempt(self, backend: str, outcome: str) -> None:
+        """One attempt on ``backend`` ended with ``outcome`` (one of :data:`ATTEMPT_OUTCOMES`)."""
+        child = self._attempts.get((backend, outcome))
+        if child is None:
+            # Backends are few and named by the configuration, outcomes a fixed set.
+            child = self._attempts[backend, outcome] = self._attempts_counter.labels(
+                backend, outcome
+            )
+        child.inc()
 
     def tokens(self, backend: str, prompt: int, completion: int, memory: int) -> None:
         children = self._tokens.get(backend)
@@ -227,6 +268,9 @@ class NoMetrics(GatewayMetrics):
         pass
 
     def writeback(self, outcome: str) -> None:
+        pass
+
+    def attempt(self, backend: str, outcome: str) -> None:
         pass
 
     def tokens(self, backend: str, prompt: int, completion: int, memory: int) -> None:

@@ -13,7 +13,10 @@ arrived, a stream once its first chunk arrived; a stream that has started is nev
 Every try is one :class:`Attempt` appended to the list the caller passes in: the backend, the
 model sent, when it started, answered and ended, its outcome and HTTP status, and the upstream's
 ``usage`` object when it reported one. The turn pipeline keeps that list on the turn, for the
-``X-Arona-Backend`` header, the log line that says who answered, and metering.
+``X-Arona-Backend`` header, the log line that says who answered, and metering. The router
+counts each attempt when it ends, by backend and outcome (:func:`attempt_outcome`), in
+``arona_upstream_attempts_total``: fallbacks show there as failed attempts on one backend
+beside answered ones on the next.
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway_http.upstream.backend import ChatBackend, UpstreamError
+from gateway_http.metrics import GatewayMetrics, NoMetrics
+from gateway_http.upstream.backend import (
+    BROKEN,
+    HTTP_ERROR,
+    TIMEOUT,
+    UNREACHABLE,
+    ChatBackend,
+    UpstreamError,
+)
 from gateway_http.upstream.backends_file import BackendsFile
 from gateway_http.upstream.client import OpenAIUpstream
 from gateway_http.upstream.echo import EchoModel
@@ -113,6 +124,7 @@ class Router:
         single: Route | None = None,
         listing: list[dict[str, Any]] | None = None,
         owns_backends: bool = True,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._backends = tuple(backends)
         self._by_name = {backend.name: backend for backend in self._backends}
@@ -121,14 +133,26 @@ class Router:
         self._single = single
         self._listing = listing
         self._owns_backends = owns_backends
+        self._metrics = metrics or NoMetrics()
 
     @classmethod
-    def single(cls, backend: ChatBackend, *, owns_backend: bool = True) -> Router:
+    def single(
+        cls,
+        backend: ChatBackend,
+        *,
+        owns_backend: bool = True,
+        metrics: GatewayMetrics | None = None,
+    ) -> Router:
         """Every model to ``backend``, with no fallback (``ARONA_BACKENDS`` unset)."""
-        return cls([backend], single=(Target(backend.name, backend),), owns_backends=owns_backend)
+        return cls(
+            [backend],
+            single=(Target(backend.name, backend),),
+            owns_backends=owns_backend,
+            metrics=metrics,
+        )
 
     @classmethod
-    def from_file(cls, backends: BackendsFile) -> Router:
+    def from_file(cls, backends: BackendsFile, metrics: GatewayMetrics | None = None) -> Router:
         """A router over the backends of a checked backends file: one client each."""
         clients: dict[str, ChatBackend] = {
             spec.name: OpenAIUpstream(
@@ -140,7 +164,7 @@ class Router:
             )
             for spec in backends.backends
         }
-        router = cls(list(clients.values()), table=backends)
+        router = cls(list(clients.values()), table=backends, metrics=metrics)
         listed = backends.listed()
         for model, _ in listed:
             router._routes[model] = router._route_of(model)
@@ -191,17 +215,17 @@ class Router:
             try:
                 completion = await target.backend.complete(target.body(body))
             except UpstreamError as exc:
-                attempt.end(exc.reason, exc)
+                self._end(attempt, exc.reason, exc)
                 if self._fall_back(attempt, exc, route, index):
                     continue
                 raise
             except BaseException:
                 # Cancelled (the client left), or a failure that is not the upstream's.
-                attempt.end(CANCELLED)
+                self._end(attempt, CANCELLED)
                 raise
             attempt.first = time.perf_counter()
             _note_usage(attempt, completion)
-            attempt.end(OK)
+            self._end(attempt, OK)
             return completion
         raise AssertionError("a route has at least one target")
 
@@ -219,10 +243,10 @@ class Router:
                 try:
                     chunk = await anext(chunks)
                 except StopAsyncIteration:
-                    attempt.end(OK)
+                    self._end(attempt, OK)
                     return
                 except UpstreamError as exc:
-                    attempt.end(exc.reason, exc)
+                    self._end(attempt, exc.reason, exc)
                     if self._fall_back(attempt, exc, route, index):
                         continue
                     raise
@@ -232,17 +256,21 @@ class Router:
                 async for chunk in chunks:
                     _note_usage(attempt, chunk)
                     yield chunk
-                attempt.end(OK)
+                self._end(attempt, OK)
                 return
             except UpstreamError as exc:
                 if attempt.outcome == PENDING:
-                    attempt.end(exc.reason, exc)
+                    self._end(attempt, exc.reason, exc)
                 raise
             finally:
                 if attempt.outcome == PENDING:
                     # The consumer stopped early (closed, cancelled) or something else failed.
-                    attempt.end(CANCELLED)
+                    self._end(attempt, CANCELLED)
                 await chunks.aclose()  # type: ignore[attr-defined]
+
+    def _end(self, attempt: Attempt, outcome: str, error: UpstreamError | None = None) -> None:
+        attempt.end(outcome, error)
+        self._metrics.attempt(attempt.backend, attempt_outcome(attempt))
 
     def _fall_back(self, attempt: Attempt, exc: UpstreamError, route: Route, index: int) -> bool:
         """Whether the target after ``route[index]`` is to be asked, after ``exc`` (said so in
@@ -272,6 +300,30 @@ class Router:
                 await backend.aclose()
 
 
+def attempt_outcome(attempt: Attempt) -> str:
+    """The ``outcome`` label of an attempt that ended (:data:`~gateway_http.metrics.
+    ATTEMPT_OUTCOMES`)."""
+    outcome = attempt.outcome
+    if outcome == OK:
+        return "answered"
+    if outcome == CANCELLED:
+        return "cancelled"
+    if outcome == UNREACHABLE:
+        return "connect_error"
+    if outcome == TIMEOUT:
+        return "timeout"
+    if outcome == BROKEN:
+        return "broken"
+    if outcome == HTTP_ERROR and attempt.status is not None:
+        if attempt.status == 429:
+            return "status_429"
+        if attempt.status >= 500:
+            return "status_5xx"
+        if attempt.status >= 400:
+            return "status_4xx"
+    return "other"
+
+
 def _note_usage(attempt: Attempt, answer: dict[str, Any]) -> None:
     """Keep the ``usage`` object of a reply or chunk (a stream's comes in its last chunk)."""
     usage = answer.get("usage")
@@ -292,9 +344,12 @@ def build_backend(upstream_url: str | None, api_key: str | None) -> ChatBackend:
 
 
 def build_router(
-    upstream_url: str | None, api_key: str | None, backends: BackendsFile | None
+    upstream_url: str | None,
+    api_key: str | None,
+    backends: BackendsFile | None,
+    metrics: GatewayMetrics | None = None,
 ) -> Router:
     """The router of a backends file, or of the one upstream (or ``echo``) without one."""
     if backends is not None:
-        return Router.from_file(backends)
-    return Router.single(build_backend(upstream_url, api_key))
+        return Router.from_file(backends, metrics)
+    return Router.single(build_backend(upstream_url, api_key), metrics=metrics)

@@ -85,11 +85,16 @@ def turn_moves(surface: str, memory: str, outcome: str) -> dict[Any, float]:
 
 
 def answered(surface: str) -> dict[Any, float]:
-    """The timings every answered turn records."""
+    """The timings every answered turn records, and its one attempt on the upstream."""
     return {
         key("arona_turn_overhead_seconds_count", surface=surface): 1,
         key("arona_upstream_first_byte_seconds_count", surface=surface): 1,
+        **attempt("answered"),
     }
+
+
+def attempt(outcome: str) -> dict[Any, float]:
+    return {key("arona_upstream_attempts_total", backend="upstream", outcome=outcome): 1}
 
 
 def philia(method: str, outcome: str) -> dict[Any, float]:
@@ -184,6 +189,7 @@ async def test_upstream_error_turn_records_no_answer_timings(tmp_path: Path, sur
             **turn_moves(LABEL[surface], "enabled", "upstream_error"),
             key("arona_recall_seconds_count", memory="enabled"): 1,
             **philia("query", "ok"),
+            **attempt("status_5xx"),
         }
 
 
@@ -234,7 +240,8 @@ async def test_a_stream_the_client_leaves_is_cancelled(tmp_path: Path) -> None:
             if after[cancelled]:
                 break
             await asyncio.sleep(0.01)
-        assert moved(before, after) == {cancelled: 1}
+        # The upstream request ended with the client's leaving, before the turn was recorded.
+        assert moved(before, after) == {cancelled: 1, **attempt("cancelled")}
 
 
 async def test_breaker_open_skips_philia_and_the_outbox_keeps_the_episode(

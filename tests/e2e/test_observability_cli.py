@@ -222,6 +222,8 @@ def _check_worker_totals(totals: dict[str, Any]) -> None:
     assert _sum(totals, "arona_turn_overhead_seconds_count", surface="rest_stream") == 3
     assert _sum(totals, "arona_recall_seconds_count") == 5
     assert _sum(totals, "arona_upstream_first_byte_seconds_count") == 5
+    assert _sum(totals, "arona_upstream_attempts_total", backend="echo", outcome="answered") == 5
+    assert _sum(totals, "arona_upstream_attempts_total") == 5
     assert not [n for n in totals if n.startswith(("arona_philia", "arona_outbox"))]
 
 

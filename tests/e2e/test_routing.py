@@ -6,7 +6,8 @@ What a client sees: its model answered by the backend that serves it (by exact n
 alias, the upstream getting the rewritten name), in ``X-Arona-Backend``; a backend that is down,
 answers 5xx or 429 replaced by the next one while nothing was sent to the client, never once a
 stream has started; 404 ``model_not_found`` for a model no backend serves; ``/v1/models``
-listing what is routable; one recall per turn however many backends were asked.
+listing what is routable; one recall per turn however many backends were asked; every attempt
+counted on ``/metrics`` by backend and outcome.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway_http.upstream.backends_file import load_backends
 from tests.e2e.stack import ASK_TEXT, SURFACES, Stack, running_stack
@@ -318,3 +320,41 @@ async def test_recall_runs_once_per_turn_however_many_backends_are_asked(
         sent = [r.body["model"] for r in (*routed.a.chat_requests, *c.chat_requests)]
         assert sent == ["gpt-4o", "gpt-4o-on-c"]
         assert routed.b.last_body["model"] == "openai/gpt-4o"
+
+
+def attempts_on_metrics(text: str) -> dict[tuple[str, str], float]:
+    """``arona_upstream_attempts_total`` of an exposition, by (backend, outcome)."""
+    return {
+        (sample.labels["backend"], sample.labels["outcome"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "arona_upstream_attempts_total"
+    }
+
+
+async def test_metrics_count_every_attempt_by_backend_and_outcome(tmp_path: Path) -> None:
+    # gpt-4o: a (refused), then c, then b.
+    with refused_port() as port:
+        async with (
+            FakeUpstream.start() as c,
+            routed_stack(
+                tmp_path, THREE_DEEP, a_url=f"http://127.0.0.1:{port}/v1", c=c.base_url
+            ) as routed,
+        ):
+            c.script(Fail(500, "c is down"))
+            first = await routed.chat("rest", "gpt-4o")
+            c.script(Fail(429, "slow down"))
+            second = await routed.chat("sse", "gpt-4o")
+            third = await routed.chat("rpc", "gpt-4o")
+            assert [backend_of(turn) for turn in (first, second, third)] == ["b", "b", "c"]
+            response = await routed.stack.http.get("/metrics")
+            assert response.status_code == 200
+    # Each fallback shows as a failed attempt on one backend beside an answer on the next; no
+    # model or principal in the labels.
+    assert attempts_on_metrics(response.text) == {
+        ("a", "connect_error"): 3,
+        ("c", "status_5xx"): 1,
+        ("c", "status_429"): 1,
+        ("c", "answered"): 1,
+        ("b", "answered"): 2,
+    }

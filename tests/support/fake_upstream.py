@@ -24,6 +24,10 @@ Both answers report ``usage`` (word counts, unless scripted otherwise or left ou
 ``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
 as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no choices.
 
+``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
+model's time to think would: a floor under each turn's duration, for tests that bound how many
+turns a client can make in a given time.
+
 ``Stream.closed`` and ``Hang.closed`` are set when the client goes away before the reply was
 finished: the proof a test needs that a disconnect cancelled the upstream request.
 """
@@ -159,6 +163,7 @@ class FakeUpstream:
         self.models = list(models)
         self.requests: list[RecordedRequest] = []
         self.base_url = ""
+        self.latency_s = 0.0
         self._script: deque[Reply] = deque()
         self._recorded = asyncio.Condition()
 
@@ -251,6 +256,8 @@ class FakeUpstream:
         else:
             reply = Stream() if body.get("stream") is True else Complete()
         reply.arrived.set()
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         await _answer(reply, body, receive, send)
 
 

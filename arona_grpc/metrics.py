@@ -39,7 +39,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PHILIA_METHODS = ("query", "store", "delete")
 # The gRPC service's files (arona_grpc.storage).
 SERVICE_STORAGE_PARTS = ("outbox", "episode index")
-PHILIA_OUTCOMES = ("ok", "error", "timeout")
+PHILIA_OUTCOMES = ("ok", "error", "timeout", "cancelled")
 # Seconds: from half a millisecond (a loopback call) to the longest RPC timeout one expects.
 LATENCY_BUCKETS = (
     0.0005,
@@ -165,7 +165,8 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self._calls = Counter(
             "arona_philia_calls",
-            "Calls to Philia by method (query, store, delete) and outcome (ok, error, timeout).",
+            "Calls to Philia by method (query, store, delete) and outcome (ok, error, timeout, "
+            "cancelled: the caller stopped waiting).",
             ("method", "outcome"),
             registry=None,
         )

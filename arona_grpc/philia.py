@@ -546,6 +546,13 @@ class PhiliaClient:
                 # The link is alive (frames keep coming), only this answer is slow:
                 # keep the link for the other callers; the late reply finds no waiter.
                 conn = None
+        except asyncio.CancelledError:
+            # The caller stopped waiting (its own deadline, a client gone): still a call.
+            if self._metrics is not None:
+                self._metrics.philia_call(
+                    _METRIC_METHODS[method], "cancelled", time.perf_counter() - started
+                )
+            raise
         except PhiliaError as exc:
             error = exc
             if exc.permanent:

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from gateway_http.auth import mint_token
 from tests.e2e.stack import ASK_TEXT, JWT_SECRET, SURFACES, Stack, running_stack
 from tests.support.fake_philia import QUERY, STORE, Step
@@ -279,6 +282,27 @@ async def test_breaker_open_skips_philia_and_the_outbox_keeps_the_episode(
         assert after[key("arona_outbox_bytes")] > before[key("arona_outbox_bytes")] > 100
         assert after[key("arona_outbox_dropped_total")] == 0
         assert after[key("arona_outbox_dead_letters_total")] == 0
+
+
+async def test_a_recall_its_caller_gives_up_on_is_a_cancelled_call(tmp_path: Path) -> None:
+    async with running_stack(tmp_path, grpc_metrics_port=0, memory_writeback=False) as stack:
+        assert stack.grpc is not None
+        stack.philia.script(QUERY, Step(action="hang"))
+        before = await scrape_all(stack)
+        async with grpc.aio.insecure_channel(stack.grpc.target) as channel:
+            call = pb_grpc.MemoryServiceStub(channel).Recall(pb.RecallRequest(query="which tea?"))
+            await asyncio.wait_for(stack.philia.wait_frames(QUERY), 30)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        cancelled = key("arona_philia_calls_total", method="query", outcome="cancelled")
+        # The service unwinds the call after the client's cancel reaches it: a bounded poll.
+        for _ in range(500):
+            after = await scrape_all(stack)
+            if after.get(cancelled):
+                break
+            await asyncio.sleep(0.01)
+        assert moved(before, after) == philia("query", "cancelled")
 
 
 async def test_a_lost_philia_link_is_a_reconnect(tmp_path: Path) -> None:

@@ -134,20 +134,28 @@
       return;
     }
     token = candidate;
-    let status;
+    let status = null;
+    let problem = null;
     try {
       status = await rpc("memory.status", { limit: 50 });
     } catch (err) {
-      token = null;
-      sessionStorage.removeItem(TOKEN_KEY);
-      error.textContent = (fromStorage ? "Signed out: " : "") + describe(err);
-      $("token").focus();
-      return;
+      if (authProblem(err) !== null || err.code === null || err.code === undefined) {
+        // A refused token (or no JSON-RPC answer at all): stay signed out and say why.
+        token = null;
+        sessionStorage.removeItem(TOKEN_KEY);
+        error.textContent = (fromStorage ? "Signed out: " : "") + describe(err);
+        $("token").focus();
+        return;
+      }
+      // The token was accepted, the memory service did not answer: an outage is exactly
+      // when the console is needed, so sign in and keep refreshing.
+      problem = err;
     }
     sessionStorage.setItem(TOKEN_KEY, candidate);
     $("token").value = "";
     showConsole(true);
-    renderStatus(status);
+    if (status !== null) renderStatus(status);
+    else $("status-error").textContent = "Status not refreshed: " + describe(problem);
     start();
     showPage(true);
   }

@@ -11,6 +11,7 @@ bounded expectations, never a sleep. A screenshot of each state is saved under
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 import pytest
 from playwright.async_api import BrowserContext, Page, Route, expect
 
+from arona_grpc.server import GrpcServer
 from gateway_http.auth import mint_token
 from tests.e2e.scoped import HEADER, JWT_SECRET, ScopedStack, jwt, scoped_stack
 from tests.support.browser import artifact_dir, chromium
@@ -414,6 +416,38 @@ async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> 
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
         watched.assert_clean(ADMIN)
         await context.close()
+
+
+async def test_the_console_signs_in_while_the_memory_service_is_down(tmp_path: Path) -> None:
+    """An outage is when the console is needed most: an accepted token signs in even when
+    MemoryService does not answer, the page says so, and the status comes once it is back."""
+    async with scoped_stack(tmp_path) as stack, chromium() as browser:
+        port = stack.grpc.port
+        await stack.grpc.stop(0.5)
+        context = await browser.new_context()
+        watched = await open_console(stack, context, artifact_dir("console"))
+        page = watched.page
+        await sign_in(page, jwt("ops", admin=True))
+        await expect(page.locator("#console")).to_be_visible()
+        await expect(page.locator("#status-error")).to_contain_text(
+            "Status not refreshed: memory service unavailable"
+        )
+        back = await GrpcServer.start(dataclasses.replace(stack.settings, grpc_port=port))
+        try:
+            # Refreshed every 2 s: the status shows once the service answers again.
+            await expect(page.locator("#breaker")).to_have_text("closed")
+            await expect(page.locator("#status-error")).to_have_text("")
+        finally:
+            await context.close()
+            await back.stop(0.5)
+        # A refused token still signs nobody in.
+        page = await (await browser.new_context()).new_page()
+        await page.goto(stack.base_url + "/console")
+        await sign_in(
+            page, mint_token("a secret that is not this gateway secret", "ops", 60, admin=True)
+        )
+        await expect(page.get_by_role("alert")).to_contain_text("Token refused")
+        await expect(page.locator("#console")).to_be_hidden()
 
 
 async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:

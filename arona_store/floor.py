@@ -4,12 +4,12 @@ A ranking always has a best match, even for "What's the capital of Peru?" asked 
 chat memories; injecting it would put unrelated text in front of the model. A recall therefore
 returns nothing when
 
-- the question **names** something (a capitalised word inside a sentence, as "Peru" or
-  "Caroline"; not a month or a weekday) that no memory of the recall's scope holds: it asks
-  about someone or something this memory never heard of; or
+- most of what the question **names** (more than half of its capitalised words inside a
+  sentence, as "Peru" or "Caroline"; not months or weekdays) no memory of the recall's scope
+  holds: it asks about someone or something this memory never heard of; or
 - in the ``hybrid`` ranking, no candidate is close in meaning (best cosine under
   :data:`MIN_COSINE`) **and** no memory holds much of the question's words (the best match by
-  its own words covers under :data:`MIN_COVERAGE` of the question's IDF,
+  its own words or its context covers under :data:`MIN_COVERAGE` of the question's IDF,
   :meth:`~arona_store.lexical.LexicalRanker.matches`).
 
 Measured with ``bench/recall_locomo.py`` (its "unrelated" rows): LoCoMo questions asked of
@@ -50,17 +50,20 @@ def names(text: str) -> list[str]:
 
 
 def names_unknown(reader: sqlite3.Connection, text: str, node_type: str | None) -> bool:
-    """Whether ``text`` names something no memory (of ``node_type``) holds (read transaction
-    open)."""
-    for name in names(text):
+    """Whether most of what ``text`` names (more than half) is held by no memory (of
+    ``node_type``) (read transaction open): a question naming one stranger beside someone
+    this memory knows ("Which city have both Jean and John visited?", or a typo, "Andew") is
+    still answered."""
+    named = names(text)
+    unknown = 0
+    for name in named:
         phrase = f'"{name}"'
         if node_type is None:
             row = reader.execute(_HELD, (phrase,)).fetchone()
         else:
             row = reader.execute(_HELD_OF_TYPE, (phrase, node_type)).fetchone()
-        if row is None:
-            return True
-    return False
+        unknown += row is None
+    return unknown * 2 > len(named)
 
 
 def far(best_cosine: float, coverage: float) -> bool:

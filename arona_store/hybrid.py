@@ -8,6 +8,7 @@ context) and the :data:`HYBRID_CANDIDATES` nodes of closest meaning
 by meaning has its BM25 looked up, one found by words its cosine), and the two are blended as
 z-scores over the candidates::
 
+    cosine    = its own cosine + 0.5 * the mean cosine of its neighbours (two each side)
     z(x)      = (x - mean of x over the candidates) / its standard deviation
     blend     = (1 - SEMANTIC_WEIGHT) * z(strength) + SEMANTIC_WEIGHT * z(cosine)
     score     = 1 / (1 + exp(-blend)) * (0.98 + 0.02 * recency)
@@ -24,6 +25,10 @@ The model embeds a memory without the gateway's role labels (``User:``, ``Assist
 start of a line): a label says nothing about the topic and pulls every episode's vector
 towards every other's (LoCoMo, cosine alone: R@5 34.3 with the labels, 36.6 without).
 
+A memory's neighbours count in its meaning as its context document counts in its words
+(:mod:`arona_store.context`): "I went yesterday, it was so powerful" is close in meaning to
+nothing, the turn before it to the question (LoCoMo R@5 / R@10 +0.5 / +0.4).
+
 Nothing here imports numpy at module level: a lexical store never loads it.
 """
 
@@ -35,6 +40,7 @@ import sqlite3
 from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_share
+from arona_store.context import neighbours
 from arona_store.floor import far
 from arona_store.lexical import LexicalRanker
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
@@ -58,6 +64,9 @@ MIN_KNOWN_TOKENS = 0.75
 MAX_CJK_SHARE = 0.3
 # The cosine a memory that holds none of the question's words itself must reach.
 MIN_OWN_COSINE = 0.25
+# The mean cosine of a memory's neighbours (two each side, arona_store.context) counts this
+# much in its own: its context in meaning, as the context document is in words.
+NEIGHBOUR_COSINE_WEIGHT = 0.5
 # What the stored vectors are of (arona_store.schema.prepare_vectors drops those of another).
 VECTOR_TEXT = "unlabelled"
 
@@ -107,6 +116,40 @@ def blend(
         s: (1.0 - weight) * lx + weight * sm
         for s, lx, sm in zip(seqs, lexical, semantic, strict=True)
     }
+
+
+def _with_neighbours(
+    reader: sqlite3.Connection, query_vector: Vector, cosines: dict[int, float]
+) -> dict[int, float]:
+    """Each candidate's cosine plus :data:`NEIGHBOUR_COSINE_WEIGHT` times the mean cosine of
+    its neighbours that have a vector (read transaction open)."""
+    if not cosines:
+        return cosines
+    marks = ", ".join("?" * len(cosines))
+    types = dict(
+        reader.execute(f"SELECT seq, node_type FROM nodes WHERE seq IN ({marks})", list(cosines))
+    )
+    near = {seq: neighbours(reader, types[seq], seq) for seq in cosines if seq in types}
+    known = dict(cosines)
+    unseen = sorted({j for js in near.values() for j in js if j not in known})
+    if unseen:
+        from arona_store.vectors import cosines_of
+
+        marks = ", ".join("?" * len(unseen))
+        rows = reader.execute(
+            "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
+            f" WHERE n.seq IN ({marks})",
+            unseen,
+        ).fetchall()
+        if rows:
+            found = cosines_of(query_vector, [vec for _, vec in rows])
+            known.update(zip((seq for seq, _ in rows), found, strict=True))
+    out = {}
+    for seq, cosine in cosines.items():
+        around = [known[j] for j in near.get(seq, []) if j in known]
+        mean = sum(around) / len(around) if around else 0.0
+        out[seq] = cosine + NEIGHBOUR_COSINE_WEIGHT * mean
+    return out
 
 
 def _z(values: list[float]) -> list[float]:
@@ -183,6 +226,7 @@ def hybrid_ranked(
         if cosines.get(seq, 0.0) < MIN_OWN_COSINE:
             del strengths[seq]
             cosines.pop(seq, None)
+    cosines = _with_neighbours(reader, query_vector, cosines)
     # A memory that only asks (or echoes) a question shares its words and its meaning: both
     # signals count QUESTION_WEIGHT of theirs (arona_store.scoring.is_question).
     asking = lexical_ranker.questions(list(strengths))

@@ -76,7 +76,8 @@ class Matches:
     # The candidates that hold some of the question's words themselves (the others match
     # through their context only).
     own: set[int]
-    # How much of the question the best match covers by its own words (LexicalRanker._coverage).
+    # How much of the question the best match covers by its own words or its context
+    # (LexicalRanker._coverage).
     coverage: float
 
 
@@ -128,6 +129,7 @@ class LexicalRanker:
         kept, docs = self._plan(terms, total, changes)
         strengths: dict[int, float] = {}
         turn: dict[int, float] = {}
+        context: dict[int, float] = {}
         own: set[int] = set()
         expression = fts_expression(kept)
         if expression is not None:
@@ -150,7 +152,7 @@ class LexicalRanker:
                 own.add(seq)
                 if strength > strengths.get(seq, -1.0):
                     strengths[seq] = strength
-        coverage = self._coverage(terms, total, changes, turn)
+        coverage = self._coverage(terms, total, changes, turn, context)
         return Matches(strengths, expression, own, coverage)
 
     def questions(self, seqs: list[int]) -> set[int]:
@@ -218,15 +220,23 @@ class LexicalRanker:
         return held
 
     def _coverage(
-        self, terms: list[str], total: int, changes: int, turn: dict[int, float]
+        self,
+        terms: list[str],
+        total: int,
+        changes: int,
+        turn: dict[int, float],
+        context: dict[int, float],
     ) -> float:
-        """How much of the question the best match by its own words covers: its BM25 over
-        the sum of the words' IDFs (the BM25 of a node of average length holding each word
-        once), at most 1; 0 without a match. A word no node holds counts in full, so a
-        question only half of which the store knows is half covered."""
+        """How much of the question the best match covers, by its own words or by its
+        context document (a turn of a conversation often leaves to its neighbours what the
+        question names): its BM25 over the sum of the words' IDFs (the BM25 of a document of
+        average length holding each word once), at most 1; 0 when no node holds any of the
+        words itself. A word no node holds counts in full, so a question only half of which
+        the store knows is half covered."""
         best = max(turn.values(), default=0.0)
         if best <= 0.0 or total <= 0:
             return 0.0
+        best = max(best, max(context.values(), default=0.0))
         whole = 0.0
         for term in terms:
             docs, _ = self._docs_with(term, changes)

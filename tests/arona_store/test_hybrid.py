@@ -569,6 +569,10 @@ def test_a_question_about_someone_never_mentioned_recalls_nothing(any_store: Mem
     # A name the memories hold, and a month, are no reason to refuse.
     assert _texts(any_store, "Where does Clara live?")[0].endswith("Melbourne")
     assert _texts(any_store, "Which tea did I drink in May?")[0].startswith("User: I prefer")
+    # One stranger (or a misspelt name) beside someone it knows: still answered; most of
+    # what it names unknown: nothing.
+    assert _texts(any_store, "Does Clara visit Jonas in Melbourne?")[0].endswith("Melbourne")
+    assert _texts(any_store, "Did Clara meet Jonas and Ingrid?") == []
 
 
 @needs_semantic

@@ -40,7 +40,6 @@ import sqlite3
 from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_share
-from arona_store.context import neighbours
 from arona_store.floor import far
 from arona_store.lexical import LexicalRanker
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
@@ -119,17 +118,16 @@ def blend(
 
 
 def _with_neighbours(
-    reader: sqlite3.Connection, query_vector: Vector, cosines: dict[int, float]
+    reader: sqlite3.Connection,
+    lexical_ranker: LexicalRanker,
+    query_vector: Vector,
+    cosines: dict[int, float],
 ) -> dict[int, float]:
     """Each candidate's cosine plus :data:`NEIGHBOUR_COSINE_WEIGHT` times the mean cosine of
     its neighbours that have a vector (read transaction open)."""
     if not cosines:
         return cosines
-    marks = ", ".join("?" * len(cosines))
-    types = dict(
-        reader.execute(f"SELECT seq, node_type FROM nodes WHERE seq IN ({marks})", list(cosines))
-    )
-    near = {seq: neighbours(reader, types[seq], seq) for seq in cosines if seq in types}
+    near = lexical_ranker.neighbours_of(list(cosines))
     known = dict(cosines)
     unseen = sorted({j for js in near.values() for j in js if j not in known})
     if unseen:
@@ -226,7 +224,7 @@ def hybrid_ranked(
         if cosines.get(seq, 0.0) < MIN_OWN_COSINE:
             del strengths[seq]
             cosines.pop(seq, None)
-    cosines = _with_neighbours(reader, query_vector, cosines)
+    cosines = _with_neighbours(reader, lexical_ranker, query_vector, cosines)
     # A memory that only asks (or echoes) a question shares its words and its meaning: both
     # signals count QUESTION_WEIGHT of theirs (arona_store.scoring.is_question).
     asking = lexical_ranker.questions(list(strengths))

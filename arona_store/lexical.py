@@ -89,6 +89,9 @@ class LexicalRanker:
         self._reader = reader
         # term -> (nodes holding it, `changes` when counted); see _docs_with.
         self._doc_counts: dict[str, tuple[int, int]] = {}
+        # key -> its neighbours' keys, as looked up during the current recall (matches()
+        # starts it afresh): the hybrid ranking reads them again (neighbours_of).
+        self._near: dict[int, list[int]] = {}
 
     def ranked(
         self,
@@ -125,6 +128,7 @@ class LexicalRanker:
     ) -> Matches:
         """The best ``depth`` matches of each index and their strengths (read transaction
         open)."""
+        self._near = {}
         total, changes, _, _ = self._reader.execute(COUNTERS).fetchone()
         kept, docs = self._plan(terms, total, changes)
         strengths: dict[int, float] = {}
@@ -182,11 +186,7 @@ class LexicalRanker:
         contexts' (:func:`~arona_store.scoring.strength_of`); ``turn`` and ``context`` hold
         the BM25 values known already (-1: not yet looked up) and are completed."""
         turn.update(self.bm25s("nodes_fts", expression, [s for s in seqs if turn.get(s, -1) < 0]))
-        marks = ", ".join("?" * len(seqs))
-        types = dict(
-            self._reader.execute(f"SELECT seq, node_type FROM nodes WHERE seq IN ({marks})", seqs)
-        )
-        near = {s: neighbours(self._reader, types[s], s) for s in seqs if s in types}
+        near = self.neighbours_of(seqs)
         wanted = {s for s in seqs if context.get(s, -1) < 0}
         wanted.update(j for js in near.values() for j in js if j not in context)
         context.update(dict.fromkeys(wanted, 0.0))
@@ -201,6 +201,21 @@ class LexicalRanker:
             + WORD_WEIGHT * held.get(s, 0)
             for s in seqs
         }
+
+    def neighbours_of(self, seqs: list[int]) -> dict[int, list[int]]:
+        """The keys of each of ``seqs``' neighbours (:func:`~arona_store.context.neighbours`;
+        a key no node holds has none), looked up once a recall."""
+        missing = [s for s in seqs if s not in self._near]
+        if missing:
+            marks = ", ".join("?" * len(missing))
+            types = dict(
+                self._reader.execute(
+                    f"SELECT seq, node_type FROM nodes WHERE seq IN ({marks})", missing
+                )
+            )
+            for s in missing:
+                self._near[s] = neighbours(self._reader, types[s], s) if s in types else []
+        return {s: self._near[s] for s in seqs}
 
     def _held(self, expression: str, seqs: list[int]) -> dict[int, int]:
         """How many of the words of ``expression`` each of ``seqs`` holds itself.

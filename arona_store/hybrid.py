@@ -117,6 +117,27 @@ def blend(
     }
 
 
+def _cosines_of_keys(
+    reader: sqlite3.Connection, query_vector: Vector, seqs: list[int]
+) -> dict[int, float]:
+    """The cosine of the query with the stored vector of each of ``seqs`` that has one (read
+    transaction open)."""
+    if not seqs:
+        return {}
+    marks = ", ".join("?" * len(seqs))
+    rows = reader.execute(
+        "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
+        f" WHERE n.seq IN ({marks})",
+        seqs,
+    ).fetchall()
+    if not rows:
+        return {}
+    from arona_store.vectors import cosines_of
+
+    found = cosines_of(query_vector, [vec for _, vec in rows])
+    return dict(zip((int(seq) for seq, _ in rows), found, strict=True))
+
+
 def _with_neighbours(
     reader: sqlite3.Connection,
     lexical_ranker: LexicalRanker,
@@ -130,18 +151,7 @@ def _with_neighbours(
     near = lexical_ranker.neighbours_of(list(cosines))
     known = dict(cosines)
     unseen = sorted({j for js in near.values() for j in js if j not in known})
-    if unseen:
-        from arona_store.vectors import cosines_of
-
-        marks = ", ".join("?" * len(unseen))
-        rows = reader.execute(
-            "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
-            f" WHERE n.seq IN ({marks})",
-            unseen,
-        ).fetchall()
-        if rows:
-            found = cosines_of(query_vector, [vec for _, vec in rows])
-            known.update(zip((seq for seq, _ in rows), found, strict=True))
+    known.update(_cosines_of_keys(reader, query_vector, unseen))
     out = {}
     for seq, cosine in cosines.items():
         around = [known[j] for j in near.get(seq, []) if j in known]
@@ -202,18 +212,7 @@ def hybrid_ranked(
             cosines[seq] = similar[vid]
     # The lexical candidates' similarity, and the similar nodes' strength.
     unseen = [seq for seq in strengths if seq not in cosines]
-    if unseen:
-        marks = ", ".join("?" * len(unseen))
-        rows = reader.execute(
-            "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
-            f" WHERE n.seq IN ({marks})",
-            unseen,
-        ).fetchall()
-        if rows:
-            from arona_store.vectors import cosines_of
-
-            found_cosines = cosines_of(query_vector, [vec for _, vec in rows])
-            cosines.update(zip((seq for seq, _ in rows), found_cosines, strict=True))
+    cosines.update(_cosines_of_keys(reader, query_vector, unseen))
     others = [seq for seq in cosines if seq not in strengths]
     strengths.update(lexical_ranker.strengths(found.expression, others))
     if far(max(cosines.values(), default=0.0), found.coverage):

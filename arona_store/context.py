@@ -22,6 +22,7 @@ lifts words-only recall R@5 from 52.5 to about 64.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable
 
@@ -35,6 +36,17 @@ _NODE = "SELECT node_type, text FROM nodes WHERE seq = ?"
 _DROP = "DELETE FROM nodes_ctx WHERE rowid = ?"
 _PUT = "INSERT INTO nodes_ctx (rowid, text) VALUES (?, ?)"
 
+# The neighbours of several nodes in one statement (a JSON list of keys; prepared once): each
+# node's key and its neighbours' keys, nearest first on each side.
+_NEIGHBOURS_OF = (
+    "SELECT n.seq,"
+    " (SELECT group_concat(b.seq) FROM (SELECT seq FROM nodes WHERE node_type = n.node_type"
+    " AND seq < n.seq ORDER BY seq DESC LIMIT ?) b),"
+    " (SELECT group_concat(a.seq) FROM (SELECT seq FROM nodes WHERE node_type = n.node_type"
+    " AND seq > n.seq ORDER BY seq LIMIT ?) a)"
+    " FROM nodes n WHERE n.seq IN (SELECT value FROM json_each(?))"
+)
+
 Touched = set[tuple[str, int]]
 
 
@@ -43,6 +55,16 @@ def neighbours(conn: sqlite3.Connection, node_type: str, seq: int) -> list[int]:
     before = conn.execute(_BEFORE, (node_type, seq, AFTER)).fetchall()
     after = conn.execute(_AFTER, (node_type, seq, BEFORE)).fetchall()
     return [s for s, _ in before] + [s for s, _ in after]
+
+
+def neighbours_many(conn: sqlite3.Connection, seqs: list[int]) -> dict[int, list[int]]:
+    """:func:`neighbours` of each of ``seqs`` that a node holds, in one statement."""
+    out: dict[int, list[int]] = {}
+    for seq, before, after in conn.execute(_NEIGHBOURS_OF, (AFTER, BEFORE, json.dumps(seqs))):
+        keys = [int(k) for k in before.split(",")] if before else []
+        keys += [int(k) for k in after.split(",")] if after else []
+        out[int(seq)] = keys
+    return out
 
 
 def touch(conn: sqlite3.Connection, touched: Touched, node_type: str, seq: int) -> None:

@@ -34,14 +34,16 @@ Nothing here imports numpy at module level: a lexical store never loads it.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sqlite3
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_share
 from arona_store.floor import far
-from arona_store.lexical import LexicalRanker
+from arona_store.lexical import IDS_OF, LexicalRanker
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
 
 if TYPE_CHECKING:
@@ -118,29 +120,23 @@ def blend(
 
 
 def _cosines_of_keys(
-    reader: sqlite3.Connection, query_vector: Vector, seqs: list[int]
+    reader: sqlite3.Connection, index: VectorIndex, query_vector: Vector, seqs: list[int]
 ) -> dict[int, float]:
-    """The cosine of the query with the stored vector of each of ``seqs`` that has one (read
-    transaction open)."""
+    """The cosine of the query with the vector of each of ``seqs`` that has one, from the
+    index (synced in this read transaction: it holds every vector the snapshot has)."""
     if not seqs:
         return {}
-    marks = ", ".join("?" * len(seqs))
-    rows = reader.execute(
-        "SELECT n.seq, v.vec FROM nodes n JOIN vectors v ON v.node_id = n.id"
-        f" WHERE n.seq IN ({marks})",
-        seqs,
-    ).fetchall()
-    if not rows:
-        return {}
-    from arona_store.vectors import cosines_of
-
-    found = cosines_of(query_vector, [vec for _, vec in rows])
-    return dict(zip((int(seq) for seq, _ in rows), found, strict=True))
+    rows = reader.execute(IDS_OF, (json.dumps(seqs),)).fetchall()
+    found = index.cosines(query_vector, [node_id for _, node_id in rows])
+    return {
+        int(seq): cosine for (seq, _), cosine in zip(rows, found, strict=True) if cosine is not None
+    }
 
 
 def _with_neighbours(
     reader: sqlite3.Connection,
     lexical_ranker: LexicalRanker,
+    index: VectorIndex,
     query_vector: Vector,
     cosines: dict[int, float],
 ) -> dict[int, float]:
@@ -151,7 +147,7 @@ def _with_neighbours(
     near = lexical_ranker.neighbours_of(list(cosines))
     known = dict(cosines)
     unseen = sorted({j for js in near.values() for j in js if j not in known})
-    known.update(_cosines_of_keys(reader, query_vector, unseen))
+    known.update(_cosines_of_keys(reader, index, query_vector, unseen))
     out = {}
     for seq, cosine in cosines.items():
         around = [known[j] for j in near.get(seq, []) if j in known]
@@ -181,19 +177,21 @@ def hybrid_ranked(
     index: VectorIndex,
     terms: list[str],
     grams: list[str],
-    query_vector: Vector | None,
+    vector_of: Callable[[], Vector | None],
     limit: int,
     now_key: int,
     node_type: str | None,
 ) -> list[tuple[float, int]]:
     """The hybrid recall as (score, seq), best first (read lock held, read transaction
-    open; module docstring)."""
+    open; module docstring). ``vector_of`` gives the query's vector (:func:`query_vector`),
+    waiting for it if need be: it is asked once the words' candidates are found, so the model
+    can embed the query on another thread meanwhile."""
+    depth = max(limit, HYBRID_CANDIDATES)
+    candidates = lexical_ranker.candidates(terms, grams, depth, node_type)
+    query_vector = vector_of()
     if query_vector is None:
         # Nothing the model can read (module docstring): the lexical ranking alone.
-        return lexical_ranker.ranked(terms, grams, limit, now_key, node_type)
-    depth = max(limit, HYBRID_CANDIDATES)
-    found = lexical_ranker.matches(terms, grams, depth, node_type)
-    strengths = dict(found.strengths)
+        return lexical_ranker.ranked_matches(lexical_ranker.matches(candidates), limit, now_key)
     cosines: dict[int, float] = {}
     index.sync(reader)
     similar = {
@@ -210,11 +208,12 @@ def hybrid_ranked(
             list(similar),
         ):
             cosines[seq] = similar[vid]
-    # The lexical candidates' similarity, and the similar nodes' strength.
+    # The similar nodes' strength, in the same walks of the indexes as the words' candidates'.
+    found = lexical_ranker.matches(candidates, also=list(cosines))
+    strengths = dict(found.strengths)
+    # The lexical candidates' similarity.
     unseen = [seq for seq in strengths if seq not in cosines]
-    cosines.update(_cosines_of_keys(reader, query_vector, unseen))
-    others = [seq for seq in cosines if seq not in strengths]
-    strengths.update(lexical_ranker.strengths(found.expression, others))
+    cosines.update(_cosines_of_keys(reader, index, query_vector, unseen))
     if far(max(cosines.values(), default=0.0), found.coverage):
         return []  # nothing close in meaning, few of its words (arona_store.floor)
     # A memory holding none of the question's words itself (found through its context, or by
@@ -223,7 +222,7 @@ def hybrid_ranked(
         if cosines.get(seq, 0.0) < MIN_OWN_COSINE:
             del strengths[seq]
             cosines.pop(seq, None)
-    cosines = _with_neighbours(reader, lexical_ranker, query_vector, cosines)
+    cosines = _with_neighbours(reader, lexical_ranker, index, query_vector, cosines)
     # A memory that only asks (or echoes) a question shares its words and its meaning: both
     # signals count QUESTION_WEIGHT of theirs (arona_store.scoring.is_question).
     asking = lexical_ranker.questions(list(strengths))

@@ -4,10 +4,14 @@ A memory matches by two FTS5 indexes: its own text (``nodes_fts``) and its conte
 (``nodes_ctx``, :mod:`arona_store.context`); :mod:`arona_store.scoring` turns their BM25 values
 into a score. Each index gives its best :data:`CANDIDATES` matches (the lookup of the other
 index's BM25 completes each), ranked by SQLite in C over the newest :data:`MAX_SCAN_ROWS`
-matches: the most any recall reads, whatever the store's size. On a large store the words held
-by at most :data:`RARE_DOCS` nodes are also looked up on their own when the question's words
-hold more nodes than that, so a memory sharing a rare word with the question is never missed
-because it is old.
+matches (:data:`CONTEXT_SCAN_ROWS` context documents): the most any recall ranks, whatever
+the store's size. On a large store the words held by at most :data:`RARE_DOCS` nodes are also
+looked up on their own when the question's words hold more nodes than that, so a memory
+sharing a rare word with the question is never missed because it is old.
+
+A recall first finds these candidates (:meth:`LexicalRanker.candidates`), then computes their
+strengths (:meth:`LexicalRanker.matches`), with those of any other nodes the hybrid ranking
+found by meaning in the same walks of the indexes.
 
 Words in half the nodes or more weigh nothing in BM25 and are left out when rarer words remain
 (:meth:`LexicalRanker._plan`). A query with Chinese, Japanese or Korean text also matches its
@@ -17,11 +21,12 @@ strengths, pairs weighing as a word match with its context.
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 from dataclasses import dataclass
 
-from arona_store.context import neighbours
+from arona_store.context import neighbours_many
 from arona_store.schema import COUNTERS
 from arona_store.scoring import (
     CONTEXT_WEIGHT,
@@ -38,6 +43,9 @@ PRUNE_MIN_NODES = 1000
 DOC_COUNT_CACHE_SIZE = 10_000
 # Most matches of one index one query reads (the newest).
 MAX_SCAN_ROWS = 4000
+# The same for the context documents, each of which holds 1 + BEFORE + AFTER memories: a word
+# matches that many times more documents there, each longer.
+CONTEXT_SCAN_ROWS = 1000
 # A word held by at most this many nodes is also matched on its own on a large store.
 RARE_DOCS = 1000
 # Each of the question's words a memory holds itself adds this to its strength (_held).
@@ -47,7 +55,12 @@ WORD_WEIGHT = 0.5
 CONTEXT_ONLY_SHARE = 0.5
 # The best matches each index proposes.
 CANDIDATES = 40
+# Node ids whose memory is known to ask (or not) a question (LexicalRanker.questions).
+QUESTION_CACHE_SIZE = 50_000
 _INDEXES = ("nodes_fts", "nodes_ctx", "nodes_cjk")
+# The ids, and the texts, of some keys (a JSON list: one statement, prepared once).
+IDS_OF = "SELECT seq, id FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
+_TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
 
 
@@ -62,9 +75,31 @@ def _top_sql(index: str, of_type: bool) -> str:
     )
 
 
+# The BM25 of listed rows (bm25s): the range lets FTS5 skip the matches outside it.
+_BM25S = {
+    index: f"SELECT rowid, bm25({index}) FROM {index} WHERE {index} MATCH ?"
+    " AND rowid BETWEEN ? AND ? AND +rowid IN (SELECT value FROM json_each(?))"
+    for index in _INDEXES
+}
+
 _TOP = {
     (index, of_type): _top_sql(index, of_type) for index in _INDEXES for of_type in (False, True)
 }
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The best matches of one question in each index, before their strengths: key ->
+    positive BM25 (-1: matched by a rare word, not looked up yet)."""
+
+    terms: list[str]
+    # The counters of this snapshot (nodes, changes).
+    total: int
+    changes: int
+    expression: str | None
+    turn: dict[int, float]
+    context: dict[int, float]
+    cjk: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -92,6 +127,8 @@ class LexicalRanker:
         # key -> its neighbours' keys, as looked up during the current recall (matches()
         # starts it afresh): the hybrid ranking reads them again (neighbours_of).
         self._near: dict[int, list[int]] = {}
+        # node id -> whether its memory only asks a question (questions()).
+        self._asks: dict[str, bool] = {}
 
     def ranked(
         self,
@@ -103,7 +140,11 @@ class LexicalRanker:
     ) -> list[tuple[float, int]]:
         """The lexical recall as (score, seq), best first (read lock held, read transaction
         open)."""
-        found = self.matches(terms, grams, max(limit, CANDIDATES), node_type)
+        found = self.matches(self.candidates(terms, grams, max(limit, CANDIDATES), node_type))
+        return self.ranked_matches(found, limit, now_key)
+
+    def ranked_matches(self, found: Matches, limit: int, now_key: int) -> list[tuple[float, int]]:
+        """The lexical recall of the matches ``found`` as (score, seq), best first."""
         best = max(found.strengths.values(), default=0.0)
         kept = {
             seq: strength
@@ -123,18 +164,16 @@ class LexicalRanker:
         scored.sort(reverse=True)
         return scored[:limit]
 
-    def matches(
+    def candidates(
         self, terms: list[str], grams: list[str], depth: int, node_type: str | None
-    ) -> Matches:
-        """The best ``depth`` matches of each index and their strengths (read transaction
-        open)."""
+    ) -> Candidates:
+        """The best ``depth`` matches of each index (read transaction open): the walks that
+        rank, before any strength is computed (:meth:`matches`)."""
         self._near = {}
         total, changes, _, _ = self._reader.execute(COUNTERS).fetchone()
         kept, docs = self._plan(terms, total, changes)
-        strengths: dict[int, float] = {}
         turn: dict[int, float] = {}
         context: dict[int, float] = {}
-        own: set[int] = set()
         expression = fts_expression(kept)
         if expression is not None:
             turn = self._top("nodes_fts", expression, depth, node_type)
@@ -146,27 +185,68 @@ class LexicalRanker:
                 for index, found in (("nodes_fts", turn), ("nodes_ctx", context)):
                     for seq in self._top(index, extra, depth, node_type):
                         found.setdefault(seq, -1.0)
-            seqs = sorted(turn.keys() | context.keys())
-            strengths = self._strengths(expression, seqs, turn, context)
-            own = {seq for seq in seqs if turn.get(seq, 0.0) > 0.0}
         pairs = fts_expression(grams)
-        if pairs is not None:
-            for seq, r in self._top("nodes_cjk", pairs, depth, node_type).items():
-                strength = (1.0 + CONTEXT_WEIGHT) * r
-                own.add(seq)
-                if strength > strengths.get(seq, -1.0):
-                    strengths[seq] = strength
-        coverage = self._coverage(terms, total, changes, turn, context)
-        return Matches(strengths, expression, own, coverage)
+        cjk = {} if pairs is None else self._top("nodes_cjk", pairs, depth, node_type)
+        return Candidates(terms, total, changes, expression, turn, context, cjk)
+
+    def matches(self, found: Candidates, also: list[int] | None = None) -> Matches:
+        """The strengths of the candidates ``found``, and of the nodes ``also`` (found
+        otherwise: by meaning) in the same walks of the indexes (read transaction open).
+        ``also`` changes neither which nodes hold the question's words themselves
+        (:attr:`Matches.own`) nor the coverage."""
+        strengths: dict[int, float] = {}
+        own: set[int] = set()
+        turn, context = found.turn, found.context
+        coverage_turn: dict[int, float] = {}
+        coverage_context: dict[int, float] = {}
+        if found.expression is not None:
+            seqs = sorted(turn.keys() | context.keys())
+            wanted = sorted(set(seqs).union(also or ()))
+            strengths = self._strengths(found.expression, wanted, turn, context)
+            own = {seq for seq in seqs if turn.get(seq, 0.0) > 0.0}
+            coverage_turn = {seq: turn.get(seq, 0.0) for seq in seqs}
+            around = set(seqs).union(*(self._near.get(seq, []) for seq in seqs))
+            coverage_context = {seq: context[seq] for seq in around if seq in context}
+        elif also:
+            strengths = dict.fromkeys(also, 0.0)
+        for seq, r in found.cjk.items():
+            strength = (1.0 + CONTEXT_WEIGHT) * r
+            own.add(seq)
+            if strength > strengths.get(seq, -1.0):
+                strengths[seq] = strength
+        coverage = self._coverage(
+            found.terms, found.total, found.changes, coverage_turn, coverage_context
+        )
+        return Matches(strengths, found.expression, own, coverage)
 
     def questions(self, seqs: list[int]) -> set[int]:
         """Those of ``seqs`` whose memory only asks or repeats a question
-        (:func:`~arona_store.scoring.is_question`)."""
+        (:func:`~arona_store.scoring.is_question`; remembered by node id, whose text never
+        changes)."""
         if not seqs:
             return set()
-        marks = ", ".join("?" * len(seqs))
-        rows = self._reader.execute(f"SELECT seq, text FROM nodes WHERE seq IN ({marks})", seqs)
-        return {int(seq) for seq, text in rows if is_question(text)}
+        asking: set[int] = set()
+        unknown: list[tuple[int, str]] = []
+        for seq, node_id in self._reader.execute(IDS_OF, (json.dumps(seqs),)):
+            known = self._asks.get(node_id)
+            if known is None:
+                unknown.append((int(seq), node_id))
+            elif known:
+                asking.add(int(seq))
+        if unknown:
+            if len(self._asks) + len(unknown) > QUESTION_CACHE_SIZE:
+                self._asks.clear()
+            texts = dict(
+                self._reader.execute(_TEXTS_OF, (json.dumps([seq for seq, _ in unknown]),))
+            )
+            for seq, node_id in unknown:
+                text = texts.get(seq)
+                if text is None:
+                    continue
+                self._asks[node_id] = asks = is_question(text)
+                if asks:
+                    asking.add(seq)
+        return asking
 
     def strengths(self, expression: str | None, seqs: list[int]) -> dict[int, float]:
         """The strength of the nodes ``seqs`` for ``expression`` (0 for those it does not
@@ -207,14 +287,9 @@ class LexicalRanker:
         a key no node holds has none), looked up once a recall."""
         missing = [s for s in seqs if s not in self._near]
         if missing:
-            marks = ", ".join("?" * len(missing))
-            types = dict(
-                self._reader.execute(
-                    f"SELECT seq, node_type FROM nodes WHERE seq IN ({marks})", missing
-                )
-            )
+            found = neighbours_many(self._reader, missing)
             for s in missing:
-                self._near[s] = neighbours(self._reader, types[s], s) if s in types else []
+                self._near[s] = found.get(s, [])
         return {s: self._near[s] for s in seqs}
 
     def _held(self, expression: str, seqs: list[int]) -> dict[int, int]:
@@ -265,16 +340,14 @@ class LexicalRanker:
         full-text query once per listed row, and ``bm25()`` counts every match of every word
         again each time (40 rows: 3-6 ms at 10,000 nodes, 15-36 ms at 100,000). So FTS5 walks
         the matches once and SQLite keeps the listed ones: the same scores, 0.2-0.5 and
-        2-3.5 ms."""
+        2-3.5 ms. The walk is bounded by the lowest and highest key listed (FTS5 seeks to
+        them), so a list of recent memories does not read the old matches."""
         if not seqs:
             return {}
-        marks = ", ".join("?" * len(seqs))
         return {
             int(seq): max(0.0, -float(bm25))
             for seq, bm25 in self._reader.execute(
-                f"SELECT rowid, bm25({index}) FROM {index} WHERE {index} MATCH ?"
-                f" AND +rowid IN ({marks})",
-                [expression, *seqs],
+                _BM25S[index], (expression, min(seqs), max(seqs), json.dumps(seqs))
             )
         }
 
@@ -282,7 +355,8 @@ class LexicalRanker:
         self, index: str, expression: str, depth: int, node_type: str | None
     ) -> dict[int, float]:
         """The best ``depth`` matches of ``index`` among its newest, key -> positive BM25."""
-        params: dict[str, object] = {"expr": expression, "cap": MAX_SCAN_ROWS, "n": depth}
+        cap = CONTEXT_SCAN_ROWS if index == "nodes_ctx" else MAX_SCAN_ROWS
+        params: dict[str, object] = {"expr": expression, "cap": cap, "n": depth}
         if node_type is not None:
             params["node_type"] = node_type
         sql = _TOP[(index, node_type is not None)]

@@ -28,11 +28,12 @@ With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays 
 each batch of stores is embedded on an embedding thread before its transaction (the store is
 answered once node and vector are committed; the gateway writes back after answering, so no
 chat turn waits for it; a store identical to a stored node that has a vector is not embedded
-again), a recall (embedding the query, a few milliseconds, and a search of the vectors) runs
-on one of :data:`RECALL_THREADS` recall threads, answered whenever done so that a
-connection's recalls run side by side, and nodes stored without a vector (by the lexical
-ranking, or an older version) are embedded in the background on the embedding thread from
-start-up on, newest first, while recalls use the vectors already there.
+again), a recall (a search of the words and of the vectors, its query embedded meanwhile on
+one of the store's query threads) runs on one of :data:`RECALL_THREADS` recall threads,
+answered whenever done so that a connection's recalls run side by side, and nodes stored
+without a vector (by the lexical ranking, or an older version) are embedded in the background
+on the embedding thread from start-up on, newest first, while recalls use the vectors already
+there.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ DEFAULT_PORT = 8424
 STORE_PART = "memory store"
 # What a store the database cannot take costs.
 STORE_COST = "stores are refused until it can be written"
-# Hybrid ranking: recalls embed their query outside the store's read lock, so two can use two
-# cores at once (a recall is mostly the model's few milliseconds).
+# Hybrid ranking: a recall's query is embedded while another recall holds the store's read
+# lock, so two use two cores at once (arona_store.store.QUERY_EMBEDDING_THREADS).
 RECALL_THREADS = 2
 
 HANDSHAKE = "Sync.ConnectHandshake"

@@ -30,6 +30,7 @@ import logging
 import sqlite3
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,7 @@ from arona_store.writes import (
 
 if TYPE_CHECKING:
     from arona_store.embedding import Embedder
-    from arona_store.vectors import VectorIndex
+    from arona_store.vectors import Vector, VectorIndex
 
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "MemoryHit", "MemoryStore", "NewNode", "StoreError"]
 
@@ -70,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LIMIT = 10
 MAX_LIMIT = 100
+# Threads embedding queries (as many as recalls run at once: arona_store.server).
+QUERY_EMBEDDING_THREADS = 2
 # Nodes embedded per step of the background fill.
 FILL_BATCH = 32
 
@@ -96,10 +99,15 @@ class MemoryStore:
         # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
         self._embedder = embedder
         self._index: VectorIndex | None = None
+        # Hybrid ranking: the threads that embed queries while their words are looked up.
+        self._query_embedding: ThreadPoolExecutor | None = None
         if embedder is not None:
             from arona_store.vectors import VectorIndex
 
             self._index = VectorIndex(embedder.dimension)
+            self._query_embedding = ThreadPoolExecutor(
+                max_workers=QUERY_EMBEDDING_THREADS, thread_name_prefix="arona-store-query"
+            )
         # The background fill's cursor: nodes below this key may still lack a vector.
         self._fill_below = 2**63 - 1
 
@@ -384,9 +392,27 @@ class MemoryStore:
             return []
         grams = cjk_grams(text)[:MAX_QUERY_TERMS]
         at = now_key(epoch(now))
-        vector = None
-        if self._embedder is not None:
-            vector = query_vector(self._embedder, text)
+        pending: Future[Vector | None] | None = None
+        if self._embedder is not None and self._query_embedding is not None:
+            # Embedded on another thread while the words' candidates are looked up.
+            pending = self._query_embedding.submit(query_vector, self._embedder, text)
+        try:
+            return self._ranked_hits(text, terms, grams, limit, at, node_type, pending, wait)
+        finally:
+            if pending is not None:
+                pending.cancel()  # not needed after all (nothing to rank, or busy)
+
+    def _ranked_hits(
+        self,
+        text: str,
+        terms: list[str],
+        grams: list[str],
+        limit: int,
+        at: int,
+        node_type: str | None,
+        pending: Future[Vector | None] | None,
+        wait: bool,
+    ) -> list[MemoryHit] | None:
         if not self._read_lock.acquire(blocking=wait):
             return None
         try:
@@ -397,7 +423,7 @@ class MemoryStore:
             try:
                 if names_unknown(self._reader, text, node_type):
                     return []  # it asks about something this memory never heard of
-                if self._index is None:
+                if self._index is None or pending is None:
                     ranked = self._lexical.ranked(terms, grams, limit, at, node_type)
                 else:
                     ranked = hybrid_ranked(
@@ -406,7 +432,7 @@ class MemoryStore:
                         self._index,
                         terms,
                         grams,
-                        vector,
+                        pending.result,
                         limit,
                         at,
                         node_type,
@@ -495,4 +521,6 @@ class MemoryStore:
             self._closed = True
             self._reader.close()
             self._conn.close()
+        if self._query_embedding is not None:
+            self._query_embedding.shutdown(wait=False, cancel_futures=True)
         logger.info("memory store closed")

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 # The vectors added since `vid`, with their node's type (as the snapshot sees them).
 _VECTORS_SINCE = (
-    "SELECT v.vid, n.node_type, v.vec FROM vectors v JOIN nodes n ON n.id = v.node_id"
+    "SELECT v.vid, n.node_type, v.vec, v.node_id FROM vectors v JOIN nodes n ON n.id = v.node_id"
     " WHERE v.vid > ? ORDER BY v.vid"
 )
 _INITIAL_CAPACITY = 1024
@@ -79,6 +79,8 @@ class VectorIndex:
         self._type_codes: dict[str, int] = {}
         self._size = 0
         self._last_vid = 0
+        # node id -> its row (the newest, should a node's vector be stored again).
+        self._rows: dict[str, int] = {}
         # The projection (dimension x REDUCED_DIMS), the projected rows, and how many rows
         # there were when it was fitted (it is fitted again each time they have doubled).
         self._basis: npt.NDArray[np.float32] | None = None
@@ -102,6 +104,7 @@ class VectorIndex:
         self._full[start:end] = block
         self._vids[start:end] = [row[0] for row in rows]
         self._types[start:end] = [self._code(row[1]) for row in rows]
+        self._rows.update((row[3], start + i) for i, row in enumerate(rows))
         self._size = end
         self._last_vid = int(rows[-1][0])
         if end >= REDUCE_FROM and end >= 2 * self._fitted_at:
@@ -148,6 +151,16 @@ class VectorIndex:
         best = np.argpartition(-scores, k - 1)[:k] if k < len(rows) else np.arange(len(rows))
         best = best[np.argsort(-scores[best], kind="stable")]
         return [(float(scores[i]), int(self._vids[rows[i]])) for i in best]
+
+    def cosines(self, query: Vector, node_ids: list[str]) -> list[float | None]:
+        """The cosine of ``query`` with the vector of each of ``node_ids`` (None for a node
+        without one), from the matrix: no stored vector is read or converted."""
+        rows = [self._rows.get(node_id) for node_id in node_ids]
+        held = [row for row in rows if row is not None]
+        if not held:
+            return [None] * len(rows)
+        found = iter((self._full[held] @ query).tolist())
+        return [None if row is None else next(found) for row in rows]
 
     def _fit(self) -> None:
         """Fit the projection on (a sample of) the rows and project them all."""

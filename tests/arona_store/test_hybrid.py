@@ -609,3 +609,40 @@ def test_an_old_memory_that_matches_better_is_not_buried_by_a_recent_one(
     any_store.add("User: I need a new passport photo", "episode:b", NOW - timedelta(hours=1))
     found = _texts(any_store, "When does my passport expire, and which number is it?")
     assert found[0].startswith("User: My passport number ends in 4471")
+
+
+@needs_semantic
+def test_the_index_gives_the_cosine_of_each_stored_vector_a_recall_asks_for() -> None:
+    # A recall reads its candidates' cosines from the in-memory index instead of the stored
+    # float16 vectors: the same values, None for a node that has no vector.
+    import numpy as np
+
+    from arona_store.vectors import VectorIndex, to_blob
+
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(1500, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
+    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
+    index = VectorIndex(384)
+    for start in (0, 700):  # two syncs: the second adds to what the first read
+        for i in range(start, start + 700 if start == 0 else len(vectors)):
+            db.execute("INSERT INTO nodes VALUES (?, 'episode')", (f"n{i}",))
+            db.execute(
+                "INSERT INTO vectors (node_id, vec) VALUES (?, ?)", (f"n{i}", to_blob(vectors[i]))
+            )
+        index.sync(db)
+    query = vectors[5]
+    asked = ["n5", "n1499", "missing", "n700", "n0"]
+    stored = {
+        node_id: np.frombuffer(blob, dtype="<f2").astype(np.float32) @ query
+        for node_id, blob in db.execute("SELECT node_id, vec FROM vectors")
+    }
+    got = index.cosines(query, asked)
+    assert got[2] is None
+    for node_id, cosine in zip(asked, got, strict=True):
+        if node_id != "missing":
+            assert cosine == pytest.approx(float(stored[node_id]), abs=1e-6)
+    assert got[0] == pytest.approx(1.0, abs=1e-3)
+    assert index.cosines(query, ["missing"]) == [None]

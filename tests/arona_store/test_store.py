@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from arona_store.context import neighbours_many
 from arona_store.lexical import CONTEXT_ONLY_SHARE, PRUNE_MIN_NODES, WORD_WEIGHT
 from arona_store.scoring import (
     QUESTION_WEIGHT,
@@ -672,6 +673,20 @@ def _expected_contexts(path: Path) -> dict[str, str]:
     return out
 
 
+def _neighbours_found(path: Path) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Every node's neighbours as a recall looks them up (all in one statement), and as worked
+    out from scratch: the keys of the two nodes each side of the same type, nearest first."""
+    with closing(sqlite3.connect(path)) as check:
+        rows = check.execute("SELECT node_type, seq FROM nodes ORDER BY node_type, seq").fetchall()
+        found = neighbours_many(check, [seq for _, seq in rows] + [-1])
+    expected = {}
+    for i, (node_type, seq) in enumerate(rows):
+        before = [rows[j] for j in range(i - 1, max(-1, i - 3), -1) if rows[j][0] == node_type]
+        after = [rows[j] for j in range(i + 1, min(len(rows), i + 3)) if rows[j][0] == node_type]
+        expected[seq] = [s for _, s in before + after]
+    return found, expected
+
+
 def test_each_memory_is_indexed_with_its_neighbours_of_the_same_type(tmp_path: Path) -> None:
     # Writes, backdated writes, refreshed copies and deletes, in two scopes: after each, every
     # node's context document is its own text between the two nodes before and after it of
@@ -701,6 +716,8 @@ def test_each_memory_is_indexed_with_its_neighbours_of_the_same_type(tmp_path: P
                 assert store.delete(ids.pop(text))
                 deleted.append(text.split()[1])
             assert _contexts(path) == _expected_contexts(path), step
+            found, expected = _neighbours_found(path)
+            assert found == expected, step
         # Each note's number is its own word: a deleted note's is in no document.
         with closing(sqlite3.connect(path)) as check:
             for number in deleted:

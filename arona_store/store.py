@@ -395,7 +395,11 @@ class MemoryStore:
         pending: Future[Vector | None] | None = None
         if self._embedder is not None and self._query_embedding is not None:
             # Embedded on another thread while the words' candidates are looked up.
-            pending = self._query_embedding.submit(query_vector, self._embedder, text)
+            try:
+                pending = self._query_embedding.submit(query_vector, self._embedder, text)
+            except RuntimeError:  # its threads are stopped: the store is closed
+                self._check_open()
+                raise
         try:
             return self._ranked_hits(text, terms, grams, limit, at, node_type, pending, wait)
         finally:

@@ -28,7 +28,7 @@ from arona_store.ranking import (
     semantic_available,
 )
 from arona_store.server import StoreServer
-from arona_store.store import MemoryStore, NewNode
+from arona_store.store import MemoryStore, NewNode, StoreError
 
 from .conftest import TOKEN, WAIT_S, StoreClient, ws_url
 from .semantic import needs_semantic
@@ -646,3 +646,12 @@ def test_the_index_gives_the_cosine_of_each_stored_vector_a_recall_asks_for() ->
             assert cosine == pytest.approx(float(stored[node_id]), abs=1e-6)
     assert got[0] == pytest.approx(1.0, abs=1e-3)
     assert index.cosines(query, ["missing"]) == [None]
+
+
+def test_a_closed_store_refuses_recalls_in_both_rankings(any_store: MemoryStore) -> None:
+    # The hybrid store embeds its questions on threads of its own, stopped by close(): a recall
+    # afterwards is refused as on the lexical store, not failed by the stopped threads.
+    any_store.add(FACT)
+    any_store.close()
+    with pytest.raises(StoreError, match="closed"):
+        any_store.query("peanuts", 5)

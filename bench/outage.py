@@ -28,7 +28,11 @@ from pathlib import Path
 from bench.paced import PacedTurns, stored_user_texts
 from bench.procs import Proc, clean_env, free_port
 
-RATE = 200.0
+# What a full run offers: under what two cores serve with memory on once the store is back
+# (the lexical store with its context index: about 180 memory turns a second at 10,000
+# memories, fewer as the outage's backlog grows the store), or the outbox never empties and
+# the replay is not measured (200 a second, before 2026-12-02 11:00, no longer emptied it).
+RATE = 100.0
 CONCURRENCY = 16
 OUTAGE_S = 60.0
 BEFORE_S = 5.0

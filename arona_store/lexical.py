@@ -248,13 +248,6 @@ class LexicalRanker:
                     asking.add(seq)
         return asking
 
-    def strengths(self, expression: str | None, seqs: list[int]) -> dict[int, float]:
-        """The strength of the nodes ``seqs`` for ``expression`` (0 for those it does not
-        match)."""
-        if expression is None or not seqs:
-            return dict.fromkeys(seqs, 0.0)
-        return self._strengths(expression, seqs, {}, {})
-
     def _strengths(
         self,
         expression: str,

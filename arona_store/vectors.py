@@ -59,12 +59,6 @@ def _single_threaded_blas() -> None:
     threadpool_limits(limits=1, user_api="blas")
 
 
-def cosines_of(query: Vector, blobs: list[bytes]) -> list[float]:
-    """The cosine of ``query`` with each stored vector (both unit length)."""
-    matrix = np.frombuffer(b"".join(blobs), dtype="<f2").reshape(len(blobs), -1)
-    return [float(x) for x in matrix.astype(np.float32) @ query]
-
-
 class VectorIndex:
     """Every stored vector (float32) with its ``vid`` and node type, and, once there
     are :data:`REDUCE_FROM` of them, their projection on the :data:`REDUCED_DIMS` principal

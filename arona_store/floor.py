@@ -10,10 +10,15 @@ returns nothing when
 - in the ``hybrid`` ranking, no candidate is close in meaning (best cosine under
   :data:`MIN_COSINE`) **and** no memory holds much of the question's words (the best match by
   its own words or its context covers under :data:`MIN_COVERAGE` of the question's IDF,
-  :meth:`~arona_store.lexical.LexicalRanker.matches`).
+  :meth:`~arona_store.lexical.LexicalRanker.matches`). A question about no one (no word of
+  the first person, "I", "my", "we"..., and no name this memory holds: "When may a chess
+  player castle?", "who sang i want to dance with somebody") asks about the world rather than
+  the user; a memory is injected for it only when it is clearly about the same thing (best
+  cosine :data:`IMPERSONAL_MIN_COSINE`).
 
 Measured with ``bench/recall_locomo.py`` (its "unrelated" rows): LoCoMo questions asked of
-another conversation's memories and hand-written off-topic questions.
+another conversation's memories, hand-written off-topic questions and, with ``--unrelated``,
+public questions people asked a search engine (Natural Questions).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import sqlite3
 
 MIN_COSINE = 0.3
 MIN_COVERAGE = 0.5
+IMPERSONAL_MIN_COSINE = 0.45
+
+_FIRST_PERSON = frozenset("i me my mine myself we us our ours ourselves".split())
+_WORDS = re.compile(r"[a-z]+")
 
 _CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
 _NOT_NAMES = frozenset(
@@ -49,23 +58,39 @@ def names(text: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def names_unknown(reader: sqlite3.Connection, text: str, node_type: str | None) -> bool:
-    """Whether most of what ``text`` names (more than half) is held by no memory (of
-    ``node_type``) (read transaction open): a question naming one stranger beside someone
-    this memory knows ("Which city have both Jean and John visited?", or a typo, "Andew") is
-    still answered."""
-    named = names(text)
-    unknown = 0
-    for name in named:
+def names_held(reader: sqlite3.Connection, text: str, node_type: str | None) -> tuple[int, int]:
+    """How many of the names of ``text`` (:func:`names`) some memory (of ``node_type``) holds,
+    and how many none does (read transaction open)."""
+    held = unknown = 0
+    for name in names(text):
         phrase = f'"{name}"'
         if node_type is None:
             row = reader.execute(_HELD, (phrase,)).fetchone()
         else:
             row = reader.execute(_HELD_OF_TYPE, (phrase, node_type)).fetchone()
-        unknown += row is None
-    return unknown * 2 > len(named)
+        if row is None:
+            unknown += 1
+        else:
+            held += 1
+    return held, unknown
 
 
-def far(best_cosine: float, coverage: float) -> bool:
-    """Whether a hybrid recall's candidates are all too far from the question to inject."""
-    return best_cosine < MIN_COSINE and coverage < MIN_COVERAGE
+def names_unknown(held: int, unknown: int) -> bool:
+    """Whether most of what a question names (more than half) is held by no memory: a
+    question naming one stranger beside someone this memory knows ("Which city have both
+    Jean and John visited?", or a typo, "Andew") is still answered."""
+    return unknown > held
+
+
+def first_person(text: str) -> bool:
+    """Whether ``text`` speaks of its writer ("I", "my", "we"...)."""
+    return any(word in _FIRST_PERSON for word in _WORDS.findall(text.lower()))
+
+
+def far(best_cosine: float, coverage: float, personal: bool = True) -> bool:
+    """Whether a hybrid recall's candidates are all too far from the question to inject;
+    ``personal``: whether the question speaks of its writer or names someone this memory
+    knows (module docstring)."""
+    if coverage >= MIN_COVERAGE:
+        return False
+    return best_cosine < (MIN_COSINE if personal else IMPERSONAL_MIN_COSINE)

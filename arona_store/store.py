@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_grams
-from arona_store.floor import names_unknown
+from arona_store.floor import first_person, names_held, names_unknown
 from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vector_model_id
 from arona_store.lexical import LexicalRanker
 from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
@@ -425,7 +425,8 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                if names_unknown(self._reader, text, node_type):
+                held, unknown = names_held(self._reader, text, node_type)
+                if names_unknown(held, unknown):
                     return []  # it asks about something this memory never heard of
                 if self._index is None or pending is None:
                     ranked = self._lexical.ranked(terms, grams, limit, at, node_type)
@@ -440,6 +441,7 @@ class MemoryStore:
                         limit,
                         at,
                         node_type,
+                        personal=held > 0 or first_person(text),
                     )
                 return self._hits(ranked)
             finally:

@@ -32,6 +32,14 @@ memories, averaged) and hit@k (at least one evidence turn among the first k), pe
 categories 1-4, for all ten conversations and for each half (conversations 1-5, on which the
 store's settings were chosen, and 6-10); and the recall's p50 and p99 as the client sees it.
 
+Unrelated questions, asked of each conversation's scope the same way: the first 20 questions of
+the next conversation (about other people), 20 off-topic ones written for this benchmark and,
+with ``--unrelated PATH``, 100 public questions people asked a search engine (Natural
+Questions' open-domain dev set: ``nq_open/NQ-open.dev.jsonl`` of
+github.com/google-research-datasets/natural-questions, CC BY-SA 3.0; not in this repository
+either), no public question asked of two conversations. The report counts those that inject
+nothing, per kind and in all.
+
 ``--ranking lexical`` runs the store's lexical ranking instead (its own row), and ``--direct``
 skips the gateway: the same texts and scopes written to and asked of a store opened in this
 process (for trying store settings quickly; figures of record go through gRPC).
@@ -231,17 +239,42 @@ OFF_TOPIC = (
 )
 # Questions of the next conversation asked of each one.
 CROSS_QUESTIONS = 20
+# Public questions (--unrelated) asked of each conversation, none asked of two.
+PUBLIC_QUESTIONS = 100
+UNRELATED_KINDS = ("other conversation", "off-topic", "public")
 
 
-def unrelated_questions(conversations: Sequence[Conversation], index: int) -> list[tuple[str, str]]:
+def load_public(path: Path) -> list[str]:
+    """The questions of a JSON Lines file of objects with a ``"question"`` string (Natural
+    Questions' ``NQ-open.dev.jsonl``); blank lines are skipped."""
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
+        question = item.get("question") if isinstance(item, dict) else None
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f'{path} line {number}: no "question" string')
+        questions.append(question)
+    return questions
+
+
+def unrelated_questions(
+    conversations: Sequence[Conversation], index: int, public: Sequence[str] = ()
+) -> list[tuple[str, str]]:
     """The unrelated questions asked of conversation ``index``: the first
-    :data:`CROSS_QUESTIONS` of the next conversation (about other people) and the off-topic
-    ones, as (kind, text)."""
+    :data:`CROSS_QUESTIONS` of the next conversation (about other people), the off-topic
+    ones and up to :data:`PUBLIC_QUESTIONS` of the ``public`` ones (every n-th, n the number
+    of conversations, from the index-th on), as (kind, text)."""
+    mine = [("public", q) for q in public[index :: len(conversations)][:PUBLIC_QUESTIONS]]
     if len(conversations) < 2:
-        return [("off-topic", q) for q in OFF_TOPIC]
+        return [("off-topic", q) for q in OFF_TOPIC] + mine
     other = conversations[(index + 1) % len(conversations)]
     cross = [("other conversation", q.text) for q in other.questions[:CROSS_QUESTIONS]]
-    return cross + [("off-topic", q) for q in OFF_TOPIC]
+    return cross + [("off-topic", q) for q in OFF_TOPIC] + mine
 
 
 # -- scoring -----------------------------------------------------------------------------------
@@ -304,7 +337,7 @@ def table(run: Run) -> list[str]:
 def unrelated_lines(run: Run) -> list[str]:
     """How often an unrelated question injected nothing, and a related one something."""
     lines = []
-    for kind in ("other conversation", "off-topic"):
+    for kind in UNRELATED_KINDS:
         asked = [n for k, n in run.unrelated if k == kind]
         if asked:
             empty = sum(1 for n in asked if n == 0)
@@ -361,7 +394,11 @@ def start_stack(work: Path, ranking: str | None) -> tuple[Proc, str]:
 
 
 async def _grpc_run(
-    conversations: Sequence[Conversation], target: str, condition: str, progress: bool
+    conversations: Sequence[Conversation],
+    target: str,
+    condition: str,
+    progress: bool,
+    public: Sequence[str],
 ) -> Run:
     import grpc
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -413,7 +450,7 @@ async def _grpc_run(
                         elapsed,
                     )
                 )
-            for kind, text in unrelated_questions(conversations, index):
+            for kind, text in unrelated_questions(conversations, index, public):
                 reply = await stub.Recall(
                     pb.RecallRequest(query=text, limit=LIMIT, scope=conversation.scope),
                     timeout=60,
@@ -445,12 +482,16 @@ def dated_writebacks() -> bool:
 
 
 def grpc_run(
-    conversations: Sequence[Conversation], condition: str, ranking: str | None, progress: bool
+    conversations: Sequence[Conversation],
+    condition: str,
+    ranking: str | None,
+    progress: bool,
+    public: Sequence[str] = (),
 ) -> Run:
     with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
         proc, target = start_stack(Path(tmp), ranking)
         try:
-            return asyncio.run(_grpc_run(conversations, target, condition, progress))
+            return asyncio.run(_grpc_run(conversations, target, condition, progress, public))
         finally:
             proc.stop()
 
@@ -459,7 +500,11 @@ def grpc_run(
 
 
 def direct_run(
-    conversations: Sequence[Conversation], condition: str, ranking: str, workdir: Path
+    conversations: Sequence[Conversation],
+    condition: str,
+    ranking: str,
+    workdir: Path,
+    public: Sequence[str] = (),
 ) -> Run:
     """The same texts, scopes and times, written to and asked of a store in this process."""
     from arona_store.store import MemoryStore, NewNode
@@ -499,7 +544,7 @@ def direct_run(
                 run.answers.append(
                     Answer(index, question, _recalled(texts, [h.text for h in hits], run), elapsed)
                 )
-            for kind, text in unrelated_questions(conversations, index):
+            for kind, text in unrelated_questions(conversations, index, public):
                 hits = store.query(text, LIMIT, node_type=node_type)
                 run.unrelated.append((kind, len(hits)))
     finally:
@@ -564,6 +609,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--conditions", help="undated,dated (default: both)")
     parser.add_argument("--direct", action="store_true", help="a store in this process, no gRPC")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--unrelated",
+        type=Path,
+        help='public questions to ask as unrelated ones (JSON Lines, a "question" each:'
+        " Natural Questions' NQ-open.dev.jsonl)",
+    )
     args = parser.parse_args(argv)
     conditions = [c for c in (args.conditions or ",".join(CONDITIONS)).split(",") if c]
     if args.conditions is None and not args.direct and not dated_writebacks():
@@ -577,19 +628,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             " (github.com/snap-research/locomo)"
         )
     conversations = load(args.data)
+    public: list[str] = []
+    if args.unrelated is not None:
+        if not args.unrelated.is_file():
+            parser.error(f"{args.unrelated} not found")
+        try:
+            public = load_public(args.unrelated)
+        except ValueError as exc:
+            parser.error(str(exc))
     runs = []
     if args.direct:
         from arona_store.ranking import ranking_from_env
 
         ranking = args.ranking or ranking_from_env(os.environ)
         with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
-            runs = [direct_run(conversations, c, ranking, Path(tmp)) for c in conditions]
+            runs = [direct_run(conversations, c, ranking, Path(tmp), public) for c in conditions]
         via = "a store in this process"
     else:
         from arona_store.ranking import ranking_from_env
 
         ranking = args.ranking or ranking_from_env(os.environ)
-        runs = [grpc_run(conversations, c, args.ranking, not args.quiet) for c in conditions]
+        runs = [
+            grpc_run(conversations, c, args.ranking, not args.quiet, public) for c in conditions
+        ]
         via = "through gRPC Writeback and Recall, `arona-gateway up`"
     text = report(runs, ranking, via)
     print(text, end="")

@@ -596,6 +596,55 @@ def test_an_unrelated_question_recalls_nothing_in_the_hybrid_ranking(hybrid: Mem
     assert _texts(hybrid, PARAPHRASE)[:3].count(FACT) == 1
 
 
+def test_a_memory_the_words_find_best_is_not_buried_when_meaning_weighs_more() -> None:
+    from arona_store.hybrid import SEMANTIC_WEIGHT, SEMANTIC_WEIGHT_UNCOVERED, two_readings
+
+    # 1 is the paraphrase (closest in meaning, none of the words), 2 holds the question's
+    # words far better than any other memory but means less, 3-6 are middling on both.
+    strengths = {1: 0.0, 2: 9.0, 3: 0.5, 4: 0.0, 5: 0.3, 6: 0.2}
+    cosines = {1: 0.62, 2: 0.30, 3: 0.50, 4: 0.49, 5: 0.48, 6: 0.47}
+
+    def order(weight: float) -> list[int]:
+        scores = two_readings(strengths, cosines, weight)
+        return sorted(scores, key=lambda s: scores[s], reverse=True)
+
+    # The words cover most of the question: the base blend, the words' best first.
+    assert order(SEMANTIC_WEIGHT)[0] == 2
+    # They cover little: meaning decides the first place, but the memory the words find
+    # best comes second, not after every middling one (last with meaning's weight alone).
+    assert order(SEMANTIC_WEIGHT_UNCOVERED)[:2] == [1, 2]
+
+
+@needs_semantic
+def test_a_question_about_no_one_needs_a_memory_clearly_about_it(hybrid: MemoryStore) -> None:
+    hybrid.add_many(
+        [
+            NewNode("User: I prefer oolong tea in the morning", created_at=NOW - timedelta(days=4)),
+            NewNode(
+                "User: I joined a chess club and we play every Tuesday evening",
+                created_at=NOW - timedelta(days=3),
+            ),
+            NewNode(FACT, created_at=NOW - timedelta(days=2)),
+            NewNode(
+                "User: Our team shipped the new billing system last week",
+                created_at=NOW - timedelta(days=1),
+            ),
+        ]
+    )
+    club = "User: I joined a chess club and we play every Tuesday evening"
+    # Questions about the world near a topic the user talked about (the chess memory is
+    # somewhat close in meaning, cosine 0.3-0.45): nothing is injected.
+    for question in (
+        "What is the rating system in chess called?",
+        "who won the world chess championship in 1972",
+    ):
+        assert _texts(hybrid, question) == [], question
+    # The user asking about their own chess, or a question clearly about a memory: answered.
+    assert _texts(hybrid, "How do I play chess better?")[0] == club
+    assert _texts(hybrid, "Which board game do we play on Tuesdays?")[0] == club
+    assert _texts(hybrid, "What are common peanut allergy symptoms?")[0] == FACT
+
+
 @pytest.mark.parametrize("any_store", RANKINGS, indirect=True)
 def test_an_old_memory_that_matches_better_is_not_buried_by_a_recent_one(
     any_store: MemoryStore,

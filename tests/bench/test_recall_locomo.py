@@ -109,10 +109,49 @@ def test_the_sample_is_read_as_locomo_is(tmp_path: Path) -> None:
     assert times["D2:4"].timestamp() == 1_800_000_000.0 - 86400
 
 
+# Questions about the world, in the shape of the public set the benchmark reads (written here).
+PUBLIC = [
+    "how many moons does jupiter have",
+    "who painted the ceiling of the sistine chapel",
+    "what is the boiling point of nitrogen",
+    "when was the first transatlantic telegraph cable laid",
+    "who wrote the opera la traviata",
+    "what is the largest desert in asia",
+]
+
+
+def test_public_questions_are_read_and_a_bad_line_is_named(tmp_path: Path) -> None:
+    good = tmp_path / "public.jsonl"
+    good.write_text(
+        "\n".join(json.dumps({"question": q, "answer": ["-"]}) for q in PUBLIC) + "\n\n"
+    )
+    assert recall_locomo.load_public(good) == PUBLIC
+    path = tmp_path / "sample.json"
+    path.write_text(json.dumps(sample()))
+    conversations = recall_locomo.load(path)
+    # Each conversation gets every other question: none is asked of both.
+    asked = [
+        [
+            text
+            for kind, text in recall_locomo.unrelated_questions(conversations, i, PUBLIC)
+            if kind == "public"
+        ]
+        for i in range(2)
+    ]
+    assert asked == [PUBLIC[0::2], PUBLIC[1::2]]
+    for line, reason in (("{not json", "not JSON"), ('{"q": "x"}', 'no "question" string')):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"question": "fine"}) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=f"line 2: {reason}"):
+            recall_locomo.load_public(bad)
+
+
 @pytest.mark.timeout(600)
 def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
     data = tmp_path / "sample.json"
     data.write_text(json.dumps(sample()))
+    public = tmp_path / "public.jsonl"
+    public.write_text("".join(json.dumps({"question": q}) + "\n" for q in PUBLIC))
     out = tmp_path / "locomo.md"
     done = subprocess.run(
         [
@@ -124,6 +163,8 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
             "--out",
             str(out),
             "--quiet",
+            "--unrelated",
+            str(public),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -149,8 +190,10 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
         assert "recall through gRPC: p50" in section
         assert "matched no dialog turn" not in section
         # The other conversation's questions (about people never mentioned) inject nothing,
-        # and nearly every off-topic one too.
+        # and nearly every off-topic and public one too.
         assert "(other conversation) injecting nothing: 8 of 8 (100.0 %)" in section
-        unrelated = re.search(r"\*\*unrelated questions injecting nothing: (\d+) of 48", section)
-        assert unrelated is not None and int(unrelated.group(1)) >= 45
+        public_empty = re.search(r"\(public\) injecting nothing: (\d+) of 6 ", section)
+        assert public_empty is not None and int(public_empty.group(1)) >= 5
+        unrelated = re.search(r"\*\*unrelated questions injecting nothing: (\d+) of 54", section)
+        assert unrelated is not None and int(unrelated.group(1)) >= 50
         assert "related questions injecting nothing: 0 of 8" in section

@@ -579,7 +579,7 @@ def _vectors(store: Any, conversations: Sequence[Conversation]) -> dict[str, byt
 # -- the report --------------------------------------------------------------------------------
 
 
-def report(runs: Sequence[Run], ranking: str, via: str) -> str:
+def report(runs: Sequence[Run], ranking: str, via: str, public_from: str | None = None) -> str:
     lines = [
         "# Recall on LoCoMo",
         "",
@@ -587,6 +587,12 @@ def report(runs: Sequence[Run], ranking: str, via: str) -> str:
         f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. Evidence recall over the questions of"
         " categories 1-4 that name evidence; Recall limit 10; one scope per conversation.",
     ]
+    if public_from is not None:
+        lines += [
+            "",
+            f"Public unrelated questions: `{public_from}`, up to {PUBLIC_QUESTIONS} asked of"
+            " each conversation, none of two.",
+        ]
     for run in runs:
         lines += ["", f"## {run.condition}", ""]
         lines += table(run)
@@ -652,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grpc_run(conversations, c, args.ranking, not args.quiet, public) for c in conditions
         ]
         via = "through gRPC Writeback and Recall, `arona-gateway up`"
-    text = report(runs, ranking, via)
+    text = report(runs, ranking, via, None if args.unrelated is None else args.unrelated.name)
     print(text, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

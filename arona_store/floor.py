@@ -11,7 +11,7 @@ returns nothing when
   :data:`MIN_COSINE`) **and** no memory holds much of the question's words (the best match by
   its own words or its context covers under :data:`MIN_COVERAGE` of the question's IDF,
   :meth:`~arona_store.lexical.LexicalRanker.matches`). A question about no one (no word of
-  the first person, "I", "my", "we"..., and no name this memory holds: "When may a chess
+  the first person, "I", "my", "we"... or "mein", "mon", "mi"..., and no name this memory holds: "When may a chess
   player castle?", "who sang i want to dance with somebody") asks about the world rather than
   the user; a memory is injected for it only when it is clearly about the same thing (best
   cosine :data:`IMPERSONAL_MIN_COSINE`).
@@ -30,8 +30,21 @@ MIN_COSINE = 0.3
 MIN_COVERAGE = 0.5
 IMPERSONAL_MIN_COSINE = 0.45
 
-_FIRST_PERSON = frozenset("i me my mine myself we us our ours ourselves".split())
-_WORDS = re.compile(r"[a-z]+")
+# Words of the first person in the languages written with spaces that users of the gateway
+# most often write in (English, German, French, Spanish, Italian, Portuguese, Dutch), so a
+# question in one of them about its writer keeps the floor of MIN_COSINE.
+_FIRST_PERSON = frozenset(
+    """
+    i me my mine myself we us our ours ourselves
+    ich mich mir mein meine meinen meinem meiner meines wir uns unser unsere unseren unserem
+    je j m moi mon ma mes nous notre nos
+    yo mi mis conmigo nosotros nosotras nuestro nuestra nuestros nuestras
+    io mio mia miei mie noi nostro nostra nostri nostre
+    eu meu minha meus minhas comigo nós nosso nossa nossos nossas
+    ik mij mijn wij ons onze
+    """.split()
+)
+_WORDS = re.compile(r"\w+")
 
 _CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
 _NOT_NAMES = frozenset(

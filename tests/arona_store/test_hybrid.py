@@ -596,6 +596,27 @@ def test_an_unrelated_question_recalls_nothing_in_the_hybrid_ranking(hybrid: Mem
     assert _texts(hybrid, PARAPHRASE)[:3].count(FACT) == 1
 
 
+def test_a_question_about_its_writer_is_told_from_one_about_the_world() -> None:
+    from arona_store.floor import first_person
+
+    for question in (
+        "What's my job?",
+        "Where did we go in May?",
+        "Was ist mein Beruf?",
+        "Qu'est-ce que j'ai mangé hier ?",
+        "¿Dónde vive mi hermana?",
+        "Onde eu deixei as chaves?",
+    ):
+        assert first_person(question), question
+    for question in (
+        "When may a chess player castle?",
+        "who won the world chess championship in 1972",
+        "Wie hoch ist die Zugspitze?",
+        "Quelle est la capitale du Pérou ?",
+    ):
+        assert not first_person(question), question
+
+
 def test_a_memory_the_words_find_best_is_not_buried_when_meaning_weighs_more() -> None:
     from arona_store.hybrid import SEMANTIC_WEIGHT, SEMANTIC_WEIGHT_UNCOVERED, two_readings
 

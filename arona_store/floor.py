@@ -11,10 +11,10 @@ returns nothing when
   :data:`MIN_COSINE`) **and** no memory holds much of the question's words (the best match by
   its own words or its context covers under :data:`MIN_COVERAGE` of the question's IDF,
   :meth:`~arona_store.lexical.LexicalRanker.matches`). A question about no one (no word of
-  the first person, "I", "my", "we"... or "mein", "mon", "mi"..., and no name this memory holds: "When may a chess
-  player castle?", "who sang i want to dance with somebody") asks about the world rather than
-  the user; a memory is injected for it only when it is clearly about the same thing (best
-  cosine :data:`IMPERSONAL_MIN_COSINE`).
+  the first person, "I", "my", "we"... or "mein", "mon", "mi"..., and no name this memory
+  holds: "When may a chess player castle?", "who sang i want to dance with somebody") asks
+  about the world rather than the user; a memory is injected for it only when it is clearly
+  about the same thing (best cosine :data:`IMPERSONAL_MIN_COSINE`).
 
 Measured with ``bench/recall_locomo.py`` (its "unrelated" rows): LoCoMo questions asked of
 another conversation's memories, hand-written off-topic questions and, with ``--unrelated``,

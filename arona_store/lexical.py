@@ -14,9 +14,14 @@ strengths (:meth:`LexicalRanker.matches`), with those of any other nodes the hyb
 found by meaning in the same walks of the indexes.
 
 Words in half the nodes or more weigh nothing in BM25 and are left out when rarer words remain
-(:meth:`LexicalRanker._plan`). A query with Chinese, Japanese or Korean text also matches its
-character pairs (:mod:`arona_store.cjk`); a node then counts with the better of its two
-strengths, pairs weighing as a word match with its context.
+(:meth:`LexicalRanker._plan`). Likewise, on a large store, the context documents are matched
+without the words found in a third of them or more (:data:`CONTEXT_COMMON`), which weigh little
+there (an IDF of at most log 2, against 4.6 for a word in 1 % of them) but are most of what a
+walk of that index reads (``arona_store/RANKING.md``).
+
+A query with Chinese, Japanese or Korean text also matches its character pairs
+(:mod:`arona_store.cjk`); a node then counts with the better of its two strengths, pairs
+weighing as a word match with its context.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ MAX_SCAN_ROWS = 4000
 # The same for the context documents, each of which holds 1 + BEFORE + AFTER memories: a word
 # matches that many times more documents there, each longer.
 CONTEXT_SCAN_ROWS = 1000
+# On a large store, a word found in at least 1 / CONTEXT_COMMON of the context documents is
+# left out of the context index's query when rarer words remain (LexicalRanker._context_plan).
+CONTEXT_COMMON = 3
 # A word held by at most this many nodes is also matched on its own on a large store.
 RARE_DOCS = 1000
 # Each of the question's words a memory holds itself adds this to its strength (_held).
@@ -62,6 +70,7 @@ _INDEXES = ("nodes_fts", "nodes_ctx", "nodes_cjk")
 IDS_OF = "SELECT seq, id FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
 _TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
 _TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
+_CONTEXT_DOCS = "SELECT count(*) FROM nodes_ctx WHERE nodes_ctx MATCH ?"
 
 
 def _top_sql(index: str, of_type: bool) -> str:
@@ -97,6 +106,8 @@ class Candidates:
     total: int
     changes: int
     expression: str | None
+    # The expression matched against the context documents (without their common words).
+    context_expression: str | None
     turn: dict[int, float]
     context: dict[int, float]
     cjk: dict[int, float]
@@ -175,19 +186,25 @@ class LexicalRanker:
         turn: dict[int, float] = {}
         context: dict[int, float] = {}
         expression = fts_expression(kept)
+        context_expression = expression
         if expression is not None:
+            context_expression = fts_expression(self._context_plan(kept, total, changes))
             turn = self._top("nodes_fts", expression, depth, node_type)
-            context = self._top("nodes_ctx", expression, depth, node_type)
+            if context_expression is not None:
+                context = self._top("nodes_ctx", context_expression, depth, node_type)
             rare = [term for term, n in zip(kept, docs, strict=False) if n <= RARE_DOCS]
             if docs and sum(docs) > MAX_SCAN_ROWS and rare and len(rare) < len(kept):
                 # The newest matches may not reach an old memory holding a rare word.
                 extra = " OR ".join(f'"{term}"' for term in rare)
-                for index, found in (("nodes_fts", turn), ("nodes_ctx", context)):
+                walks = [("nodes_fts", turn)]
+                if context_expression is not None:
+                    walks.append(("nodes_ctx", context))
+                for index, found in walks:
                     for seq in self._top(index, extra, depth, node_type):
                         found.setdefault(seq, -1.0)
         pairs = fts_expression(grams)
         cjk = {} if pairs is None else self._top("nodes_cjk", pairs, depth, node_type)
-        return Candidates(terms, total, changes, expression, turn, context, cjk)
+        return Candidates(terms, total, changes, expression, context_expression, turn, context, cjk)
 
     def matches(self, found: Candidates, also: list[int] | None = None) -> Matches:
         """The strengths of the candidates ``found``, and of the nodes ``also`` (found
@@ -202,7 +219,9 @@ class LexicalRanker:
         if found.expression is not None:
             seqs = sorted(turn.keys() | context.keys())
             wanted = sorted(set(seqs).union(also or ()))
-            strengths = self._strengths(found.expression, wanted, turn, context)
+            strengths = self._strengths(
+                found.expression, found.context_expression, wanted, turn, context
+            )
             own = {seq for seq in seqs if turn.get(seq, 0.0) > 0.0}
             coverage_turn = {seq: turn.get(seq, 0.0) for seq in seqs}
             around = set(seqs).union(*(self._near.get(seq, []) for seq in seqs))
@@ -251,19 +270,23 @@ class LexicalRanker:
     def _strengths(
         self,
         expression: str,
+        context_expression: str | None,
         seqs: list[int],
         turn: dict[int, float],
         context: dict[int, float],
     ) -> dict[int, float]:
-        """The strengths of ``seqs``: their own BM25, their context's, and their neighbours'
-        contexts' (:func:`~arona_store.scoring.strength_of`); ``turn`` and ``context`` hold
-        the BM25 values known already (-1: not yet looked up) and are completed."""
+        """The strengths of ``seqs``: their own BM25 (for ``expression``), their context's
+        and their neighbours' contexts' (for ``context_expression``; none: every word is
+        common there, :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`);
+        ``turn`` and ``context`` hold the BM25 values known already (-1: not yet looked up)
+        and are completed."""
         turn.update(self.bm25s("nodes_fts", expression, [s for s in seqs if turn.get(s, -1) < 0]))
         near = self.neighbours_of(seqs)
         wanted = {s for s in seqs if context.get(s, -1) < 0}
         wanted.update(j for js in near.values() for j in js if j not in context)
         context.update(dict.fromkeys(wanted, 0.0))
-        context.update(self.bm25s("nodes_ctx", expression, sorted(wanted)))
+        if context_expression is not None:
+            context.update(self.bm25s("nodes_ctx", context_expression, sorted(wanted)))
         held = self._held(expression, seqs)
         return {
             s: strength_of(
@@ -385,6 +408,31 @@ class LexicalRanker:
             return [term for _, term in kept], [docs for docs, _ in kept]
         rarest = min(counted)
         return [rarest[2]], [rarest[0]]
+
+    def _context_plan(self, kept: list[str], total: int, changes: int) -> list[str]:
+        """The words of ``kept`` (:meth:`_plan`) worth matching against the context documents:
+        on a large store, those found in under 1 / :data:`CONTEXT_COMMON` of them; none when
+        every word is that common, so the context adds little to any memory's strength and
+        its index is not walked (read lock held)."""
+        if total < PRUNE_MIN_NODES:
+            return kept
+        return [term for term in kept if self._context_docs(term, changes) * CONTEXT_COMMON < total]
+
+    def _context_docs(self, term: str, changes: int) -> int:
+        """About how many context documents hold ``term``, counted again once the nodes
+        inserted or deleted since exceed a fiftieth of the count (each rewrites up to five
+        documents); cached beside :meth:`_docs_with`'s counts."""
+        key = "\0" + term  # no word holds a NUL
+        cached = self._doc_counts.get(key)
+        if cached is not None:
+            drift = changes - cached[1]
+            if 0 <= drift and drift * 50 <= cached[0]:
+                return cached[0]
+        row = self._reader.execute(_CONTEXT_DOCS, (f'"{term}"',)).fetchone()
+        if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
+            self._doc_counts.clear()
+        self._doc_counts[key] = (int(row[0]), changes)
+        return int(row[0])
 
     def _docs_with(self, term: str, changes: int) -> tuple[int, int]:
         """How many nodes held ``term`` when counted, and a lower bound of how many hold it now.

@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from arona_store.context import neighbours_many
-from arona_store.lexical import CONTEXT_ONLY_SHARE, PRUNE_MIN_NODES, WORD_WEIGHT
+from arona_store.lexical import (
+    CONTEXT_COMMON,
+    CONTEXT_ONLY_SHARE,
+    PRUNE_MIN_NODES,
+    WORD_WEIGHT,
+)
 from arona_store.scoring import (
     QUESTION_WEIGHT,
     RECENCY_WEIGHT,
@@ -225,28 +230,40 @@ def test_concurrent_callers_from_threads_are_safe(store: MemoryStore) -> None:
     assert store.count() == 120
 
 
-def _words(rng: random.Random, vocabulary: list[str], count: int) -> str:
+def _words(rng: random.Random, vocabulary: list[str], count: int, skewed: bool = False) -> str:
+    """``count`` words of ``vocabulary``; ``skewed``: the i-th drawn 10 / (i + 10) as often
+    as the first, as words are (the first in most context documents, the last in few)."""
+    if skewed:
+        weights = [1 / (i + 10) for i in range(len(vocabulary))]
+        return " ".join(rng.choices(vocabulary, weights, k=count))
     return " ".join(rng.choice(vocabulary) for _ in range(count))
 
 
 def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
     # Large enough for word counts to be used; no word is in half the nodes, so the store
-    # matches every query word and a brute-force ranking can check it.
+    # matches every query word against the memories' own text, and the context documents
+    # with the words in under a third of them (the first few words are in more): a
+    # brute-force ranking can check it.
     rng = random.Random(7)
-    vocabulary = [f"w{i}" for i in range(60)]
+    vocabulary = [f"w{i}" for i in range(300)]
     now = NOW.timestamp()
     path = tmp_path / "s.db"
     store = MemoryStore.open(path)
     try:
         store.add_many(
             (
-                _words(rng, vocabulary, rng.randint(3, 12)),
+                _words(rng, vocabulary, rng.randint(3, 12), skewed=True),
                 rng.choice(["episode", "episode:b"]),
                 now - rng.uniform(0, 120 * DAY),
             )
             for _ in range(PRUNE_MIN_NODES + 500)
         )
-        for query in ("w1 w2 w3", "w7", "w10 w20 w30 w40", "w5 w5 w6", "w59 w0"):
+        queries = ("w1 w2 w3", "w7", "w10 w20 w30 w40", "w5 w5 w6", "w59 w0", "w45 w55")
+        common = _context_common(path)
+        # Queries whose words are all common in the context documents, some, or none.
+        assert {"w0", "w1", "w2", "w3", "w7"} <= common
+        assert not {"w40", "w45", "w55", "w59"} & common
+        for query in queries:
             expected = _full_ranking(path, query, now)
             # Each index proposes its best 40: the best ten by both are among them.
             for limit in (1, 5, 10):
@@ -271,12 +288,24 @@ def _large_store(path: Path, vocabulary: list[str], created_at: float) -> Memory
     return store
 
 
+def _context_common(path: Path) -> set[str]:
+    """The words found in a third of the context documents or more (of a large store)."""
+    with closing(sqlite3.connect(path)) as check:
+        total = check.execute("SELECT count(*) FROM nodes").fetchone()[0]
+        check.execute("CREATE VIRTUAL TABLE temp.v USING fts5vocab(main, nodes_ctx, row)")
+        rows = check.execute("SELECT term, doc FROM temp.v").fetchall()
+    assert total >= PRUNE_MIN_NODES
+    return {term for term, docs in rows if docs * CONTEXT_COMMON >= total}
+
+
 def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float, str]]:
     """Every match of ``query`` (by its words or its context) scored by the formula, best
-    first: its own BM25, its context's, its four neighbours' contexts' and the words it holds;
-    one matched through its context only is kept when half as strong as the best (the
-    brute-force check)."""
+    first: its own BM25, its context's (without the words common there), its four
+    neighbours' contexts' and the words it holds; one matched through its context only is
+    kept when half as strong as the best (the brute-force check)."""
     expression = build_fts_query(query)
+    common = _context_common(path)
+    rare = [word for word in (expression or "").split(" OR ") if word.strip('"') not in common]
     with closing(sqlite3.connect(path)) as check:
         turn = dict(
             check.execute(
@@ -284,12 +313,14 @@ def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float
                 (expression,),
             ).fetchall()
         )
-        context = dict(
-            check.execute(
-                "SELECT rowid, -bm25(nodes_ctx) FROM nodes_ctx WHERE nodes_ctx MATCH ?",
-                (expression,),
-            ).fetchall()
-        )
+        context = {}
+        if rare:
+            context = dict(
+                check.execute(
+                    "SELECT rowid, -bm25(nodes_ctx) FROM nodes_ctx WHERE nodes_ctx MATCH ?",
+                    (" OR ".join(rare),),
+                ).fetchall()
+            )
         nodes = check.execute("SELECT seq, id, node_type, created_at, text FROM nodes").fetchall()
         held: dict[int, int] = {}
         for word in (expression or "").split(" OR "):

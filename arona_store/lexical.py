@@ -52,7 +52,7 @@ MAX_SCAN_ROWS = 4000
 # matches that many times more documents there, each longer.
 CONTEXT_SCAN_ROWS = 1000
 # On a large store, a word found in at least 1 / CONTEXT_COMMON of the context documents is
-# left out of the context index's query when rarer words remain (LexicalRanker._context_plan).
+# left out of the context index's query (LexicalRanker._context_plan).
 CONTEXT_COMMON = 3
 # A word held by at most this many nodes is also matched on its own on a large store.
 RARE_DOCS = 1000

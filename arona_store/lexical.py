@@ -419,20 +419,10 @@ class LexicalRanker:
         return [term for term in kept if self._context_docs(term, changes) * CONTEXT_COMMON < total]
 
     def _context_docs(self, term: str, changes: int) -> int:
-        """About how many context documents hold ``term``, counted again once the nodes
-        inserted or deleted since exceed a fiftieth of the count (each rewrites up to five
-        documents); cached beside :meth:`_docs_with`'s counts."""
-        key = "\0" + term  # no word holds a NUL
-        cached = self._doc_counts.get(key)
-        if cached is not None:
-            drift = changes - cached[1]
-            if 0 <= drift and drift * 50 <= cached[0]:
-                return cached[0]
-        row = self._reader.execute(_CONTEXT_DOCS, (f'"{term}"',)).fetchone()
-        if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
-            self._doc_counts.clear()
-        self._doc_counts[key] = (int(row[0]), changes)
-        return int(row[0])
+        """About how many context documents hold ``term`` (:meth:`_count`: each node
+        inserted or deleted rewrites up to five of them)."""
+        count, _ = self._count(_CONTEXT_DOCS, "\0" + term, term, changes, 5)  # no word holds a NUL
+        return count
 
     def _docs_with(self, term: str, changes: int) -> tuple[int, int]:
         """How many nodes held ``term`` when counted, and a lower bound of how many hold it now.
@@ -443,14 +433,21 @@ class LexicalRanker:
         bound; the count is taken again once the changes since exceed a tenth of it. Runs with
         the read lock held, in the recall's read transaction.
         """
-        cached = self._doc_counts.get(term)
+        docs, drift = self._count(_TERM_DOCS, term, term, changes, 1)
+        return docs, max(0, docs - drift)
+
+    def _count(self, sql: str, key: str, term: str, changes: int, moves: int) -> tuple[int, int]:
+        """How many rows of an index held ``term`` when counted (``sql``; cached under
+        ``key``), and how many nodes were inserted or deleted since (``changes`` counts them,
+        in this snapshot). Each of those moves the count by at most ``moves``; it is taken
+        again once they could have moved it by more than a tenth."""
+        cached = self._doc_counts.get(key)
         if cached is not None:
             drift = changes - cached[1]
-            if 0 <= drift and drift * 10 <= cached[0]:
-                return cached[0], max(0, cached[0] - drift)
-        row = self._reader.execute(_TERM_DOCS, (f'"{term}"',)).fetchone()
-        docs = int(row[0])
+            if 0 <= drift and drift * moves * 10 <= cached[0]:
+                return cached[0], drift
+        count = int(self._reader.execute(sql, (f'"{term}"',)).fetchone()[0])
         if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
             self._doc_counts.clear()
-        self._doc_counts[term] = (docs, changes)
-        return docs, docs
+        self._doc_counts[key] = (count, changes)
+        return count, 0

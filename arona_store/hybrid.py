@@ -115,35 +115,39 @@ def semantic_weight(coverage: float) -> float:
     return SEMANTIC_WEIGHT + (SEMANTIC_WEIGHT_UNCOVERED - SEMANTIC_WEIGHT) * share
 
 
-def blend(
-    strengths: dict[int, float], cosines: dict[int, float], weight: float = SEMANTIC_WEIGHT
-) -> dict[int, float]:
-    """Each candidate's blend of the z-scores of its strength and its cosine, meaning
-    weighing ``weight`` (module docstring); a candidate without a cosine counts with the
-    mean."""
+def standardised(
+    strengths: dict[int, float], cosines: dict[int, float]
+) -> dict[int, tuple[float, float]]:
+    """Each candidate's z-scores of its strength and of its cosine, over the candidates
+    (module docstring); a candidate without a cosine counts with the mean."""
     seqs = list(strengths.keys() | cosines.keys())
     lexical = _z([strengths.get(s, 0.0) for s in seqs])
     known = [cosines[s] for s in seqs if s in cosines]
     mean = sum(known) / len(known) if known else 0.0
     semantic = _z([cosines.get(s, mean) for s in seqs])
-    return {
-        s: (1.0 - weight) * lx + weight * sm
-        for s, lx, sm in zip(seqs, lexical, semantic, strict=True)
-    }
+    return {s: (lx, sm) for s, lx, sm in zip(seqs, lexical, semantic, strict=True)}
+
+
+def _mix(lexical: float, semantic: float, weight: float) -> float:
+    """The blend of two z-scores, meaning weighing ``weight``."""
+    return (1.0 - weight) * lexical + weight * semantic
 
 
 def two_readings(
     strengths: dict[int, float], cosines: dict[int, float], weight: float
 ) -> dict[int, float]:
-    """The blend with meaning weighing ``weight`` (:func:`semantic_weight`); when that is
-    more than :data:`SEMANTIC_WEIGHT` (the words found cover little of the question), each
-    candidate counts with the better of it and the blend at :data:`SEMANTIC_WEIGHT` less
-    :data:`WORDS_READING_MARGIN` (module docstring)."""
-    blended = blend(strengths, cosines, weight)
+    """Each candidate's blend of its z-scores (:func:`standardised`), meaning weighing
+    ``weight`` (:func:`semantic_weight`); when that is more than :data:`SEMANTIC_WEIGHT` (the
+    words found cover little of the question), each candidate counts with the better of it
+    and the blend at :data:`SEMANTIC_WEIGHT` less :data:`WORDS_READING_MARGIN` (module
+    docstring)."""
+    scores = standardised(strengths, cosines)
     if weight <= SEMANTIC_WEIGHT:
-        return blended
-    words = blend(strengths, cosines, SEMANTIC_WEIGHT)
-    return {s: max(b, words[s] - WORDS_READING_MARGIN) for s, b in blended.items()}
+        return {s: _mix(lx, sm, weight) for s, (lx, sm) in scores.items()}
+    return {
+        s: max(_mix(lx, sm, weight), _mix(lx, sm, SEMANTIC_WEIGHT) - WORDS_READING_MARGIN)
+        for s, (lx, sm) in scores.items()
+    }
 
 
 def _cosines_of_keys(

@@ -32,7 +32,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from arona_store.context import neighbours_many
-from arona_store.schema import COUNTERS
+from arona_store.schema import COUNTERS, FULL_TEXT_INDEXES
 from arona_store.scoring import (
     CONTEXT_WEIGHT,
     QUESTION_WEIGHT,
@@ -65,7 +65,6 @@ CONTEXT_ONLY_SHARE = 0.5
 CANDIDATES = 40
 # Node ids whose memory is known to ask (or not) a question (LexicalRanker.questions).
 QUESTION_CACHE_SIZE = 50_000
-_INDEXES = ("nodes_fts", "nodes_ctx", "nodes_cjk")
 # The ids, and the texts, of some keys (a JSON list: one statement, prepared once).
 IDS_OF = "SELECT seq, id FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
 _TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
@@ -88,11 +87,13 @@ def _top_sql(index: str, of_type: bool) -> str:
 _BM25S = {
     index: f"SELECT rowid, bm25({index}) FROM {index} WHERE {index} MATCH ?"
     " AND rowid BETWEEN ? AND ? AND +rowid IN (SELECT value FROM json_each(?))"
-    for index in _INDEXES
+    for index in FULL_TEXT_INDEXES
 }
 
 _TOP = {
-    (index, of_type): _top_sql(index, of_type) for index in _INDEXES for of_type in (False, True)
+    (index, of_type): _top_sql(index, of_type)
+    for index in FULL_TEXT_INDEXES
+    for of_type in (False, True)
 }
 
 

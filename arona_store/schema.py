@@ -137,6 +137,8 @@ COLUMNS = "id, node_type, text, created_at, source_episode_id, related_node_ids,
 INSERT = f"INSERT INTO nodes (seq, {COLUMNS}, digest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 # The counters, read in a recall's snapshot.
 COUNTERS = "SELECT nodes, changes, hi, backdated FROM counters WHERE id = 1"
+# The FTS5 indexes: each node's own words, its context document's, its CJK character pairs.
+FULL_TEXT_INDEXES = ("nodes_fts", "nodes_ctx", "nodes_cjk")
 
 
 def prepare_schema(conn: sqlite3.Connection) -> None:

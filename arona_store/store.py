@@ -20,8 +20,11 @@ Where each part lives:
 - :mod:`arona_store.floor`: when nothing is relevant;
 - :mod:`arona_store.vectors`, :mod:`arona_store.embedding`: the vectors and the model.
 
-Opening a store merges its full-text index into one segment (FTS5 ``optimize``, a no-op when
-already merged): a bulk-loaded index otherwise costs every query a probe per segment.
+Opening a store merges each of its full-text indexes (:data:`FULL_TEXT_INDEXES`) into one
+segment (FTS5 ``optimize``, a no-op when already merged): a bulk-loaded index otherwise costs
+every query a probe per segment, and every ``bm25()`` a walk of each segment's matches. The
+context index was once left out: a store of 100,000 memories loaded in batches of 5,000 kept it
+in 8 segments, and its hybrid recall took 20.5 ms instead of 17.2.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from arona_store.ranking import Ranking, check_ranking
 from arona_store.schema import (
     BUSY_TIMEOUT_MS,
     COUNTERS,
+    FULL_TEXT_INDEXES,
     ensure_exp,
     prepare_schema,
     prepare_vectors,
@@ -153,7 +157,8 @@ class MemoryStore:
             prepare_schema(conn)
             if embedder is not None:
                 prepare_vectors(conn, vector_model_id(embedder))
-            conn.execute("INSERT INTO nodes_fts(nodes_fts) VALUES ('optimize')")
+            for index in FULL_TEXT_INDEXES:
+                conn.execute(f"INSERT INTO {index}({index}) VALUES ('optimize')")
             reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error:
             conn.close()

@@ -20,6 +20,7 @@ from arona_store.lexical import (
     PRUNE_MIN_NODES,
     WORD_WEIGHT,
 )
+from arona_store.schema import FULL_TEXT_INDEXES
 from arona_store.scoring import (
     QUESTION_WEIGHT,
     RECENCY_WEIGHT,
@@ -51,6 +52,49 @@ def test_open_creates_parent_folders_and_a_wal_database(tmp_path: Path) -> None:
     assert path.is_file()
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def _segments(path: Path, index: str) -> int:
+    """How many segments an FTS5 index has: its structure record (rowid 10 of its ``_data``
+    table) is a 4-byte cookie, an optional ``FLGS`` block of 8 bytes, then varints: the
+    number of levels, then of segments."""
+    with sqlite3.connect(path) as conn:
+        blob = conn.execute(f"SELECT block FROM {index}_data WHERE id = 10").fetchone()[0]
+    at = 12 if blob[4:8] == b"FLGS" else 4
+    values = []
+    while len(values) < 2:
+        value = 0
+        while True:
+            byte = blob[at]
+            at += 1
+            value = (value << 7) | (byte & 0x7F)
+            if not byte & 0x80:
+                break
+        values.append(value)
+    return values[1]
+
+
+def test_reopening_merges_every_full_text_index_and_recalls_the_same(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    store = MemoryStore.open(path)
+    for batch in range(3):  # each write leaves a segment in each index
+        store.add_many(
+            [
+                NewNode(text=f"User: batch {batch} note {i} about sailing 帆船 {i}")
+                for i in range(20)
+            ]
+        )
+    now = time.time()
+    before = [(hit.node_id, hit.score) for hit in store.query("sailing note 帆船", 10, now)]
+    store.close()
+    assert all(_segments(path, index) >= 3 for index in FULL_TEXT_INDEXES)
+    store = MemoryStore.open(path)
+    try:
+        assert [_segments(path, index) for index in FULL_TEXT_INDEXES] == [1, 1, 1]
+        after = [(hit.node_id, hit.score) for hit in store.query("sailing note 帆船", 10, now)]
+        assert after == before
+    finally:
+        store.close()
 
 
 def test_half_life_is_fourteen_days() -> None:

@@ -58,10 +58,10 @@ def _segments(path: Path, index: str) -> int:
     """How many segments an FTS5 index has: its structure record (rowid 10 of its ``_data``
     table) is a 4-byte cookie, an optional ``FLGS`` block of 8 bytes, then varints: the
     number of levels, then of segments."""
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn:
         blob = conn.execute(f"SELECT block FROM {index}_data WHERE id = 10").fetchone()[0]
     at = 12 if blob[4:8] == b"FLGS" else 4
-    values = []
+    values: list[int] = []
     while len(values) < 2:
         value = 0
         while True:

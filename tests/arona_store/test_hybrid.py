@@ -725,3 +725,55 @@ def test_a_closed_store_refuses_recalls_in_both_rankings(any_store: MemoryStore)
     any_store.close()
     with pytest.raises(StoreError, match="closed"):
         any_store.query("peanuts", 5)
+
+
+def test_a_search_of_a_large_index_finds_what_every_cosine_would_find() -> None:
+    # Beyond REDUCE_FROM vectors a search ranks projections first, then computes the exact
+    # cosine of the best coarse_depth() only: on vectors shaped like a model's (most of their
+    # spread along a few hundred directions), it returns the exact best; the depth grows with
+    # the store so a large one is searched as deeply, in share, as a small one.
+    import numpy as np
+
+    from arona_store.vectors import (
+        COARSE_DEPTH,
+        COARSE_SHARE,
+        REDUCE_FROM,
+        VectorIndex,
+        coarse_depth,
+        to_blob,
+    )
+
+    rng = np.random.default_rng(11)
+    count = 4 * REDUCE_FROM
+    spread = np.linspace(1.0, 0.05, 384).astype(np.float32)
+    vectors = (rng.normal(size=(count, 384)) * spread).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
+    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
+    for i, vector in enumerate(vectors):
+        db.execute("INSERT INTO nodes VALUES (?, 'episode')", (f"n{i}",))
+        db.execute(
+            "INSERT INTO vectors (vid, node_id, vec) VALUES (?, ?, ?)",
+            (i + 1, f"n{i}", to_blob(vector)),
+        )
+    index = VectorIndex(384)
+    index.sync(db)
+    stored = np.stack(
+        [
+            np.frombuffer(blob, dtype="<f2").astype(np.float32)
+            for (blob,) in db.execute("SELECT vec FROM vectors ORDER BY vid")
+        ]
+    )
+    found = 0
+    for _ in range(20):
+        query = vectors[rng.integers(count)] + rng.normal(scale=0.05, size=384).astype(np.float32)
+        query /= np.linalg.norm(query)
+        exact = {int(i) + 1 for i in np.argsort(-(stored @ query))[:10]}
+        got = index.top(query, 10)
+        assert len(got) == 10
+        assert [c for c, _ in got] == sorted((c for c, _ in got), reverse=True)
+        found += len(exact & {vid for _, vid in got})
+    assert found >= 190  # of 200
+    assert coarse_depth(count, 10) == COARSE_DEPTH
+    assert coarse_depth(100_000, 40) == 100_000 // COARSE_SHARE > COARSE_DEPTH

@@ -616,35 +616,50 @@ def measure_interleaved(run: Run, concurrency: int, configs: Sequence[Config]) -
         )
 
 
-def measure_recall(run: Run, target: str, ranking: str, nodes: int) -> None:
-    for concurrency in CONCURRENCIES:
-        result = loadgen(run, ["recall", "--target", target, "--concurrency", str(concurrency)])
-        run.recall[(ranking, nodes, concurrency)] = result
-        log(
-            f"recall {ranking} {nodes} nodes c={concurrency:<2} p50 {result['p50_ms']:.3f} ms  "
-            f"p99 {result['p99_ms']:.3f} ms  {result['turns_per_s']:.0f}/s  "
-            f"errors {result['errors']}  empty {result['wrong_header']}"
-        )
-
-
-def measure_recall_alone(run: Run, name: str, nodes: int) -> None:
-    """Recall alone through gRPC on a fresh store of ``nodes`` episodes (with their vectors),
-    opened once by a store of the default configuration and once by a lexical one."""
-    started = time.monotonic()
-    data = run.work / name
-    count = recall_bench.preload(data / "memory.db", nodes, DEFAULT_RANKING)
-    log(f"{name}: {count} episodes preloaded in {time.monotonic() - started:.1f} s")
+def measure_recall_alone(run: Run, sizes: Sequence[int]) -> None:
+    """Recall alone through gRPC on a fresh store of each of ``sizes`` episodes (with their
+    vectors), each opened by a store of the default configuration and by a lexical one. All
+    of them run at once and are measured in rounds that take turns, like the turns
+    (:func:`measure_interleaved`): the ratio of two sizes' times is not that of two moments of
+    a noisy machine, minutes apart."""
+    o = run.options
     rankings = [DEFAULT_RANKING] + (["lexical"] if DEFAULT_RANKING != "lexical" else [])
-    for ranking in rankings:
-        # Recalls do not write, so both stores can read the one database in turn.
-        store = f"{name}_{ranking}"
-        url = start_store(run, store, data, None if ranking == DEFAULT_RANKING else ranking)
-        grpc = f"grpc_{store}"
-        start_gateway(
-            run, grpc, {"ARONA_MEMORY_URL": url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}, only="grpc"
-        )
-        measure_recall(run, run.grpc_targets[grpc], ranking, count)
-        run.stop_all()
+    # (ranking, nodes, gRPC target) of each store measured.
+    targets: list[tuple[str, int, str]] = []
+    for nodes in sizes:
+        name = f"recall_{nodes}"
+        started = time.monotonic()
+        data = run.work / name
+        count = recall_bench.preload(data / "memory.db", nodes, DEFAULT_RANKING)
+        log(f"{name}: {count} episodes preloaded in {time.monotonic() - started:.1f} s")
+        for ranking in rankings:
+            # Recalls do not write, so both stores can read the one database.
+            store = f"{name}_{ranking}"
+            url = start_store(run, store, data, None if ranking == DEFAULT_RANKING else ranking)
+            grpc = f"grpc_{store}"
+            start_gateway(
+                run, grpc, {"ARONA_MEMORY_URL": url, "ARONA_MEMORY_TOKEN": STORE_TOKEN}, only="grpc"
+            )
+            targets.append((ranking, count, run.grpc_targets[grpc]))
+    sizes_of_rounds = round_sizes(o.turns, o.rounds)
+    for concurrency in CONCURRENCIES:
+        parts: dict[str, list[dict[str, Any]]] = {target: [] for _, _, target in targets}
+        for i, calls in enumerate(sizes_of_rounds):
+            warmup = o.warmup if i == 0 else min(o.warmup, REWARM_TURNS)
+            for _, _, target in targets if i % 2 == 0 else list(reversed(targets)):
+                run.settle()
+                argv = ["recall", "--raw", "--target", target, "--concurrency", str(concurrency)]
+                parts[target].append(loadgen(run, argv, calls, warmup))
+        for measured, nodes, target in targets:
+            result = pool(parts[target])
+            run.recall[(measured, nodes, concurrency)] = result
+            log(
+                f"recall {measured} {nodes} nodes c={concurrency:<2} all rounds: p50 "
+                f"{result['p50_ms']:.3f} ms  p99 {result['p99_ms']:.3f} ms  "
+                f"{result['turns_per_s']:.0f}/s  errors {result['errors']}  "
+                f"empty {result['wrong_header']}"
+            )
+    run.stop_all()
 
 
 def breaker_state(target: str) -> str:
@@ -777,8 +792,7 @@ def execute(run: Run) -> None:
     run.stop_all()
 
     if "recall" in o.parts:
-        for nodes in (o.nodes, o.big_nodes):
-            measure_recall_alone(run, f"recall_{nodes}", nodes)
+        measure_recall_alone(run, (o.nodes, o.big_nodes))
     if "store-recall" in o.parts and DEFAULT_RANKING == "hybrid":
         run.store_recall = recall_bench.measure_sizes(
             work / "store_recall", (o.nodes, o.big_nodes), calls=40 if o.quick else 400
@@ -1126,7 +1140,15 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         if (cells := _row_cells(run, config, concurrency)) is not None
     ]
     lines += _table(header, rows)
-    lines += ["", "## Recall alone (gRPC `Recall` → embedded store)", ""]
+    lines += [
+        "",
+        "## Recall alone (gRPC `Recall` → embedded store)",
+        "",
+        "Every store below runs at once; their calls are measured in the run's rounds, taking "
+        "turns (in reverse order every other round), so both sizes share the machine's slow "
+        "spells.",
+        "",
+    ]
     recall_rows = [
         [
             ranking,

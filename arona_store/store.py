@@ -534,4 +534,6 @@ class MemoryStore:
             self._conn.close()
         if self._query_embedding is not None:
             self._query_embedding.shutdown(wait=False, cancel_futures=True)
+        if self._index is not None:
+            self._index.close()
         logger.info("memory store closed")

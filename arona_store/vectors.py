@@ -21,6 +21,7 @@ they are gone.
 from __future__ import annotations
 
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +49,11 @@ COARSE_DEPTH = 512
 COARSE_FACTOR = 8
 COARSE_SHARE = 80
 FIT_SAMPLE = 20_000
+# From this many rows on, the first pass's product is computed in two halves, one on a helper
+# thread: it reads memory at the pace of one core (the projections are 38 MB at 100,000 rows),
+# and the recall's other core is idle then (the question is embedded). Measured at 100,000 rows,
+# caches cold: 2.5-2.9 ms on one thread, 1.6-1.9 ms on two.
+SPLIT_FROM = 50_000
 
 Vector = npt.NDArray[np.float32]
 
@@ -96,6 +102,8 @@ class VectorIndex:
         self._basis: npt.NDArray[np.float32] | None = None
         self._reduced = np.zeros((0, REDUCED_DIMS), dtype=np.float32)
         self._fitted_at = 0
+        # The thread that computes half of a large first pass (SPLIT_FROM), once needed.
+        self._helper: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -139,7 +147,7 @@ class VectorIndex:
             scores = self._full[: self._size] @ query
         else:
             # First pass on the projections, then the exact cosine of the best few.
-            coarse = self._reduced[: self._size] @ (query @ self._basis)
+            coarse = self._projected(query @ self._basis)
             if mask is not None:
                 coarse = np.where(mask, coarse, -np.inf)
             depth = min(self._size, coarse_depth(self._size, k))
@@ -161,6 +169,27 @@ class VectorIndex:
         best = np.argpartition(-scores, k - 1)[:k] if k < len(rows) else np.arange(len(rows))
         best = best[np.argsort(-scores[best], kind="stable")]
         return [(float(scores[i]), int(self._vids[rows[i]])) for i in best]
+
+    def _projected(self, projected: Vector) -> Vector:
+        """The product of every row's projection with the query's (``projected``): in two
+        halves from :data:`SPLIT_FROM` rows on, one on the helper thread. Called by one search
+        at a time (the store's read lock)."""
+        rows = self._reduced[: self._size]
+        if self._size < SPLIT_FROM:
+            return rows @ projected
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-vectors")
+        out = np.empty(self._size, dtype=np.float32)
+        half = self._size // 2
+        pending = self._helper.submit(np.dot, rows[half:], projected, out[half:])
+        np.dot(rows[:half], projected, out[:half])
+        pending.result()
+        return out
+
+    def close(self) -> None:
+        """Stop the helper thread, if started (the store is closing)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
 
     def cosines(self, query: Vector, node_ids: list[str]) -> list[float | None]:
         """The cosine of ``query`` with the vector of each of ``node_ids`` (None for a node

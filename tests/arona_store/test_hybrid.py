@@ -777,3 +777,33 @@ def test_a_search_of_a_large_index_finds_what_every_cosine_would_find() -> None:
     assert found >= 190  # of 200
     assert coarse_depth(count, 10) == COARSE_DEPTH
     assert coarse_depth(100_000, 40) == 100_000 // COARSE_SHARE > COARSE_DEPTH
+
+
+def test_a_first_pass_split_over_two_threads_ranks_as_one_thread_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # From SPLIT_FROM rows on, half of the projections' product runs on a helper thread: the
+    # same rows come back, in the same order, with the same cosines.
+    import numpy as np
+
+    import arona_store.vectors as vectors_module
+    from arona_store.vectors import VectorIndex, to_blob
+
+    rng = np.random.default_rng(5)
+    vectors = rng.normal(size=(3000, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
+    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
+    for i, vector in enumerate(vectors):
+        db.execute("INSERT INTO nodes VALUES (?, ?)", (f"n{i}", "a" if i % 3 else "b"))
+        db.execute("INSERT INTO vectors (node_id, vec) VALUES (?, ?)", (f"n{i}", to_blob(vector)))
+    index = VectorIndex(384)
+    index.sync(db)
+    queries = vectors[:5] + rng.normal(scale=0.3, size=(5, 384)).astype(np.float32)
+    one_thread = [index.top(q, 20) for q in queries] + [index.top(queries[0], 20, "b")]
+    monkeypatch.setattr(vectors_module, "SPLIT_FROM", 1000)
+    two_threads = [index.top(q, 20) for q in queries] + [index.top(queries[0], 20, "b")]
+    assert index._helper is not None  # the split did run
+    assert two_threads == one_thread
+    index.close()

@@ -43,6 +43,14 @@ nothing, per kind and in all.
 ``--ranking lexical`` runs the store's lexical ranking instead (its own row), and ``--direct``
 skips the gateway: the same texts and scopes written to and asked of a store opened in this
 process (for trying store settings quickly; figures of record go through gRPC).
+
+``--buried N`` asks what a large shared store does to it, in this process: each conversation
+is written, on its own, into a copy of a store of N of the speed benchmark's episodes
+(``bench.corpus``, written over the last 90 days), as the default (``shared``) mode writes
+memories (one type, no scope), its sessions dated so that the last one ended
+:data:`BURIED_DAYS` days before the questions: every one of its turns is older than every
+other memory, the hardest case for a ranking that reads the newest matches first. Its
+questions are asked of the whole store.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ import asyncio
 import json
 import os
 import re
+import shutil
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -79,6 +89,9 @@ SCOPE_PREFIX = "locomo/"
 # Turns written at once (one conversation each: a conversation's turns go in order).
 WRITERS = 4
 STARTUP_S = 120.0
+# --buried: how long before the questions a conversation's last session ended (the benchmark
+# episodes it is buried under were written over the last 90 days).
+BURIED_DAYS = 100
 # A dialog id as LoCoMo writes it, tolerating its few typos ("D:11:26", "D30:05").
 _DIA_ID = re.compile(r"D:?(\d+):0*(\d+)")
 _SESSION_DATE = "%I:%M %p on %d %B, %Y"
@@ -552,6 +565,53 @@ def direct_run(
     return run
 
 
+def buried_run(
+    conversations: Sequence[Conversation], ranking: str, workdir: Path, nodes: int
+) -> Run:
+    """Each conversation written before ``nodes`` newer benchmark episodes, on its own, and
+    its questions asked of the whole store (module docstring, ``--buried``)."""
+    from arona_store.store import MemoryStore, NewNode
+    from bench.recall_bench import preload
+
+    run = Run(f"buried under {nodes:,} newer memories", grpc=False)
+    template = workdir / "buried-template.db"
+    preload(template, nodes, "hybrid")
+    MemoryStore.open(template, ranking="lexical").close()  # merges its indexes once, for all
+    with sqlite3.connect(template) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    asked_at = time.time()
+    db = workdir / "buried.db"
+    for index, conversation in enumerate(conversations):
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        shutil.copyfile(template, db)
+        store = MemoryStore.open(db, ranking=ranking)  # type: ignore[arg-type]
+        try:
+            vectors = _vectors(store, [conversation]) if ranking == "hybrid" else {}
+            last = max(conversation.sessions.values())
+            shift = datetime.fromtimestamp(asked_at, UTC) - timedelta(days=BURIED_DAYS) - last
+            started = time.perf_counter()
+            for turn in conversation.turns:
+                text = stored_text(turn)
+                when = conversation.sessions[turn.session] + shift
+                store.add_many(
+                    [NewNode(text, "episode", created_at=when, vector=vectors.get(text))],
+                    refresh=True,
+                )
+            run.write_s += time.perf_counter() - started
+            texts = TextMap(conversation)
+            for question in conversation.questions:
+                began = time.perf_counter()
+                hits = store.query(question.text, LIMIT)
+                elapsed = (time.perf_counter() - began) * 1000
+                # A memory that is no dialog turn is one of the newer episodes: no evidence.
+                recalled = [texts.ids(hit.text) or frozenset() for hit in hits]
+                run.answers.append(Answer(index, question, recalled, elapsed))
+        finally:
+            store.close()
+    return run
+
+
 def _vectors(store: Any, conversations: Sequence[Conversation]) -> dict[str, bytes]:
     """Every turn's stored vector, embedded by ``store`` once and cached (by the model and
     what it embeds) for the next trial."""
@@ -585,7 +645,13 @@ def report(runs: Sequence[Run], ranking: str, via: str, public_from: str | None 
         "",
         f"`python -m bench.recall_locomo` ({via}), ranking `{ranking}`,"
         f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. Evidence recall over the questions of"
-        " categories 1-4 that name evidence; Recall limit 10; one scope per conversation.",
+        " categories 1-4 that name evidence; Recall limit 10; "
+        + (
+            f"each conversation alone in a store with the newer memories, its last session"
+            f" {BURIED_DAYS} days before the questions, no scope."
+            if any(run.condition.startswith("buried") for run in runs)
+            else "one scope per conversation."
+        ),
     ]
     if public_from is not None:
         lines += [
@@ -616,6 +682,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--direct", action="store_true", help="a store in this process, no gRPC")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
+        "--buried",
+        type=int,
+        metavar="N",
+        help="each conversation written before N newer benchmark episodes, in this process",
+    )
+    parser.add_argument(
         "--unrelated",
         type=Path,
         help='public questions to ask as unrelated ones (JSON Lines, a "question" each:'
@@ -643,7 +715,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     runs = []
-    if args.direct:
+    if args.buried is not None:
+        from arona_store.ranking import ranking_from_env
+
+        if args.buried < 1:
+            parser.error("--buried: a number of episodes, at least 1")
+        ranking = args.ranking or ranking_from_env(os.environ)
+        with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
+            runs = [buried_run(conversations, ranking, Path(tmp), args.buried)]
+        via = "a store in this process, shared mode, each conversation before newer memories"
+    elif args.direct:
         from arona_store.ranking import ranking_from_env
 
         ranking = args.ranking or ranking_from_env(os.environ)

@@ -197,3 +197,41 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
         unrelated = re.search(r"\*\*unrelated questions injecting nothing: (\d+) of 54", section)
         assert unrelated is not None and int(unrelated.group(1)) >= 50
         assert "related questions injecting nothing: 0 of 8" in section
+
+
+def test_buried_under_newer_memories_each_conversation_is_still_found(tmp_path: Path) -> None:
+    # --buried: each conversation written, in shared mode, before 300 newer benchmark episodes
+    # and asked of the whole store; the sample's questions name words only their evidence
+    # holds, so every evidence turn is still among the first ten, though older than all else.
+    data = tmp_path / "sample.json"
+    data.write_text(json.dumps(sample()))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.recall_locomo", "--data", str(data), "--buried", "300"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = done.stdout
+    assert "no scope." in report
+    section = report.split("## buried under 300 newer memories\n", 1)[1]
+    rows = {
+        cells[0]: cells[1:]
+        for line in section.splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
+    }
+    assert rows["**1-4**"][0] == "8"
+    assert float(rows["**1-4**"][3]) == 100.0  # R@10
+    assert "matched no dialog turn" not in section
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.recall_locomo", "--data", str(data), "--buried", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "--buried: a number of episodes, at least 1" in refused.stderr

@@ -23,6 +23,9 @@ from gateway_http.errors import ErrorKind, GatewayError, bad_input
 
 logger = logging.getLogger(__name__)
 
+# The error of a page size out of range or not a number (REST and JSON-RPC alike).
+LIMIT_ERROR = f"'limit' must be an integer from 1 to {PAGE_MAX_MESSAGES}"
+
 
 def rfc3339_ms(at: datetime) -> str:
     """``2026-01-01T00:00:00.000Z``: RFC 3339, UTC, milliseconds."""
@@ -49,7 +52,7 @@ async def conversation_with_messages(
     """A conversation and a page of its messages: the most recent ``limit`` (before the
     cursor ``before``), ``has_more`` and the cursor of older ones (``first_id``)."""
     if not 1 <= limit <= PAGE_MAX_MESSAGES:
-        raise bad_input(f"'limit' must be an integer from 1 to {PAGE_MAX_MESSAGES}")
+        raise bad_input(LIMIT_ERROR)
     try:
         key = parse_cursor(before)
     except ValueError as exc:

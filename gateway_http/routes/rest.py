@@ -17,13 +17,18 @@ from starlette.requests import ClientDisconnect
 from gateway_http.auth import ANONYMOUS, AuthError, InvalidSubject, Principal, memory_scope
 from gateway_http.bodies import read_limited
 from gateway_http.chat_request import split_body
-from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
+from gateway_http.conversations import PAGE_DEFAULT_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.memory_client import DISABLED
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.turns import PreparedTurn, TurnRequest
 from gateway_http.upstream.backend import UpstreamError
-from gateway_http.views import conversation_errors, conversation_view, conversation_with_messages
+from gateway_http.views import (
+    LIMIT_ERROR,
+    conversation_errors,
+    conversation_view,
+    conversation_with_messages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +319,7 @@ async def get_conversation(conversation_id: str, request: Request) -> Response:
     query = request.query_params
     limit_text = query.get("limit")
     if limit_text is not None and not (limit_text.isascii() and limit_text.isdigit()):
-        raise bad_input(f"'limit' must be an integer from 1 to {PAGE_MAX_MESSAGES}")
+        raise bad_input(LIMIT_ERROR)
     limit = PAGE_DEFAULT_MESSAGES if limit_text is None else int(limit_text[:8])
     with conversation_errors():
         conversation = await gw.conversations.get(conversation_id, owner)

@@ -8,7 +8,7 @@ is brute force (exact, and nothing to keep balanced). Up to
 cost about 9 ms at 100,000 nodes on one core, so the index also keeps each vector's projection
 on the :data:`REDUCED_DIMS` principal directions of the stored vectors (float32, 384 bytes): a
 search ranks those projections first and computes the exact cosine of the best
-:func:`coarse_depth` only (2.4 ms at 100,000 nodes, 0.4 at 10,000). Memory: 1.9 KB a node
+:func:`coarse_depth` only (about 2 ms at 100,000 nodes, 0.4 at 10,000). Memory: 1.9 KB a node
 (192 MB at 100,000).
 
 The index follows the database by ``vid``: before each recall it reads the vectors added since

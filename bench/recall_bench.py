@@ -163,8 +163,12 @@ def measure(db_path: Path, ranking: Ranking, calls: int = CALLS) -> RecallRow:
     finally:
         store.close()
     ordered = sorted(latencies)
-    # The vectors (float32) plus their 128-dimension float32 projections.
-    vectors_mb = nodes * (384 * 4 + 128 * 4) / 1e6 if ranking == "hybrid" else 0.0
+    vectors_mb = 0.0
+    if ranking == "hybrid":
+        from arona_store.vectors import REDUCED_DIMS  # numpy: the semantic extra
+
+        # The vectors (float32) plus their float32 projections.
+        vectors_mb = nodes * (384 + REDUCED_DIMS) * 4 / 1e6
     return RecallRow(
         nodes=nodes,
         ranking=ranking,

@@ -7,7 +7,8 @@ each lives in its own SQLite file under ``ARONA_DATA_DIR``. Either way the schem
 - PostgreSQL: :data:`PG_MIGRATIONS` are applied in order at start (or by
   ``arona-gateway migrate``), each in its own transaction, recorded in ``arona_schema``, under
   a session advisory lock, so replicas starting together apply each migration once.
-- SQLite: each file's steps are applied in order from its ``PRAGMA user_version``
+- SQLite: each file is opened the same way (:func:`sqlite_open`: WAL, a busy timeout) and its
+  steps are applied in order from its ``PRAGMA user_version``
   (:func:`sqlite_migrate`).
 
 :class:`DatabaseUnavailable` is the one error a caller sees when PostgreSQL cannot be
@@ -496,6 +497,28 @@ def sqlite_wal(db: sqlite3.Connection, attempts: int = 50) -> None:
             if "locked" not in str(exc) or attempt == attempts - 1:
                 raise
             time.sleep(0.1)
+
+
+def sqlite_open(
+    path: Path, steps: Sequence[SqliteStep], what: str, *, foreign_keys: bool = False
+) -> sqlite3.Connection:
+    """The gateway's own SQLite file at ``path``, opened as every one of them is: WAL, a commit
+    that does not wait for fsync (``synchronous = NORMAL``: a power cut may lose the last
+    commits, never corrupt the file), a 5 s busy timeout, ``foreign_keys`` when asked, and its
+    schema brought up to date (:func:`sqlite_migrate`; ``what`` names the file in a refusal).
+    Autocommit is off (the default isolation level): writes commit through ``with db:``."""
+    db = sqlite3.connect(path)
+    try:
+        sqlite_wal(db)
+        db.execute("PRAGMA synchronous = NORMAL")
+        if foreign_keys:
+            db.execute("PRAGMA foreign_keys = ON")
+        db.execute("PRAGMA busy_timeout = 5000")
+        sqlite_migrate(db, steps, what)
+    except BaseException:
+        db.close()
+        raise
+    return db
 
 
 def sqlite_migrate(db: sqlite3.Connection, steps: Sequence[SqliteStep], what: str) -> int:

@@ -32,8 +32,7 @@ from arona_grpc.database import (
     DatabaseUnavailable,
     SqliteThread,
     run_on,
-    sqlite_migrate,
-    sqlite_wal,
+    sqlite_open,
 )
 
 logger = logging.getLogger(__name__)
@@ -443,20 +442,7 @@ def open_conversations(data_dir: Path, pool: Any | None, url: str | None) -> Con
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    # Autocommit off (the default isolation level): writes commit through ``with db:``.
-    db = sqlite3.connect(path)
-    try:
-        sqlite_wal(db)
-        # WAL + NORMAL: a commit does not wait for fsync; a power cut can lose the last
-        # commits but never corrupts the file.
-        db.execute("PRAGMA synchronous = NORMAL")
-        db.execute("PRAGMA foreign_keys = ON")
-        db.execute("PRAGMA busy_timeout = 5000")
-        sqlite_migrate(db, _SQLITE_STEPS, f"the conversation database {path}")
-    except BaseException:
-        db.close()
-        raise
-    return db
+    return sqlite_open(path, _SQLITE_STEPS, f"the conversation database {path}", foreign_keys=True)
 
 
 __all__ = [

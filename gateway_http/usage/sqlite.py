@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from arona_grpc.database import SqliteThread, sqlite_migrate, sqlite_wal
+from arona_grpc.database import SqliteThread, sqlite_open
 from gateway_http.usage.records import (
     Budget,
     Spent,
@@ -203,14 +203,4 @@ class SqliteUsageStore:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path)
-    try:
-        sqlite_wal(db)
-        # A power cut may lose the last batches, never corrupt the file.
-        db.execute("PRAGMA synchronous = NORMAL")
-        db.execute("PRAGMA busy_timeout = 5000")
-        sqlite_migrate(db, _SQLITE_STEPS, f"the usage database {path}")
-    except BaseException:
-        db.close()
-        raise
-    return db
+    return sqlite_open(path, _SQLITE_STEPS, f"the usage database {path}")

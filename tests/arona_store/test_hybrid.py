@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from websockets.asyncio.client import connect
@@ -682,27 +683,39 @@ def test_an_old_memory_that_matches_better_is_not_buried_by_a_recent_one(
 
 
 @needs_semantic
+def _vector_tables(vectors: Any, first: int = 0, node_types: str = "e") -> sqlite3.Connection:
+    """An in-memory database with the two tables a VectorIndex reads, holding ``vectors`` as
+    nodes ``n<first>``, ``n<first + 1>``…; node types taken in turn from ``node_types``."""
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
+    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
+    _add_vectors(db, vectors, first, node_types)
+    return db
+
+
+def _add_vectors(db: sqlite3.Connection, vectors: Any, first: int, node_types: str = "e") -> None:
+    from arona_store.vectors import to_blob
+
+    for i, vector in enumerate(vectors, start=first):
+        db.execute("INSERT INTO nodes VALUES (?, ?)", (f"n{i}", node_types[i % len(node_types)]))
+        db.execute("INSERT INTO vectors (node_id, vec) VALUES (?, ?)", (f"n{i}", to_blob(vector)))
+
+
 def test_the_index_gives_the_cosine_of_each_stored_vector_a_recall_asks_for() -> None:
     # A recall reads its candidates' cosines from the in-memory index instead of the stored
     # float16 vectors: the same values, None for a node that has no vector.
     import numpy as np
 
-    from arona_store.vectors import VectorIndex, to_blob
+    from arona_store.vectors import VectorIndex
 
     rng = np.random.default_rng(3)
     vectors = rng.normal(size=(1500, 384)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    db = sqlite3.connect(":memory:")
-    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
-    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
+    db = _vector_tables(vectors[:700])
     index = VectorIndex(384)
-    for start in (0, 700):  # two syncs: the second adds to what the first read
-        for i in range(start, start + 700 if start == 0 else len(vectors)):
-            db.execute("INSERT INTO nodes VALUES (?, 'episode')", (f"n{i}",))
-            db.execute(
-                "INSERT INTO vectors (node_id, vec) VALUES (?, ?)", (f"n{i}", to_blob(vectors[i]))
-            )
-        index.sync(db)
+    index.sync(db)
+    _add_vectors(db, vectors[700:], 700)  # a second sync adds to what the first read
+    index.sync(db)
     query = vectors[5]
     asked = ["n5", "n1499", "missing", "n700", "n0"]
     stored = {
@@ -740,7 +753,6 @@ def test_a_search_of_a_large_index_finds_what_every_cosine_would_find() -> None:
         REDUCE_FROM,
         VectorIndex,
         coarse_depth,
-        to_blob,
     )
 
     rng = np.random.default_rng(11)
@@ -748,15 +760,7 @@ def test_a_search_of_a_large_index_finds_what_every_cosine_would_find() -> None:
     spread = np.linspace(1.0, 0.05, 384).astype(np.float32)
     vectors = (rng.normal(size=(count, 384)) * spread).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    db = sqlite3.connect(":memory:")
-    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
-    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
-    for i, vector in enumerate(vectors):
-        db.execute("INSERT INTO nodes VALUES (?, 'episode')", (f"n{i}",))
-        db.execute(
-            "INSERT INTO vectors (vid, node_id, vec) VALUES (?, ?, ?)",
-            (i + 1, f"n{i}", to_blob(vector)),
-        )
+    db = _vector_tables(vectors)  # vid i + 1 holds vectors[i]
     index = VectorIndex(384)
     index.sync(db)
     stored = np.stack(
@@ -787,17 +791,12 @@ def test_a_first_pass_split_over_two_threads_ranks_as_one_thread_does(
     import numpy as np
 
     import arona_store.vectors as vectors_module
-    from arona_store.vectors import VectorIndex, to_blob
+    from arona_store.vectors import VectorIndex
 
     rng = np.random.default_rng(5)
     vectors = rng.normal(size=(3000, 384)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    db = sqlite3.connect(":memory:")
-    db.execute("CREATE TABLE nodes (id TEXT PRIMARY KEY, node_type TEXT)")
-    db.execute("CREATE TABLE vectors (vid INTEGER PRIMARY KEY, node_id TEXT, vec BLOB)")
-    for i, vector in enumerate(vectors):
-        db.execute("INSERT INTO nodes VALUES (?, ?)", (f"n{i}", "a" if i % 3 else "b"))
-        db.execute("INSERT INTO vectors (node_id, vec) VALUES (?, ?)", (f"n{i}", to_blob(vector)))
+    db = _vector_tables(vectors, node_types="baa")
     index = VectorIndex(384)
     index.sync(db)
     queries = vectors[:5] + rng.normal(scale=0.3, size=(5, 384)).astype(np.float32)

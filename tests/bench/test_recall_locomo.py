@@ -85,6 +85,27 @@ def sample() -> list[dict[str, Any]]:
     return out
 
 
+def _bench(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.recall_locomo ARGS``, run from the project's root."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench.recall_locomo", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _rows(section: str) -> dict[str, list[str]]:
+    """A report section's table: its first cell -> the others."""
+    return {
+        cells[0]: cells[1:]
+        for line in section.splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
+    }
+
+
 def test_the_sample_is_read_as_locomo_is(tmp_path: Path) -> None:
     path = tmp_path / "sample.json"
     path.write_text(json.dumps(sample()))
@@ -153,35 +174,13 @@ def test_the_benchmark_runs_through_the_gateway(tmp_path: Path) -> None:
     public = tmp_path / "public.jsonl"
     public.write_text("".join(json.dumps({"question": q}) + "\n" for q in PUBLIC))
     out = tmp_path / "locomo.md"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.recall_locomo",
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--quiet",
-            "--unrelated",
-            str(public),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
+    done = _bench("--data", str(data), "--out", str(out), "--quiet", "--unrelated", str(public))
     assert done.returncode == 0, done.stderr
     report = out.read_text()
     assert report == done.stdout
     for condition in ("undated", "dated"):
         section = report.split(f"## {condition}\n", 1)[1].split("\n## ", 1)[0]
-        rows = {
-            cells[0]: cells[1:]
-            for line in section.splitlines()
-            if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
-        }
+        rows = _rows(section)
         # 8 questions asked (no adversarial one, none without evidence), each answered by
         # the turn holding its rare words: every evidence turn among the first ten.
         assert rows["**1-4**"][0] == "8"
@@ -205,33 +204,15 @@ def test_buried_under_newer_memories_each_conversation_is_still_found(tmp_path: 
     # holds, so every evidence turn is still among the first ten, though older than all else.
     data = tmp_path / "sample.json"
     data.write_text(json.dumps(sample()))
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.recall_locomo", "--data", str(data), "--buried", "300"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
-    )
+    done = _bench("--data", str(data), "--buried", "300")
     assert done.returncode == 0, done.stderr
     report = done.stdout
     assert "no scope." in report
     section = report.split("## buried under 300 newer memories\n", 1)[1]
-    rows = {
-        cells[0]: cells[1:]
-        for line in section.splitlines()
-        if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
-    }
+    rows = _rows(section)
     assert rows["**1-4**"][0] == "8"
     assert float(rows["**1-4**"][3]) == 100.0  # R@10
     assert "matched no dialog turn" not in section
-    refused = subprocess.run(
-        [sys.executable, "-m", "bench.recall_locomo", "--data", str(data), "--buried", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    refused = _bench("--data", str(data), "--buried", "0", timeout=60)
     assert refused.returncode == 2
     assert "--buried: a number of episodes, at least 1" in refused.stderr

@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -575,9 +576,9 @@ def buried_run(
 
     run = Run(f"buried under {nodes:,} newer memories", grpc=False)
     template = workdir / "buried-template.db"
-    preload(template, nodes, "hybrid")
+    preload(template, nodes, ranking)
     MemoryStore.open(template, ranking="lexical").close()  # merges its indexes once, for all
-    with sqlite3.connect(template) as conn:
+    with closing(sqlite3.connect(template)) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
     asked_at = time.time()
     db = workdir / "buried.db"

@@ -701,6 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         conditions = ["undated"]
     if not conditions or any(c not in CONDITIONS for c in conditions):
         parser.error(f"--conditions: a list of {', '.join(CONDITIONS)}")
+    if args.buried is not None and args.buried < 1:
+        parser.error("--buried: a number of episodes, at least 1")
     if not args.data.is_file():
         parser.error(
             f"{args.data} not found: get data/locomo10.json from the public LoCoMo repository"
@@ -715,27 +717,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             public = load_public(args.unrelated)
         except ValueError as exc:
             parser.error(str(exc))
-    runs = []
-    if args.buried is not None:
-        from arona_store.ranking import ranking_from_env
+    from arona_store.ranking import ranking_from_env
 
-        if args.buried < 1:
-            parser.error("--buried: a number of episodes, at least 1")
-        ranking = args.ranking or ranking_from_env(os.environ)
+    ranking = args.ranking or ranking_from_env(os.environ)
+    if args.buried is not None:
         with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
             runs = [buried_run(conversations, ranking, Path(tmp), args.buried)]
         via = "a store in this process, shared mode, each conversation before newer memories"
     elif args.direct:
-        from arona_store.ranking import ranking_from_env
-
-        ranking = args.ranking or ranking_from_env(os.environ)
         with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
             runs = [direct_run(conversations, c, ranking, Path(tmp), public) for c in conditions]
         via = "a store in this process"
     else:
-        from arona_store.ranking import ranking_from_env
-
-        ranking = args.ranking or ranking_from_env(os.environ)
         runs = [
             grpc_run(conversations, c, args.ranking, not args.quiet, public) for c in conditions
         ]

@@ -924,6 +924,31 @@ def targets(run: Run) -> list[list[str]]:
                 f"{ratio(ours, theirs):.1f}× ({ours:,.0f} / {theirs:,.0f})",
                 ratio(ours, theirs) >= times,
             )
+    for key, row in (("mem_on", "3"), ("mem_lexical", "3l")):
+        if not have(key, concurrency=32):
+            continue
+        store_us = cpu_per_turn_us(r[(key, 32)], "store_cpu_ns")
+        gateway_us = cpu_per_turn_us(r[(key, 32)])
+        if store_us is None or gateway_us is None or store_us + gateway_us <= 0:
+            continue
+        # However the turns were scheduled, the machine cannot serve more memory turns a
+        # second than its cores divided by the CPU one turn costs the store and the gateway
+        # (the upstream's and the load generator's CPU left out).
+        cores = os.cpu_count() or 1
+        ceiling = cores * 1e6 / (store_us + gateway_us)
+        value = (
+            f"{ceiling:,.0f} turns/s ({cores} cores ÷ ({store_us / 1000:.2f} ms store + "
+            f"{gateway_us / 1000:.2f} ms gateway))"
+        )
+        if have("litellm", concurrency=32):
+            theirs = r[("litellm", 32)]["turns_per_s"]
+            value += f" = {ratio(ceiling, theirs):.1f}× LiteLLM's {theirs:,.0f}"
+        add(
+            f"most memory turns/s this machine's cores allow at row {row}'s CPU per turn, c=32 "
+            "(information)",
+            value,
+            None,
+        )
     small, big = run.options.nodes, run.options.big_nodes
     for concurrency in (1, 32):
         at_small = run.recall.get((DEFAULT_RANKING, small, concurrency))

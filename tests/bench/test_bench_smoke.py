@@ -112,6 +112,15 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for part in ("| the store's CPU per memory turn in row 3", "| the gateway's own CPU that"):
         [row] = [row for row in rows if row.startswith(part)]
         assert re.search(r"\| -?\d+\.\d\d× \(-?\d+\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
+    # The most memory turns/s the machine's cores allow at rows 3 and 3l's CPU per turn.
+    ceilings = [row for row in rows if row.startswith("| most memory turns/s this machine's")]
+    assert [("row 3l's" in row) for row in ceilings] == [False, True], table
+    for row in ceilings:
+        figures = (
+            r"\| [\d,]+ turns/s \(\d+ cores ÷ \(\d+\.\d\d ms store \+ \d+\.\d\d ms gateway\)\)"
+            r" \| — \|$"
+        )
+        assert re.search(figures, row), row
     assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table

@@ -18,7 +18,9 @@ it: WAL checkpoints (which sync the database file) run on a dedicated worker thr
 :data:`CHECKPOINT_COMMITS` transactions or :data:`CHECKPOINT_STORES` stores have been written
 since the last one (the log then holds a few MB, as with SQLite's own automatic checkpoints),
 and a write that finds the database held (by that checkpoint, or another process) waits on
-that thread instead, as do deletes.
+that thread instead. Deletes run on that thread: each is answered once the node is erased
+from every index, segment and log (``MemoryStore.delete_many``, a fraction of a second), and
+the deletes that arrive meanwhile are erased together next.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
 A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
 ``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
@@ -81,6 +83,8 @@ CHECKPOINT_STORES = 500
 # gateway writes back after answering), and a transaction costs more than a store in it.
 WRITE_LINGER_S = 0.01
 WRITE_BATCH_MAX = 64
+# The most deletes one erasure covers (each erasure merges the full-text indexes).
+DELETE_BATCH_MAX = 256
 # Philia answers a stalled handler with -32603 after about 8 s; so do we.
 HANDLER_TIMEOUT_S = 8.0
 DEFAULT_PORT = 8424
@@ -253,6 +257,9 @@ class StoreServer:
         self._commits = 0
         self._stores = 0
         self._batch_full = asyncio.Event()
+        # Deletes waiting for the next erasure, and the task running them.
+        self._deletes: list[tuple[str, asyncio.Future[bool]]] = []
+        self._deleter: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._checkpointing: asyncio.Future[None] | None = None
         self.port = 0
@@ -370,9 +377,10 @@ class StoreServer:
                     return_exceptions=True,
                 )
                 await self._runner.cleanup()
-            if self._writer is not None:
-                # Stores already queued are committed before the database closes.
-                await asyncio.gather(self._writer, return_exceptions=True)
+            for queue in (self._writer, self._deleter):
+                if queue is not None:
+                    # Stores and deletes already queued are done before the database closes.
+                    await asyncio.gather(queue, return_exceptions=True)
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
             if self._checkpointing is not None:
@@ -721,11 +729,41 @@ class StoreServer:
             logger.warning("memory store checkpoint failed", exc_info=True)
 
     async def _delete(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A delete, answered once the node is erased (:meth:`MemoryStore.delete_many`);
+        deletes that arrive while others are being erased share the next erasure."""
         node_id = params.get("node_id")
         if not isinstance(node_id, str) or not node_id:
             raise _bad_params("node_id must be a non-empty string")
-        deleted = await self._in_db(self.store.delete, node_id)
-        return {"deleted": deleted}
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._deletes.append((node_id, done))
+        if self._deleter is None or self._deleter.done():
+            self._deleter = asyncio.create_task(self._delete_queued())
+        return {"deleted": await done}
+
+    async def _delete_queued(self) -> None:
+        """Delete and erase the queued nodes, as many at a time as have queued, until none
+        are left."""
+        while self._deletes:
+            batch = self._deletes[:DELETE_BATCH_MAX]
+            del self._deletes[:DELETE_BATCH_MAX]
+            try:
+                found = await self._in_db(self.store.delete_many, [node for node, _ in batch])
+            except Exception as err:
+                if isinstance(err, sqlite3.Error):
+                    self._storage.failed(STORE_PART, str(self.store.path), err, STORE_COST)
+                    err = RpcError(
+                        jsonrpc.INTERNAL_ERROR,
+                        f"the memory store cannot write its database: {write_error(err)}",
+                    )
+                elif isinstance(err, StoreError):
+                    err = RpcError(jsonrpc.INTERNAL_ERROR, f"the memory store: {err}")
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(err)
+                continue
+            for (_, done), deleted in zip(batch, found, strict=True):
+                if not done.done():
+                    done.set_result(deleted)
 
 
 async def serve_forever(

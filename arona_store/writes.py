@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from arona_store import context
 from arona_store.cjk import INSERT_CJK, cjk_index_text
 from arona_store.nodes import NewNode, Row, StoreError, Timestamp, digest, epoch, key_of
-from arona_store.schema import BUSY_TIMEOUT_MS, INSERT
+from arona_store.schema import BUSY_TIMEOUT_MS, FULL_TEXT_INDEXES, INSERT
 
 _PUT_VECTOR = "INSERT OR IGNORE INTO vectors (node_id, vec) VALUES (?, ?)"
 # The same for a node read earlier, which may have been deleted since.
@@ -165,6 +165,23 @@ def delete_node(conn: sqlite3.Connection, node_id: str) -> bool:
     conn.execute("DELETE FROM nodes WHERE seq = ?", (seq,))
     context.refresh(conn, touched)
     return True
+
+
+def erase_deleted(conn: sqlite3.Connection) -> None:
+    """Leave no trace of deleted nodes in the database's files (no transaction open).
+
+    A delete takes a node's row, vector and index entries out of the database, but FTS5 only
+    marks a deleted document's words as gone: the segment that holds them keeps them until it
+    is merged, and the write-ahead log keeps the pages written until it is reset. So every
+    full-text index is merged into one segment (``optimize``; the connection zeroes the pages
+    it frees, ``PRAGMA secure_delete``), and the log is copied into the database and truncated.
+    :class:`StoreError` if a reader kept the log from being reset (the next delete tries again).
+    """
+    for index in FULL_TEXT_INDEXES:
+        conn.execute(f"INSERT INTO {index}({index}) VALUES ('optimize')")
+    busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    if busy:
+        raise StoreError("deleted, but the write-ahead log is still in use: delete again")
 
 
 def begin_write(conn: sqlite3.Connection, wait: bool) -> bool:

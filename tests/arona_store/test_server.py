@@ -17,6 +17,7 @@ from arona_grpc.philia import PhiliaClient
 from arona_store import server as server_module
 from arona_store.server import StoreServer
 from arona_store.store import MemoryStore
+from tests.support.erasure import files_holding
 
 from .conftest import TOKEN, WAIT_S, StoreClient, ws_url
 
@@ -728,3 +729,24 @@ async def test_node_type_filter_keeps_exactly_that_node_type(client: StoreClient
         "Sync.MemoryQueryRequest", {"query": "tea", "limit": 10, "node_type_filter": None}
     )
     assert unfiltered["total"] == 4
+
+
+@pytest.mark.asyncio
+async def test_many_deletes_at_once_are_all_answered_and_erased(
+    server: StoreServer, tmp_path: Path
+) -> None:
+    # A forget sends its deletes together: each is answered once its memory is in no file of
+    # the store, however many come at once (they share the erasures).
+    words = [f"Quillfeather{i:03d}" for i in range(60)]
+    client = PhiliaClient(server.url, TOKEN, timeout_s=WAIT_S)
+    try:
+        ids = await asyncio.gather(*(client.store(f"My token word is {w}") for w in words))
+        await client.store("Something to keep: the Marrowlight lamp")
+        server.store.checkpoint()
+        assert files_holding(tmp_path, words[:1])
+        deleted = await asyncio.gather(*(client.delete(node_id) for node_id in ids))
+        assert deleted == [True] * len(ids)
+        assert files_holding(tmp_path, words) == {}
+        assert (await client.query("Marrowlight", 5))[0].text.endswith("Marrowlight lamp")
+    finally:
+        await client.aclose()

@@ -32,6 +32,7 @@ from arona_store.scoring import (
 )
 from arona_store.store import MemoryStore, NewNode, StoreError
 from arona_store.words import build_fts_query
+from tests.support.erasure import files_holding
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 DAY = 86400.0
@@ -820,3 +821,27 @@ def test_a_version_4_database_gets_its_contexts_indexed(tmp_path: Path) -> None:
         assert _contexts(path)["turn 2"] == "turn 0\nturn 1\nturn 2\nturn 3\nturn 4"
     finally:
         reopened.close()
+
+
+def test_a_deleted_memory_is_in_no_file_of_the_store(tmp_path: Path) -> None:
+    # Its row, its vector and index entries, its words in its neighbours' context documents,
+    # a full-text segment that still held them, a freed page, the write-ahead log: nothing
+    # of it is left once delete() returns, while the store is open and after it closes.
+    folder = tmp_path / "store"
+    store = MemoryStore.open(folder / "memory.db", checkpoint_on_commit=False)
+    try:
+        store.add_many([(f"note {i} about tea, cakes and weather", "episode") for i in range(200)])
+        secret = store.add("My hamster is called Glimmerquark; my locker code is 73914466")
+        kept = store.add("My neighbour's cat is called Zephyrine", "episode")
+        store.add_many([(f"later note {i} about coffee", "episode") for i in range(200)])
+        store.checkpoint()  # the memory is in the database file, not only in the log
+        assert files_holding(folder, ["Glimmerquark"])
+        assert store.delete_many([secret, "no-such-node"]) == [True, False]
+        assert files_holding(folder, ["Glimmerquark", "73914466"]) == {}
+        assert not [h for h in store.query("hamster Glimmerquark locker") if "hamster" in h.text]
+        # What was not deleted stays, and is still found.
+        assert files_holding(folder, ["Zephyrine"])
+        assert store.query("Zephyrine")[0].node_id == kept
+    finally:
+        store.close()
+    assert files_holding(folder, ["Glimmerquark", "73914466"]) == {}

@@ -6,15 +6,16 @@ Each episode is therefore appended to a local file before the reply's last byte 
 dropped once the ``MemoryService`` has stored it or queued it in its outbox. What is left at
 start (or after the gRPC service was unreachable) is sent again.
 
-The file is a log of JSON lines, one ``write()`` each: an episode, or the ids of episodes
-dropped. A process crash loses nothing (the kernel has the bytes once ``write()`` returns),
-a power cut at most the last moments, as with a database that does not sync every commit;
-a line cut short by a crash is skipped when the file is read. One write a turn on the event
-loop's thread costs a few microseconds, where a SQLite transaction cost tens (and several
-system calls). Drops go out with the next episode's write, or within :data:`DROP_DELAY_S`
-when no episode comes; a process killed meanwhile sends those episodes again (the service
-knows them by their ids while they wait in its outbox; one it has stored already may be
-stored twice, as after any crash between storing and dropping). The episodes still waiting
+The file is a log of JSON lines, one ``write()`` each. A process crash loses nothing (the
+kernel has the bytes once ``write()`` returns), a power cut at most the last moments, as with
+a database that does not sync every commit; a line cut short by a crash is skipped when the
+file is read. One write a turn on the event loop's thread costs a few microseconds, where a
+SQLite transaction cost tens (and several system calls).
+
+**A dropped episode leaves no text behind.** Its line is overwritten with spaces where it
+stands (one ``pwrite``), so the file never holds the words of a turn the memory service has
+taken: once that turn is forgotten, nothing of it is left here either. (Earlier versions
+appended ``{"drop": [...]}`` lines instead; they are still read.) The episodes still waiting
 live in memory too: once the file passes :data:`COMPACT_BYTES` it is emptied as soon as none
 is waiting, and past :data:`REWRITE_BYTES` rewritten with only them. A rewrite syncs its new
 file on a worker thread, not on the event loop (a slow disk stalls no turn); what is written
@@ -47,10 +48,6 @@ from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 
-# The longest an episode the service took stays in the journal when no turn comes.
-DROP_DELAY_S = 0.5
-# Drops written together at most.
-MAX_DROPS = 256
 # Past this size the file is emptied as soon as no episode is waiting...
 COMPACT_BYTES = 4 << 20
 # ...and past this one rewritten with only the episodes waiting (they are synced first).
@@ -153,9 +150,13 @@ def _read_legacy(path: Path) -> list[tuple[str, str, str, str]]:
 
 
 def _lock(path: Path) -> int | None:
-    """``path`` opened for appending and locked, or None when a running process holds it."""
+    """``path`` opened for writing and locked, or None when a running process holds it.
+
+    Not ``O_APPEND``: a dropped episode's line is overwritten where it stands, and Linux
+    appends every ``pwrite`` to a file opened so; appends go to the size this process keeps.
+    """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,8 +202,8 @@ class Journal:
         self._fd = fd
         self._live: dict[int, Journaled] = {entry.id: entry for entry in read_journal(path)}
         self._next = max(self._live, default=0) + 1
-        self._dropped: list[int] = []
-        self._drop_timer: asyncio.TimerHandle | None = None
+        # Where each waiting episode's line is in the current file: offset, length.
+        self._lines: dict[int, tuple[int, int]] = {}
         # A write failed halfway: the next one starts on a new line.
         self._torn = False
         self._closed = False
@@ -240,52 +241,26 @@ class Journal:
         )
         self._next += 1
         line = _line(entry)
-        if self._dropped:
-            dropped = self._dropped
-            self._dropped = []
-            self._cancel_drop_timer()
-            try:
-                self._write(_drop_line(dropped) + line)
-            except BaseException:
-                self._dropped = dropped + self._dropped
-                raise
-        else:
-            self._write(line)
+        self._lines[entry.id] = (self._write(line, entry.id), len(line))
         self._live[entry.id] = entry
         if self._size >= max(REWRITE_BYTES, self._rewrite_at) and self._fresh is None:
             self._start_rewrite()
         return entry
 
     def drop(self, entry_id: int) -> None:
-        """The memory service has the episode: forget it here (with the next write, or
-        within :data:`DROP_DELAY_S`)."""
+        """The memory service has the episode: its line is blanked in the file now."""
         if self._closed or self._live.pop(entry_id, None) is None:
             return
-        self._dropped.append(entry_id)
-        if len(self._dropped) >= MAX_DROPS:
-            self.flush_drops()
-        elif self._drop_timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self.flush_drops()
-                return
-            self._drop_timer = loop.call_later(DROP_DELAY_S, self.flush_drops)
-
-    def flush_drops(self) -> None:
-        """Write the drops now."""
-        self._cancel_drop_timer()
-        if not self._dropped or self._closed:
-            return
-        dropped, self._dropped = self._dropped, []
+        where = self._lines.pop(entry_id, None)
         try:
-            self._write(_drop_line(dropped))
+            if where is not None:
+                _blank(self._fd, *where)
             if self._size >= COMPACT_BYTES and not self._live and self._fresh is None:
                 self._rewrite()
         except OSError as exc:
             # Sent again after a restart, and known by its id while it waits in the outbox.
             if self._storage is None:
-                logger.warning("could not write %d journal drop(s): %s", len(dropped), exc)
+                logger.warning("could not drop a journaled episode: %s", exc)
             else:
                 self._storage.failed(JOURNAL_PART, str(self.path), exc, JOURNAL_COST)
 
@@ -299,31 +274,32 @@ class Journal:
         if self._fresh is not None:
             # The current file still holds everything: the rewrite is not needed.
             self._abandon(self._fresh)
-        self.flush_drops()
         if not self._live:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)
         self._closed = True
         os.close(self._fd)
 
-    def _cancel_drop_timer(self) -> None:
-        if self._drop_timer is not None:
-            self._drop_timer.cancel()
-            self._drop_timer = None
-
-    def _write(self, data: bytes) -> None:
-        if self._torn:
-            data = b"\n" + data
+    def _write(self, data: bytes, entry_id: int) -> int:
+        """Append ``data`` (one line) to the file; the offset it starts at."""
+        prefix = b"\n" if self._torn else b""
+        payload = prefix + data
         try:
-            _write_all(self._fd, data)
+            _write_all(self._fd, payload, self._size)
         except OSError:
             self._torn = True
             self._size = os.fstat(self._fd).st_size
             raise
         self._torn = False
-        self._size += len(data)
-        if self._fresh is not None:
-            self._fresh.tail.append(data)
+        at = self._size + len(prefix)
+        self._size += len(payload)
+        fresh = self._fresh
+        if fresh is not None:
+            # Where the same line will be in the rewritten file, once copied over.
+            fresh.lines[entry_id] = (fresh.size + fresh.tailed + len(prefix), len(data))
+            fresh.tail.append(payload)
+            fresh.tailed += len(payload)
+        return at
 
     def _rewrite(self) -> None:
         """Leave only the episodes still waiting in the file (none: empty it), synced on
@@ -332,6 +308,7 @@ class Journal:
             os.ftruncate(self._fd, 0)
             self._torn = False
             self._size = 0
+            self._lines.clear()
             return
         fresh = self._copy()
         try:
@@ -359,15 +336,18 @@ class Journal:
         self.rewriting.add_done_callback(functools.partial(self._synced, self._fresh))
 
     def _synced(self, fresh: _Fresh, sync: asyncio.Future[None]) -> None:
-        """The new file of a rewrite is on disk: add what came meanwhile and put it in place."""
+        """The new file of a rewrite is on disk: add what came meanwhile, blank what was
+        dropped meanwhile, and put it in place."""
         failure = sync.exception() if not sync.cancelled() else OSError("the sync was cancelled")
         if self._fresh is not fresh:
             return  # closed meanwhile
         self._fresh = None
-        tail = b"".join(fresh.tail)
         if failure is None:
             try:
-                _write_all(fresh.fd, tail)
+                _write_all(fresh.fd, b"".join(fresh.tail), fresh.size)
+                for entry_id, where in fresh.lines.items():
+                    if entry_id not in self._live:
+                        _blank(fresh.fd, *where)
                 os.replace(fresh.path, self.path)
             except OSError as exc:
                 failure = exc
@@ -375,7 +355,7 @@ class Journal:
             self._abandon(fresh)
             self._rewrite_failed(failure)
             return
-        fresh.size += len(tail)
+        fresh.size += fresh.tailed
         self._switch(fresh)
 
     def _rewrite_failed(self, failure: BaseException) -> None:
@@ -391,26 +371,33 @@ class Journal:
 
     def _copy(self) -> _Fresh:
         """A new file next to the journal holding only the episodes waiting (not synced)."""
-        data = b"".join(_line(entry) for entry in self._live.values())
+        lines: dict[int, tuple[int, int]] = {}
+        parts: list[bytes] = []
+        size = 0
+        for entry in self._live.values():
+            line = _line(entry)
+            lines[entry.id] = (size, len(line))
+            parts.append(line)
+            size += len(line)
         path = self.path.with_name(self.path.name + ".new")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             # Locked before it takes the journal's name, so no starting process takes it over.
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _write_all(fd, data)
+            _write_all(fd, b"".join(parts), 0)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        return _Fresh(path, fd, len(data))
+        return _Fresh(path, fd, size, lines)
 
     def _switch(self, fresh: _Fresh) -> None:
-        """Append to the rewritten file from now on."""
+        """Write to the rewritten file from now on."""
         os.close(self._fd)
         self._fd = fresh.fd
         self._torn = False
         self._size = fresh.size
+        self._lines = {entry_id: fresh.lines[entry_id] for entry_id in self._live}
         self._rewrite_at = 0
 
     def _take_over_orphans(self) -> tuple[list[tuple[Path, int]], list[Path]]:
@@ -446,21 +433,28 @@ class Journal:
 
 @dataclass
 class _Fresh:
-    """A rewrite's new file: its path, descriptor and size, and what was appended to the
-    current file since it was written."""
+    """A rewrite's new file: its path, descriptor and size, where each episode's line is in
+    it, and what was appended to the current file since it was written (and how much)."""
 
     path: Path
     fd: int
     size: int
+    lines: dict[int, tuple[int, int]]
     tail: list[bytes] = field(default_factory=list)
+    tailed: int = 0
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd`` (``os.write`` may take only part of it)."""
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may take only part)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
 
 
-def _drop_line(ids: list[int]) -> bytes:
-    return json.dumps({"drop": ids}, separators=(",", ":")).encode() + b"\n"
+def _blank(fd: int, offset: int, length: int) -> None:
+    """Overwrite the line at ``offset`` with spaces, its newline kept: read back, it is an
+    empty line, and its words are gone from the file."""
+    if length > 1:
+        _write_all(fd, b" " * (length - 1), offset)

@@ -14,6 +14,7 @@ import pytest
 
 from gateway_http import journal as journal_module
 from gateway_http.journal import Journal, journal_path, read_journal
+from tests.support.erasure import files_holding
 
 
 def _texts(entries: list[journal_module.Journaled]) -> list[str]:
@@ -35,24 +36,35 @@ def test_a_dropped_episode_is_not_sent_again_after_a_restart(tmp_path: Path) -> 
     again.close()
 
 
-@pytest.mark.asyncio
-async def test_drops_go_with_the_next_episode_or_soon_after(tmp_path: Path) -> None:
+def test_a_dropped_episode_leaves_no_words_in_the_file(tmp_path: Path) -> None:
+    # Once the memory service has a turn, its words are gone from the journal at once: a
+    # forget of that memory then leaves nothing of it here, even after a SIGKILL.
     path = tmp_path / "journal.log"
     journal = Journal(path)
-    first = journal.add("one", "1", "")
-    second = journal.add("two", "2", "")
+    first = journal.add("my locker code is Vorpalnine", "Noted", "alice")
+    journal.add("my cat is called Miso", "Noted", "alice")
     journal.drop(first.id)
-    assert _texts(read_journal(path)) == ["one", "two"]
-    # Written with the next episode, in the same write.
+    assert files_holding(tmp_path, ["Vorpalnine"]) == {}
+    assert _texts(read_journal(path)) == ["my cat is called Miso"]
+    # Appends go on after the blanked line, and a restart reads the same.
     journal.add("three", "3", "")
-    assert _texts(read_journal(path)) == ["two", "three"]
-    # With no next episode, within the drop delay.
-    journal.drop(second.id)
-    written = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.6, written.set)
-    await written.wait()
-    assert _texts(read_journal(path)) == ["three"]
+    assert _texts(read_journal(path)) == ["my cat is called Miso", "three"]
     journal.close()
+    assert _texts(Journal(path).pending()) == ["my cat is called Miso", "three"]
+
+
+def test_a_journal_of_an_earlier_version_with_drop_lines_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "journal.log"
+    path.write_bytes(
+        b'{"id":1,"user":"one","assistant":"1","scope":"","episode_id":"a","at_us":0}\n'
+        b'{"id":2,"user":"two","assistant":"2","scope":"","episode_id":"b","at_us":0}\n'
+        b'{"drop":[1]}\n'
+    )
+    journal = Journal(path)
+    assert _texts(journal.pending()) == ["two"]
+    journal.close()
+    # The start rewrote it with only what waits.
+    assert files_holding(tmp_path, ["one"]) == {}
 
 
 def test_a_line_cut_short_by_a_crash_is_skipped_and_nothing_after_it_is_lost(
@@ -129,7 +141,8 @@ async def test_a_rewrite_syncs_off_the_event_loop_and_keeps_what_comes_meanwhile
     # The sync holds a worker thread, not this loop: turns go on being journaled meanwhile.
     meanwhile = [journal.add(f"during the sync {i}", "y", "") for i in range(5)]
     journal.drop(meanwhile[0].id)
-    journal.flush_drops()
+    dropped_meanwhile = journal.add("Thistlewhorl dropped during the sync", "y", "")
+    journal.drop(dropped_meanwhile.id)
     assert not journal.rewriting.done()
     release.set()
     await journal.rewriting
@@ -139,10 +152,14 @@ async def test_a_rewrite_syncs_off_the_event_loop_and_keeps_what_comes_meanwhile
     assert path.stat().st_size < 2_000
     expected = [waiting, *meanwhile[1:]]
     assert read_journal(path) == expected == journal.pending()
-    # And it is the file appended to from now on.
+    # What was dropped while the new file was being synced is not in it either.
+    assert files_holding(tmp_path, ["Thistlewhorl", "during the sync 0"]) == {}
+    # And it is the file appended to (and blanked in) from now on.
     later = journal.add("after the rewrite", "z", "")
+    journal.drop(meanwhile[1].id)
+    assert files_holding(tmp_path, ["during the sync 1"]) == {}
     journal.close()
-    assert read_journal(path) == [*expected, later]
+    assert read_journal(path) == [waiting, *meanwhile[2:], later]
 
 
 @pytest.mark.asyncio

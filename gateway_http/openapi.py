@@ -99,7 +99,8 @@ _MEMORY_HEADER = {
     WRITEBACK_HEADER: {
         "description": "Whether the turn is written back to memory once its reply is complete: "
         "on; off (no memory for this caller, or the memory service stores no writebacks); "
-        "skipped for a streamed turn without conversation_id",
+        "skipped for a streamed turn without conversation_id (unless "
+        "ARONA_MEMORY_STREAM_WRITEBACK=true)",
         "required": True,
         "schema": {"enum": [WRITEBACK_ON, WRITEBACK_OFF, WRITEBACK_SKIPPED]},
     },

@@ -43,8 +43,8 @@ OVERHEAD_MS_HEADER = "X-Arona-Overhead-Ms"
 BACKEND_HEADER = "X-Arona-Backend"
 # Whether the turn is written back once its reply is complete: on; off (no memory for this
 # caller, or the memory service stores no writebacks); or skipped, the seed's rule for a
-# streamed turn without a conversation_id, said so that a streaming client learns why its
-# memory stays empty.
+# streamed turn without a conversation_id (unless ARONA_MEMORY_STREAM_WRITEBACK=true), said
+# so that a streaming client learns why its memory stays empty.
 WRITEBACK_HEADER = "X-Arona-Writeback"
 WRITEBACK_ON = "on"
 WRITEBACK_OFF = "off"
@@ -152,8 +152,9 @@ def writeback_state(gw: Gateway, turn: PreparedTurn, *, streamed: bool) -> str:
 
 
 def stream_writes_back(gw: Gateway, turn: PreparedTurn) -> bool:
-    """The seed's rule: a streamed REST turn is written back only with a conversation."""
-    return turn.request.conversation_id is not None
+    """The seed's rule: a streamed REST turn is written back only with a conversation;
+    ``ARONA_MEMORY_STREAM_WRITEBACK=true`` writes back the others too."""
+    return turn.request.conversation_id is not None or gw.settings.memory_stream_writeback
 
 
 def _json(payload: Any, headers: dict[str, str] | None = None) -> Response:

@@ -61,6 +61,9 @@ class Settings:
     memory_url: str | None = None
     memory_token: str | None = field(default=None, repr=False)
     memory_writeback: bool = True
+    # A streamed REST turn without a conversation_id is written back too (the seed writes back
+    # a streamed turn only with a conversation); read by the HTTP layer.
+    memory_stream_writeback: bool = False
     memory_timeout_s: float = 10.0
     memory_breaker_failures: int = 3
     memory_breaker_cooldown_s: float = 5.0
@@ -184,6 +187,7 @@ class Settings:
             memory_url=_str(env, "ARONA_MEMORY_URL"),
             memory_token=_str(env, "ARONA_MEMORY_TOKEN"),
             memory_writeback=_strict_bool(env, "ARONA_MEMORY_WRITEBACK", True),
+            memory_stream_writeback=_strict_bool(env, "ARONA_MEMORY_STREAM_WRITEBACK", False),
             memory_timeout_s=_positive_float(env, "ARONA_MEMORY_TIMEOUT_S", 10.0),
             memory_breaker_failures=_positive_int(env, "ARONA_MEMORY_BREAKER_FAILURES", 3),
             memory_breaker_cooldown_s=_positive_float(env, "ARONA_MEMORY_BREAKER_COOLDOWN_S", 5.0),

@@ -21,6 +21,12 @@ from pydantic import BaseModel
 from gateway_http.chat_request import ChatCompletionRequest
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_BYTES, PAGE_MAX_MESSAGES
 from gateway_http.errors import TABLE, ErrorKind
+from gateway_http.routes.rest import (
+    WRITEBACK_HEADER,
+    WRITEBACK_OFF,
+    WRITEBACK_ON,
+    WRITEBACK_SKIPPED,
+)
 from gateway_http.routes.rpc import METHOD_PARAMS
 
 _REF = "#/components/schemas/{model}"
@@ -89,6 +95,14 @@ _MEMORY_HEADER = {
         "description": "What memory did for the turn",
         "required": True,
         "schema": {"enum": ["enabled", "disabled", "offline"]},
+    },
+    WRITEBACK_HEADER: {
+        "description": "Whether the turn is written back to memory once its reply is complete: "
+        "on; off (no memory for this caller, or the memory service stores no writebacks); "
+        "skipped for a streamed turn without conversation_id (unless "
+        "ARONA_MEMORY_STREAM_WRITEBACK=true)",
+        "required": True,
+        "schema": {"enum": [WRITEBACK_ON, WRITEBACK_OFF, WRITEBACK_SKIPPED]},
     },
     "X-Arona-Backend": {
         "description": "The backend that answered: its name in the backends file "

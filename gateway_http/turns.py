@@ -298,6 +298,11 @@ class TurnPipeline:
         if still:
             logger.warning("%d writeback(s) did not finish within the grace period", len(still))
 
+    def writes_back(self, request: TurnRequest) -> bool:
+        """Whether a completed turn of ``request`` goes to memory: the caller has memory and
+        the memory service has not said it stores no writebacks (memory or writeback off)."""
+        return self._has_memory(request) and self._memory.writeback_wanted
+
     def _has_memory(self, request: TurnRequest) -> bool:
         """Whether the turn may recall and write back: always in shared mode, only with a
         scope in user mode."""
@@ -319,12 +324,7 @@ class TurnPipeline:
                 # The answer exists; losing its copy in the history must not lose the answer.
                 # (The outage is said once, by arona_grpc.database.)
                 logger.debug("the reply was not added to its conversation: %s", exc)
-        if (
-            writeback
-            and (turn.user_text or content)
-            and self._has_memory(turn.request)
-            and self._memory.writeback_wanted
-        ):
+        if writeback and (turn.user_text or content) and self.writes_back(turn.request):
             scope = turn.request.scope or ""
             # Journaled before the reply's last byte leaves: a hard kill from here on loses
             # nothing.

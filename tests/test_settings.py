@@ -61,6 +61,34 @@ def test_other_writeback_values_warn_and_keep_the_default(
 
 
 @pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, False),
+        ({"ARONA_MEMORY_STREAM_WRITEBACK": "true"}, True),
+        ({"ARONA_MEMORY_STREAM_WRITEBACK": "false"}, False),
+    ],
+)
+def test_stream_writeback_is_off_unless_exactly_true(
+    env: dict[str, str], expected: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert Settings.from_env(env).memory_stream_writeback is expected
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "True", "on", "", " true"])
+def test_other_stream_writeback_values_warn_and_keep_it_off(
+    value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"ARONA_MEMORY_STREAM_WRITEBACK": value}
+    with caplog.at_level(logging.WARNING):
+        assert Settings.from_env(env).memory_stream_writeback is False
+    [warning] = caplog.records
+    assert "ARONA_MEMORY_STREAM_WRITEBACK" in warning.getMessage()
+    assert "keeping the default (false)" in warning.getMessage()
+
+
+@pytest.mark.parametrize(
     ("name", "value"),
     [
         ("ARONA_HTTP_PORT", "http"),

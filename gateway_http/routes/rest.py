@@ -41,6 +41,14 @@ OVERHEAD_MS_HEADER = "X-Arona-Overhead-Ms"
 # The backend whose answer this is (its name in the backends file; `upstream` or `echo`
 # without one).
 BACKEND_HEADER = "X-Arona-Backend"
+# Whether the turn is written back once its reply is complete: on; off (no memory for this
+# caller, or the memory service stores no writebacks); or skipped, the seed's rule for a
+# streamed turn without a conversation_id (unless ARONA_MEMORY_STREAM_WRITEBACK=true), said
+# so that a streaming client learns why its memory stays empty.
+WRITEBACK_HEADER = "X-Arona-Writeback"
+WRITEBACK_ON = "on"
+WRITEBACK_OFF = "off"
+WRITEBACK_SKIPPED = "skipped; reason=no_conversation_id"
 # The `surface` label of the turn metrics.
 REST = "rest"
 REST_STREAM = "rest_stream"
@@ -117,20 +125,36 @@ def turn_outcome(exc: GatewayError) -> str:
     return "upstream_error" if exc.kind is ErrorKind.UPSTREAM else "client_error"
 
 
-def turn_headers(turn: PreparedTurn) -> dict[str, str]:
-    """``X-Arona-Memory`` and its companions, the overhead measured up to now, and the
-    backend that answered."""
+def turn_headers(turn: PreparedTurn, writeback: str) -> dict[str, str]:
+    """``X-Arona-Memory`` and its companions, the overhead measured up to now, the
+    writeback decision, and the backend that answered."""
     overhead_s = turn.overhead_s(time.perf_counter())
     headers = {
         MEMORY_HEADER: turn.memory_state,
         MEMORY_COUNT_HEADER: str(turn.memory_count),
         RECALL_MS_HEADER: f"{turn.recall_s * 1000:.3f}",
         OVERHEAD_MS_HEADER: f"{overhead_s * 1000:.3f}",
+        WRITEBACK_HEADER: writeback,
     }
     backend = turn.backend
     if backend is not None:
         headers[BACKEND_HEADER] = backend
     return headers
+
+
+def writeback_state(gw: Gateway, turn: PreparedTurn, *, streamed: bool) -> str:
+    """What ``X-Arona-Writeback`` says of ``turn`` (see :data:`WRITEBACK_HEADER`)."""
+    if not gw.pipeline.writes_back(turn.request):
+        return WRITEBACK_OFF
+    if streamed and not stream_writes_back(gw, turn):
+        return WRITEBACK_SKIPPED
+    return WRITEBACK_ON
+
+
+def stream_writes_back(gw: Gateway, turn: PreparedTurn) -> bool:
+    """The seed's rule: a streamed REST turn is written back only with a conversation;
+    ``ARONA_MEMORY_STREAM_WRITEBACK=true`` writes back the others too."""
+    return turn.request.conversation_id is not None or gw.settings.memory_stream_writeback
 
 
 def _json(payload: Any, headers: dict[str, str] | None = None) -> Response:
@@ -181,7 +205,9 @@ async def chat_completions(request: Request) -> Response:
     except ClientGone:
         pipeline.finished(turn, REST, "cancelled")
         raise
-    response = _json(reply.completion, turn_headers(turn))
+    response = _json(
+        reply.completion, turn_headers(turn, writeback_state(gw, turn, streamed=False))
+    )
     pipeline.finished(turn, REST, "ok")
     return response
 
@@ -213,8 +239,7 @@ async def _disconnected(request: Request) -> None:
 
 async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
     pipeline = gw.pipeline
-    # On the REST streaming path a writeback also needs a conversation.
-    chunks = pipeline.stream(turn, writeback=turn.request.conversation_id is not None)
+    chunks = pipeline.stream(turn, writeback=stream_writes_back(gw, turn))
     # Wait for the first chunk before answering, so that an upstream that fails
     # at once is a plain 502 rather than a 200 stream carrying an error.
     try:
@@ -227,7 +252,9 @@ async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
     except asyncio.CancelledError:
         pipeline.finished(turn, REST_STREAM, "cancelled")
         raise
-    headers = turn_headers(turn)
+    # Once the answer has begun (the JSON answer's once it is whole), so that the writeback
+    # decision follows the memory service's latest word on storing writebacks.
+    headers = turn_headers(turn, writeback_state(gw, turn, streamed=True))
 
     async def events() -> AsyncIterator[bytes]:
         # A client that leaves mid-stream ends this generator at a yield.

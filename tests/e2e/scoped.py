@@ -60,6 +60,8 @@ class Said:
     section: str
     content: str
     body: Any = None
+    # The response headers (REST JSON and SSE).
+    headers: httpx.Headers | None = None
 
 
 @dataclass
@@ -158,6 +160,7 @@ class ScopedStack:
                 self._section(before),
                 content,
                 data,
+                response.headers,
             )
         if surface == "sse":
             return await self._sse({**body, "stream": True}, headers, before)
@@ -179,7 +182,7 @@ class ScopedStack:
         ) as response:
             if not response.is_success:
                 await response.aread()
-                return Said(response.status_code, None, "", "", response.json())
+                return Said(response.status_code, None, "", "", response.json(), response.headers)
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     event = orjson.loads(line[len("data: ") :])
@@ -189,6 +192,7 @@ class ScopedStack:
             response.headers.get("x-arona-memory"),
             self._section(before),
             "".join(parts),
+            headers=response.headers,
         )
 
     async def _ws(self, token: str, params: dict[str, Any], before: int) -> Said:

@@ -238,11 +238,16 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
         "User: first good line\nAssistant: ok",
         "User: last good line\nAssistant: ok",
     ]
-    # --check reads the same file, stores nothing and says the same.
+    # --check reads the same file, stores nothing and says the same; its progress counts
+    # lines checked, not episodes stored.
     checked = await run_import(tmp_path, service.grpc.target, "--check", str(history))
     assert checked.code == 1
-    assert checked.out.strip() == "checked 14 lines: 12 bad"
+    assert checked.out.strip() == "checked 14 lines: 2 valid, 12 bad"
     assert [line for line in checked.err.splitlines() if line.startswith(str(history))] == reports
+    progress = [line for line in checked.err.splitlines() if not line.startswith(str(history))]
+    assert progress[-1].startswith("check: 14/14 lines (100%), 2 valid, 12 bad, "), checked.err
+    assert all(line.startswith("check: ") for line in progress), checked.err
+    assert "episode" not in checked.out + checked.err
     assert len(service.philia.frames_of(STORE)) == 2
 
 

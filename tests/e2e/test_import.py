@@ -251,6 +251,36 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
     assert len(service.philia.frames_of(STORE)) == 2
 
 
+async def test_a_line_nested_too_deeply_is_bad_and_the_rest_is_imported(
+    tmp_path: Path, service: Service
+) -> None:
+    depth = 200_000
+    history = write_lines(
+        tmp_path / "history.jsonl",
+        conversation("before the deep line", "ok"),
+        "[" * depth + "]" * depth,
+        '{"messages": ' + "[" * depth + "]" * depth + "}",
+        conversation("after the deep line", "ok"),
+    )
+    reason = "nested too deeply (more than about 1,000 arrays and objects within one another)"
+    checked = await run_import(tmp_path, service.grpc.target, "--check", str(history))
+    assert (checked.code, checked.out.strip()) == (1, "checked 4 lines: 2 valid, 2 bad")
+    assert "Traceback" not in checked.err
+    reports = [f"{history}:2: {reason}", f"{history}:3: {reason}"]
+    assert [line for line in checked.err.splitlines() if line.startswith(str(history))] == reports
+    run = await run_import(tmp_path, service.grpc.target, str(history))
+    assert "Traceback" not in run.err
+    assert [line for line in run.err.splitlines() if line.startswith(str(history))] == reports
+    assert (run.code, run.out.strip()) == (
+        1,
+        "imported 2 lines (2 episodes); 2 bad lines (listed above; nothing of them is stored)",
+    )
+    assert sorted(s["text"] for s in service.philia.stored) == [
+        "User: after the deep line\nAssistant: ok",
+        "User: before the deep line\nAssistant: ok",
+    ]
+
+
 @pytest.mark.parametrize("service", ["user"], indirect=True)
 async def test_a_users_history_goes_into_their_scope(tmp_path: Path, service: Service) -> None:
     history = write_lines(

@@ -90,6 +90,12 @@ def parse_line(
         record = json.loads(raw)
     except UnicodeDecodeError:
         raise BadLine("not UTF-8 text") from None
+    except RecursionError:
+        # The parser recurses once a level (as the store's JSON-RPC fallback parser does); the
+        # HTTP surfaces' parser refuses such a body too (orjson: more than 1,024 levels).
+        raise BadLine(
+            "nested too deeply (more than about 1,000 arrays and objects within one another)"
+        ) from None
     except ValueError as exc:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         column = f" (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""

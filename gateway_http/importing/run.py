@@ -124,19 +124,23 @@ async def run_import(
     total = _count_lines(file)
     # Part of every turn's key: the same file imported elsewhere is imported again there.
     destination = f"{settings.grpc_targets[0]}\n{user or ''}"
-    shown = Progress(err, total)
+    shown = Progress(err, total, checking=check)
     if check:
-        bad = 0
         for number, raw in _lines(file):
             try:
                 parse_line(raw, principal=user, destination=destination)
             except BadLine as exc:
-                bad += 1
                 shown.say(f"{file}:{number}: {exc}")
+                shown.line_done(bad=True)
+                continue
             shown.line_done()
         shown.finish()
-        print(f"checked {total:,} lines: {bad:,} bad", file=out)
-        return 1 if bad else 0
+        print(
+            f"checked {_many(shown.lines, 'line')}: {shown.lines - shown.bad:,} valid, "
+            f"{shown.bad:,} bad",
+            file=out,
+        )
+        return 1 if shown.bad else 0
     try:
         ledger = Ledger(progress_path or file.with_name(file.name + ".progress"))
     except LedgerError as exc:

@@ -238,12 +238,47 @@ async def test_bad_lines_are_reported_and_nothing_of_them_is_stored(
         "User: first good line\nAssistant: ok",
         "User: last good line\nAssistant: ok",
     ]
-    # --check reads the same file, stores nothing and says the same.
+    # --check reads the same file, stores nothing and says the same; its progress counts
+    # lines checked, not episodes stored.
     checked = await run_import(tmp_path, service.grpc.target, "--check", str(history))
     assert checked.code == 1
-    assert checked.out.strip() == "checked 14 lines: 12 bad"
+    assert checked.out.strip() == "checked 14 lines: 2 valid, 12 bad"
     assert [line for line in checked.err.splitlines() if line.startswith(str(history))] == reports
+    progress = [line for line in checked.err.splitlines() if not line.startswith(str(history))]
+    assert progress[-1].startswith("check: 14/14 lines (100%), 2 valid, 12 bad, "), checked.err
+    assert all(line.startswith("check: ") for line in progress), checked.err
+    assert "episode" not in checked.out + checked.err
     assert len(service.philia.frames_of(STORE)) == 2
+
+
+async def test_a_line_nested_too_deeply_is_bad_and_the_rest_is_imported(
+    tmp_path: Path, service: Service
+) -> None:
+    depth = 200_000
+    history = write_lines(
+        tmp_path / "history.jsonl",
+        conversation("before the deep line", "ok"),
+        "[" * depth + "]" * depth,
+        '{"messages": ' + "[" * depth + "]" * depth + "}",
+        conversation("after the deep line", "ok"),
+    )
+    reason = "nested too deeply (more than about 1,000 arrays and objects within one another)"
+    checked = await run_import(tmp_path, service.grpc.target, "--check", str(history))
+    assert (checked.code, checked.out.strip()) == (1, "checked 4 lines: 2 valid, 2 bad")
+    assert "Traceback" not in checked.err
+    reports = [f"{history}:2: {reason}", f"{history}:3: {reason}"]
+    assert [line for line in checked.err.splitlines() if line.startswith(str(history))] == reports
+    run = await run_import(tmp_path, service.grpc.target, str(history))
+    assert "Traceback" not in run.err
+    assert [line for line in run.err.splitlines() if line.startswith(str(history))] == reports
+    assert (run.code, run.out.strip()) == (
+        1,
+        "imported 2 lines (2 episodes); 2 bad lines (listed above; nothing of them is stored)",
+    )
+    assert sorted(s["text"] for s in service.philia.stored) == [
+        "User: after the deep line\nAssistant: ok",
+        "User: before the deep line\nAssistant: ok",
+    ]
 
 
 @pytest.mark.parametrize("service", ["user"], indirect=True)

@@ -5,16 +5,26 @@ whose point is what an operator reads in the log.
 reading its stderr into :attr:`Served.log` as it comes; :meth:`Served.wait_for` awaits a
 line (no sleeping), and on the way out the process gets SIGTERM and the rest of its log is
 read. :func:`run` runs a command that is expected to stop by itself (a refused start).
+
+Both run the command as another system user when asked (``setpriv``, as root). The command is
+this checkout's, from its virtual environment; a checkout in a directory other users cannot
+enter (root's home, ``mktemp -d``) is out of that user's reach, so the user is then given
+``CAP_DAC_READ_SEARCH`` too: the right to enter and read any directory, never to write one, so
+what it may write (the point of such a test) is unchanged. Copying the environment somewhere
+readable instead would mean some hundreds of MB for each run. :func:`cannot_run_as` says why
+a user cannot run it even so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import pwd
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -34,13 +44,47 @@ def gateway_env(data_dir: Path, extra: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+# Enter and read any directory, write none (capabilities(7)); kept across exec as ambient.
+_READ_ANYWHERE = ("--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search")
+
+
+@functools.cache
+def _launch(user: str) -> tuple[str, ...] | str:
+    """The ``setpriv`` words that run this checkout's gateway as ``user``, or why none do."""
+    entry = pwd.getpwnam(user)
+    ids = ("setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups")
+    failed: list[str] = []
+    for extra in ((), _READ_ANYWHERE):
+        try:
+            done = subprocess.run(
+                [*ids, *extra, COMMAND, "--help"], capture_output=True, timeout=60, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failed.append(str(exc))
+            continue
+        if done.returncode == 0:
+            return (*ids, *extra)
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        failed.append(lines[-1] if lines else f"exit code {done.returncode}")
+    return (
+        f"{user} cannot run this checkout's {COMMAND} ({failed[0]}), not even with "
+        f"CAP_DAC_READ_SEARCH ({failed[1]})"
+    )
+
+
+def cannot_run_as(user: str) -> str | None:
+    """Why the system user ``user`` cannot run this checkout's gateway; None when it can."""
+    launch = _launch(user)
+    return launch if isinstance(launch, str) else None
+
+
 def _as_user(user: str | None, command: list[str]) -> list[str]:
     """``command``, run as the system user ``user`` (its uid and group) when one is given."""
     if user is None:
         return command
-    entry = pwd.getpwnam(user)
-    ids = [f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups"]
-    return ["setpriv", *ids, *command]
+    launch = _launch(user)
+    assert not isinstance(launch, str), launch
+    return [*launch, *command]
 
 
 def level_of(line: str) -> str | None:

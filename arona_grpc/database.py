@@ -195,6 +195,24 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         CREATE INDEX episodes_scoped ON episodes (seq) WHERE scoped;
         """,
     ),
+    Migration(
+        7,
+        "episodes and queued episodes say whose principal they are (forgetting a principal);"
+        " a forget is noted for the other replicas",
+        """
+        ALTER TABLE episodes ADD COLUMN principal_id text;
+        CREATE INDEX episodes_by_principal ON episodes (principal_id, seq);
+        ALTER TABLE outbox ADD COLUMN principal_id text;
+        ALTER TABLE outbox_dead_letters ADD COLUMN principal_id text;
+        CREATE TABLE erasures (
+            seq           bigserial PRIMARY KEY,
+            at_us         bigint NOT NULL,
+            scope_id      text,
+            principal_id  text,
+            node_ids      text[] NOT NULL DEFAULT '{}'
+        );
+        """,
+    ),
 )
 
 # The errors that mean "the database is not there" (as opposed to a bug in a query).
@@ -506,11 +524,15 @@ def sqlite_open(
     that does not wait for fsync (``synchronous = NORMAL``: a power cut may lose the last
     commits, never corrupt the file), a 5 s busy timeout, ``foreign_keys`` when asked, and its
     schema brought up to date (:func:`sqlite_migrate`; ``what`` names the file in a refusal).
+    Deleted rows are zeroed where they stood (``secure_delete``; :func:`sqlite_erase` clears
+    the write-ahead log too).
     Autocommit is off (the default isolation level): writes commit through ``with db:``."""
     db = sqlite3.connect(path)
     try:
         sqlite_wal(db)
         db.execute("PRAGMA synchronous = NORMAL")
+        # What a delete frees is zeroed, not left in the file (forget means gone).
+        db.execute("PRAGMA secure_delete = ON")
         if foreign_keys:
             db.execute("PRAGMA foreign_keys = ON")
         db.execute("PRAGMA busy_timeout = 5000")
@@ -519,6 +541,28 @@ def sqlite_open(
         db.close()
         raise
     return db
+
+
+# How long an erasure waits for the other connections to a file to let its log be reset.
+ERASE_WAIT_S = 5.0
+
+
+def sqlite_erase(db: sqlite3.Connection, wait_s: float = ERASE_WAIT_S) -> None:
+    """Leave nothing deleted so far in ``db``'s write-ahead log: copy the log into the
+    database file and truncate it (the connection must zero what it frees:
+    ``PRAGMA secure_delete``). Another connection reading an older snapshot keeps the log
+    in use; this waits for it (each try waits the busy timeout), at most ``wait_s``, then
+    raises :class:`sqlite3.OperationalError`, having erased nothing it could not."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            raise sqlite3.OperationalError(
+                "the write-ahead log is still read by another connection"
+            )
+        time.sleep(0.05)
 
 
 def sqlite_migrate(db: sqlite3.Connection, steps: Sequence[SqliteStep], what: str) -> int:

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from arona_grpc.database import database_answered, is_unavailable, sqlite_migrate, unavailable
+from arona_grpc.database import (
+    database_answered,
+    is_unavailable,
+    sqlite_erase,
+    sqlite_migrate,
+    unavailable,
+)
 from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
@@ -59,10 +65,49 @@ _SQLITE_STEPS = (
     ALTER TABLE episodes ADD COLUMN scoped INTEGER;
     CREATE INDEX episodes_scoped ON episodes (seq) WHERE scoped = 1;
     """,
+    # Whose principal an episode is (the scope id of the principal itself), so that a forget
+    # of a principal finds the scopes it narrowed to. NULL for older entries.
+    """
+    ALTER TABLE episodes ADD COLUMN principal_id TEXT;
+    CREATE INDEX episodes_by_principal ON episodes (principal_id, seq);
+    """,
 )
 _NEWEST = 2**63 - 1
-# One queued entry: node id, scope id, time (microseconds), preview, stored for one user.
-_Entry = tuple[str, str, int, str, bool]
+# One queued entry: node id, scope id, time (microseconds), preview, stored for one user,
+# principal id.
+_Entry = tuple[str, str, int, str, bool, str]
+
+
+@dataclass(frozen=True)
+class Whose:
+    """Which indexed episodes: one scope's (``scope_id``; "" for the episodes of no scope),
+    every scope of one principal (``principal_id``, the scope id of the principal itself:
+    its own scope and those it narrowed to), or, with neither, every episode."""
+
+    scope_id: str | None = None
+    principal_id: str | None = None
+
+    def where(self, mark: Callable[[int], str]) -> tuple[str, list[str]]:
+        """The SQL condition and its arguments; ``mark(i)`` is the placeholder of the i-th
+        argument (from 0)."""
+        if self.scope_id is not None:
+            return f"scope_id = {mark(0)}", [self.scope_id]
+        if self.principal_id is not None:
+            # Entries older than the principal column: a principal's own scope has its id.
+            pid = self.principal_id
+            return f"(principal_id = {mark(0)} OR scope_id = {mark(1)})", [pid, pid]
+        return "TRUE", []
+
+    def holds(self, scope_id: str, principal_id: str) -> bool:
+        """Whether an episode of that scope and principal is one of these."""
+        if self.scope_id is not None:
+            return scope_id == self.scope_id
+        if self.principal_id is not None:
+            return self.principal_id in (principal_id, scope_id)
+        return True
+
+
+EVERYONE = Whose()
 
 
 class IndexUnavailable(RuntimeError):
@@ -84,8 +129,18 @@ class IndexPage:
     next: int | None
 
 
-def _entry(node_id: str, scope_id: str, text: str, scoped: bool) -> _Entry:
-    return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text), scoped)
+def _entry(node_id: str, scope_id: str, text: str, scoped: bool, principal_id: str) -> _Entry:
+    return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text), scoped, principal_id)
+
+
+def _sqlite_mark(_: int) -> str:
+    return "?"
+
+
+def _contains(text: str) -> str:
+    """A LIKE pattern matching ``text`` anywhere (``\\`` escapes)."""
+    escaped = text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
 
 
 def _latest(entries: list[_Entry]) -> list[_Entry]:
@@ -116,9 +171,12 @@ def preview_of(text: str, limit: int = PREVIEW_CHARS) -> str:
 class EpisodeIndex(Protocol):
     """What the domain needs from an episode index (one implementation per backend)."""
 
-    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
+    def record(
+        self, node_id: str, scope_id: str, text: str, scoped: bool = False, principal_id: str = ""
+    ) -> None:
         """Note an episode just stored (a re-stored node id becomes the newest); ``scoped``:
-        stored for its scope alone (``user`` mode)."""
+        stored for its scope alone (``user`` mode); ``principal_id``: the scope id of its
+        scope's principal ("" for no scope)."""
 
     async def holds_scoped(self) -> bool:
         """Whether any indexed episode was stored for one user alone (``user`` mode)."""
@@ -130,14 +188,29 @@ class EpisodeIndex(Protocol):
     async def owner(self, node_id: str) -> str | None:
         """The scope id an episode was stored for; None if it is not indexed."""
 
-    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
-        """A scope's episodes older than ``before`` (all when None), newest first."""
+    async def page(
+        self, scope_id: str, limit: int, before: int | None, contains: str = ""
+    ) -> IndexPage:
+        """A scope's episodes older than ``before`` (all when None), newest first; with
+        ``contains``, only those whose preview holds it (any case)."""
 
-    async def node_ids(self, scope_id: str) -> list[str]:
-        """Every indexed episode of a scope, newest first."""
+    async def node_ids(self, whose: Whose) -> list[str]:
+        """Every indexed episode of ``whose``, newest first."""
 
     async def remove(self, node_ids: Sequence[str]) -> None:
-        """Forget these episodes (unknown ids are ignored)."""
+        """Forget these episodes (unknown ids are ignored), leaving no trace of their
+        previews in the index's files once the next :meth:`erase` returns."""
+
+    async def erase(self) -> None:
+        """Leave nothing removed so far in the index's files (its write-ahead log);
+        :class:`IndexUnavailable` if that cannot be done now."""
+
+    async def note_erasure(self, whose: Whose | None, node_ids: Sequence[str]) -> None:
+        """Tell the other replicas sharing this index that ``whose`` (or these nodes) were
+        forgotten (their recent events go too); nothing when no other replica shares it."""
+
+    async def erasures_since(self, at_us: int) -> list[tuple[Whose | None, list[str]]]:
+        """The erasures other replicas noted since ``at_us`` (none for an unshared index)."""
 
     async def aclose(self) -> None:
         """Commit what is queued and close."""
@@ -158,12 +231,14 @@ class SqliteEpisodeIndex:
         self._flush_submitted = False
         self._closed = False
 
-    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
+    def record(
+        self, node_id: str, scope_id: str, text: str, scoped: bool = False, principal_id: str = ""
+    ) -> None:
         if self._closed:
             return
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        entry = _entry(node_id, scope_id, text, scoped)
+        entry = _entry(node_id, scope_id, text, scoped, principal_id)
         with self._lock:
             self._queued.append(entry)
             if self._flush_submitted:
@@ -192,20 +267,29 @@ class SqliteEpisodeIndex:
         )
         return None if row is None else str(row[0])
 
-    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
+    async def page(
+        self, scope_id: str, limit: int, before: int | None, contains: str = ""
+    ) -> IndexPage:
         def read(db: sqlite3.Connection) -> list[tuple[int, str, str, int]]:
             return db.execute(
                 "SELECT seq, node_id, preview, at_us FROM episodes"
-                " WHERE scope_id = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
-                (scope_id, before if before is not None else _NEWEST, limit + 1),
+                " WHERE scope_id = ? AND seq < ? AND lower(preview) LIKE ? ESCAPE '\\'"
+                " ORDER BY seq DESC LIMIT ?",
+                (
+                    scope_id,
+                    before if before is not None else _NEWEST,
+                    _contains(contains),
+                    limit + 1,
+                ),
             ).fetchall()
 
         return _page(await self._read(read), limit)
 
-    async def node_ids(self, scope_id: str) -> list[str]:
+    async def node_ids(self, whose: Whose) -> list[str]:
+        condition, args = whose.where(_sqlite_mark)
         rows = await self._read(
             lambda db: db.execute(
-                "SELECT node_id FROM episodes WHERE scope_id = ? ORDER BY seq DESC", (scope_id,)
+                f"SELECT node_id FROM episodes WHERE {condition} ORDER BY seq DESC", args
             ).fetchall()
         )
         return [str(r[0]) for r in rows]
@@ -219,6 +303,17 @@ class SqliteEpisodeIndex:
 
         if ids:
             await self._read(write)
+
+    async def erase(self) -> None:
+        if self._db is None and not self.path.exists():
+            return  # never written: nothing to erase
+        await self._read(sqlite_erase)
+
+    async def note_erasure(self, whose: Whose | None, node_ids: Sequence[str]) -> None:
+        return None  # the file is this process's own: no other replica reads it
+
+    async def erasures_since(self, at_us: int) -> list[tuple[Whose | None, list[str]]]:
+        return []
 
     async def aclose(self) -> None:
         if self._closed:
@@ -250,6 +345,8 @@ class SqliteEpisodeIndex:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
+            # A removed entry's preview is zeroed in the file, not left in a freed page.
+            db.execute("PRAGMA secure_delete=ON")
             sqlite_migrate(db, _SQLITE_STEPS, f"the episode index {self.path}")
             self._db = db
         return self._db
@@ -268,8 +365,8 @@ class SqliteEpisodeIndex:
                 # newest entry: delete and insert rather than update in place.
                 db.executemany("DELETE FROM episodes WHERE node_id = ?", [(e[0],) for e in queued])
                 db.executemany(
-                    "INSERT INTO episodes (node_id, scope_id, at_us, preview, scoped)"
-                    " VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO episodes (node_id, scope_id, at_us, preview, scoped, principal_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
                     queued,
                 )
         except (sqlite3.Error, OSError) as exc:
@@ -317,10 +414,12 @@ class PostgresEpisodeIndex:
         # (entries that must be done, its waiter), oldest first.
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    def record(self, node_id: str, scope_id: str, text: str, scoped: bool = False) -> None:
+    def record(
+        self, node_id: str, scope_id: str, text: str, scoped: bool = False, principal_id: str = ""
+    ) -> None:
         if self._closed:
             return
-        self._queued.append(_entry(node_id, scope_id, text, scoped))
+        self._queued.append(_entry(node_id, scope_id, text, scoped, principal_id))
         self._recorded += 1
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush_all())
@@ -341,25 +440,62 @@ class PostgresEpisodeIndex:
         row = await self._read("SELECT scope_id FROM episodes WHERE node_id = $1", node_id)
         return None if not row else str(row[0][0])
 
-    async def page(self, scope_id: str, limit: int, before: int | None) -> IndexPage:
+    async def page(
+        self, scope_id: str, limit: int, before: int | None, contains: str = ""
+    ) -> IndexPage:
         rows = await self._read(
             "SELECT seq, node_id, preview, at_us FROM episodes"
-            " WHERE scope_id = $1 AND seq < $2 ORDER BY seq DESC LIMIT $3",
+            " WHERE scope_id = $1 AND seq < $2 AND lower(preview) LIKE $4 ESCAPE '\\'"
+            " ORDER BY seq DESC LIMIT $3",
             scope_id,
             before if before is not None else _NEWEST,
             limit + 1,
+            _contains(contains),
         )
         return _page(rows, limit)
 
-    async def node_ids(self, scope_id: str) -> list[str]:
+    async def node_ids(self, whose: Whose) -> list[str]:
+        condition, args = whose.where(lambda i: f"${i + 1}")
         rows = await self._read(
-            "SELECT node_id FROM episodes WHERE scope_id = $1 ORDER BY seq DESC", scope_id
+            f"SELECT node_id FROM episodes WHERE {condition} ORDER BY seq DESC", *args
         )
         return [str(r[0]) for r in rows]
 
     async def remove(self, node_ids: Sequence[str]) -> None:
         if node_ids:
             await self._read("DELETE FROM episodes WHERE node_id = ANY($1::text[])", list(node_ids))
+
+    async def erase(self) -> None:
+        # The rows are deleted; PostgreSQL's own files (dead tuples until vacuumed, its
+        # write-ahead log) are the database's to clean (see the README's "What is kept").
+        await self._read("VACUUM episodes")
+
+    async def note_erasure(self, whose: Whose | None, node_ids: Sequence[str]) -> None:
+        kind, key = _erasure_key(whose)
+        await self._read(
+            "INSERT INTO erasures (at_us, scope_id, principal_id, node_ids)"
+            " VALUES ($1, $2, $3, $4::text[])",
+            int(time.time() * 1_000_000),
+            key if kind == "scope" else None,
+            key if kind == "principal" else None,
+            list(node_ids) if whose is None else [],
+        )
+        # The events they could clear are at most a few minutes old.
+        await self._read(
+            "DELETE FROM erasures WHERE at_us < $1", int((time.time() - 86400) * 1_000_000)
+        )
+
+    async def erasures_since(self, at_us: int) -> list[tuple[Whose | None, list[str]]]:
+        rows = await self._read(
+            "SELECT scope_id, principal_id, node_ids FROM erasures WHERE at_us >= $1", at_us
+        )
+        found: list[tuple[Whose | None, list[str]]] = []
+        for scope, principal, node_ids in rows:
+            if node_ids:
+                found.append((None, [str(n) for n in node_ids]))
+            else:
+                found.append((Whose(scope, principal), []))
+        return found
 
     async def aclose(self) -> None:
         if self._closed:
@@ -380,8 +516,9 @@ class PostgresEpisodeIndex:
                             [e[0] for e in queued],
                         )
                         await conn.executemany(
-                            "INSERT INTO episodes (node_id, scope_id, at_us, preview, scoped)"
-                            " VALUES ($1, $2, $3, $4, $5)",
+                            "INSERT INTO episodes"
+                            " (node_id, scope_id, at_us, preview, scoped, principal_id)"
+                            " VALUES ($1, $2, $3, $4, $5, $6)",
                             queued,
                         )
                 except Exception as exc:
@@ -423,6 +560,18 @@ class PostgresEpisodeIndex:
             raise
         database_answered(self._url)
         return rows
+
+
+def _erasure_key(whose: Whose | None) -> tuple[str, str]:
+    """How an erasure is noted: ``("scope", id)``, ``("principal", id)``, ``("all", "")``, or
+    ``("nodes", "")`` for some nodes."""
+    if whose is None:
+        return "nodes", ""
+    if whose.scope_id is not None:
+        return "scope", whose.scope_id
+    if whose.principal_id is not None:
+        return "principal", whose.principal_id
+    return "all", ""
 
 
 def open_index(

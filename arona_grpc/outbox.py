@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arona_grpc.config import Settings
-from arona_grpc.database import SqliteStep, run_on, sqlite_migrate
+from arona_grpc.database import SqliteStep, run_on, sqlite_erase, sqlite_migrate
+from arona_grpc.episodes import Whose
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.redact import redact_url
 
@@ -99,6 +100,11 @@ _SQLITE_STEPS: tuple[SqliteStep, ...] = (
         reason      TEXT NOT NULL
     );
     """,
+    # 6: whose principal an episode is, so that forgetting a principal finds its episodes.
+    """
+    ALTER TABLE episodes ADD COLUMN principal_id TEXT;
+    ALTER TABLE dead_letters ADD COLUMN principal_id TEXT;
+    """,
 )
 
 
@@ -117,6 +123,8 @@ class OutboxEntry:
     episode_id: str = ""
     # When it happened, in POSIX microseconds (queued without a time: when it was queued).
     occurred_us: int = 0
+    # The scope id of its scope's principal ("" for nobody's or unknown).
+    principal_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,20 +165,25 @@ def entry_bytes(text: str, node_type: str, scope_id: str, episode_id: str) -> in
 # writeback during an outage reads the whole outbox.
 SQLITE_HAS = "SELECT 1 FROM episodes WHERE episode_id = ? AND episode_id != '' LIMIT 1"
 PG_PUT = (
-    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id, occurred_us, bytes)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING seq"
+    "INSERT INTO outbox"
+    " (text, node_type, scope_id, queued_us, episode_id, occurred_us, bytes, principal_id)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING seq"
 )
 # No row (seq NULL) when the episode is already queued (the same lookup as SQLITE_HAS).
 PG_PUT_UNLESS_QUEUED = (
-    "INSERT INTO outbox (text, node_type, scope_id, queued_us, episode_id, occurred_us, bytes)"
-    " SELECT $1, $2, $3, $4, $5::text, $6::bigint, $7 WHERE NOT EXISTS"
+    "INSERT INTO outbox"
+    " (text, node_type, scope_id, queued_us, episode_id, occurred_us, bytes, principal_id)"
+    " SELECT $1, $2, $3, $4, $5::text, $6::bigint, $7, $8 WHERE NOT EXISTS"
     " (SELECT 1 FROM outbox WHERE episode_id = $5::text AND episode_id <> '')"
     " RETURNING seq"
 )
 # The columns of an OutboxEntry, on both backends.
-_ENTRY_COLUMNS = "seq, text, node_type, scope_id, episode_id, coalesce(occurred_us, queued_us)"
+_ENTRY_COLUMNS = (
+    "seq, text, node_type, scope_id, episode_id, coalesce(occurred_us, queued_us),"
+    " coalesce(principal_id, '')"
+)
 # What a dead letter keeps of a queued episode (the same columns on both backends).
-_DEAD_COLUMNS = "text, node_type, scope_id, episode_id, queued_us, occurred_us"
+_DEAD_COLUMNS = "text, node_type, scope_id, episode_id, queued_us, occurred_us, principal_id"
 _SQLITE_RECENT = (
     "SELECT dead_us, reason, length(text), scope_id FROM dead_letters"
     f" ORDER BY seq DESC LIMIT {DEAD_LETTERS_SHOWN}"
@@ -186,7 +199,9 @@ def _now_us() -> int:
 
 
 def _entry(row: Any) -> OutboxEntry:
-    return OutboxEntry(int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), int(row[5]))
+    return OutboxEntry(
+        int(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), int(row[5]), str(row[6])
+    )
 
 
 def _dead_letters(rows: Sequence[Any]) -> tuple[DeadLetter, ...]:
@@ -220,6 +235,7 @@ class _OutboxFile:
         episode_id: str,
         occurred_us: int | None,
         unless_queued: bool,
+        principal_id: str,
     ) -> tuple[int | None, _Counts]:
         db = self._opened()
         if unless_queued and episode_id and self.has(episode_id):
@@ -227,10 +243,9 @@ class _OutboxFile:
         size = entry_bytes(text, node_type, scope_id, episode_id)
         with db:
             cursor = db.execute(
-                "INSERT INTO episodes"
-                " (text, node_type, queued_us, scope_id, episode_id, occurred_us, bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (text, node_type, _now_us(), scope_id, episode_id, occurred_us, size),
+                "INSERT INTO episodes (text, node_type, queued_us, scope_id, episode_id,"
+                " occurred_us, bytes, principal_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (text, node_type, _now_us(), scope_id, episode_id, occurred_us, size, principal_id),
             )
             seq = int(cursor.lastrowid or 0)
             self._depth += 1
@@ -315,6 +330,7 @@ class _OutboxFile:
         episode_id: str,
         occurred_us: int | None,
         reason: str,
+        principal_id: str,
     ) -> _Counts:
         """Add an episode that was never queued to the dead-letter list."""
         db = self._opened()
@@ -322,10 +338,31 @@ class _OutboxFile:
         with db:
             db.execute(
                 f"INSERT INTO dead_letters ({_DEAD_COLUMNS}, dead_us, reason)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (text, node_type, scope_id, episode_id, now, occurred_us, now, reason),
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (text, node_type, scope_id, episode_id, now, occurred_us)
+                + (principal_id, now, reason),
             )
             self._buried(db)
+        return self._counts()
+
+    def forget(self, whose: Whose) -> _Counts:
+        """Remove the queued episodes and dead letters of ``whose``, leaving nothing of them
+        in the file or its log."""
+        if self._db is None:
+            if not self._path.exists():
+                return self._counts()
+            self._open()
+        db = self._opened()
+        condition, args = whose.where(lambda _: "?")
+        with db:
+            db.execute(f"DELETE FROM episodes WHERE {condition}", args)
+            db.execute(f"DELETE FROM dead_letters WHERE {condition}", args)
+            depth, size = db.execute(
+                "SELECT count(*), coalesce(sum(bytes), 0) FROM episodes"
+            ).fetchone()
+            self._depth, self._bytes = int(depth), int(size)
+            self._recent = _dead_letters(db.execute(_SQLITE_RECENT).fetchall())
+        sqlite_erase(db)
         return self._counts()
 
     def _buried(self, db: sqlite3.Connection) -> None:
@@ -356,6 +393,8 @@ class _OutboxFile:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=2000")
+            # A removed episode is zeroed in the file, not left in a freed page.
+            db.execute("PRAGMA secure_delete=ON")
             db.isolation_level = "DEFERRED"
             sqlite_migrate(db, _SQLITE_STEPS, f"the outbox {self._path}")
             depth, size = db.execute(
@@ -464,6 +503,7 @@ class Outbox(_Kept):
         *,
         occurred_us: int | None = None,
         unless_queued: bool = False,
+        principal_id: str = "",
     ) -> asyncio.Future[int | None]:
         """Queue one episode; a future of its sequence number.
 
@@ -493,7 +533,14 @@ class Outbox(_Kept):
                 done.set_result(seq)
 
         self._submit(
-            self._file.put, text, node_type, scope_id, episode_id, occurred_us, unless_queued
+            self._file.put,
+            text,
+            node_type,
+            scope_id,
+            episode_id,
+            occurred_us,
+            unless_queued,
+            principal_id,
         ).add_done_callback(committed)
         return done
 
@@ -517,15 +564,28 @@ class Outbox(_Kept):
         episode_id: str,
         occurred_us: int | None,
         reason: str,
+        principal_id: str = "",
     ) -> None:
         """Philia refused an episode that was never queued: to the dead-letter list."""
         if self._closed:
             raise OutboxClosed("the outbox is closed")
         self._settle(
             await self._run(
-                self._file.bury, text, node_type, scope_id, episode_id, occurred_us, reason
+                self._file.bury,
+                text,
+                node_type,
+                scope_id,
+                episode_id,
+                occurred_us,
+                reason,
+                principal_id,
             )
         )
+
+    async def forget(self, whose: Whose) -> None:
+        """Remove the queued episodes and dead letters of ``whose`` (see the file's
+        :meth:`_OutboxFile.forget`)."""
+        self._settle(await self._run(self._file.forget, whose))
 
     async def aclose(self) -> None:
         """Finish every submitted write, then close the file."""
@@ -620,6 +680,7 @@ class PostgresOutbox(_Kept):
         *,
         occurred_us: int | None = None,
         unless_queued: bool = False,
+        principal_id: str = "",
     ) -> asyncio.Future[int | None]:
         if self._closed:
             raise OutboxClosed("the outbox is closed")
@@ -632,6 +693,7 @@ class PostgresOutbox(_Kept):
                 episode_id,
                 occurred_us,
                 unless_queued and bool(episode_id),
+                principal_id,
             )
         )
         self._writes.add(task)
@@ -650,6 +712,7 @@ class PostgresOutbox(_Kept):
         episode_id: str,
         occurred_us: int | None,
         unless_queued: bool,
+        principal_id: str,
     ) -> int | None:
         size = entry_bytes(text, node_type, scope_id, episode_id)
 
@@ -665,6 +728,7 @@ class PostgresOutbox(_Kept):
                     episode_id,
                     occurred_us,
                     size,
+                    principal_id,
                 )
                 if seq is None:  # already queued: nothing changed
                     return None, await self._read_counts(conn)
@@ -773,6 +837,7 @@ class PostgresOutbox(_Kept):
         episode_id: str,
         occurred_us: int | None,
         reason: str,
+        principal_id: str = "",
     ) -> None:
         if self._closed:
             raise OutboxClosed("the outbox is closed")
@@ -783,7 +848,7 @@ class PostgresOutbox(_Kept):
                 await conn.fetchval(_PG_LOCK)
                 await conn.execute(
                     f"INSERT INTO outbox_dead_letters ({_DEAD_COLUMNS}, dead_us, reason)"
-                    " VALUES ($1, $2, $3, $4, $5, $6, $5, $7)",
+                    " VALUES ($1, $2, $3, $4, $5, $6, $8, $5, $7)",
                     text,
                     node_type,
                     scope_id,
@@ -791,10 +856,32 @@ class PostgresOutbox(_Kept):
                     now,
                     occurred_us,
                     reason,
+                    principal_id,
                 )
                 await conn.execute(_PG_ADD, 0, 0, 0, 1)
                 await conn.execute(_PG_PRUNE, DEAD_LETTERS_KEPT)
                 return await self._read_counts(conn)
+
+        self._settle(await self._run(work))
+
+    async def forget(self, whose: Whose) -> None:
+        """Remove the queued episodes and dead letters of ``whose``; their rows are
+        vacuumed away (PostgreSQL's own log is the database's: README, "What is kept")."""
+        condition, args = whose.where(lambda i: f"${i + 1}")
+
+        async def work(conn: Any) -> _Counts:
+            async with conn.transaction():
+                await conn.fetchval(_PG_LOCK)
+                gone = await conn.fetchrow(
+                    f"WITH gone AS (DELETE FROM outbox WHERE {condition} RETURNING bytes)"
+                    " SELECT count(*), coalesce(sum(bytes), 0) FROM gone",
+                    *args,
+                )
+                await conn.execute(_PG_ADD, -int(gone[0]), -int(gone[1]), 0, 0)
+                await conn.execute(f"DELETE FROM outbox_dead_letters WHERE {condition}", *args)
+                counts = await self._read_counts(conn)
+            await conn.execute("VACUUM outbox, outbox_dead_letters")
+            return counts
 
         self._settle(await self._run(work))
 

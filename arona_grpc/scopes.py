@@ -76,6 +76,12 @@ def scope_id(scope: str) -> str:
     return hashlib.sha256(scope.encode("utf-8")).hexdigest()[:SCOPE_ID_CHARS]
 
 
+def principal_id(scope: str) -> str:
+    """The scope id of ``scope``'s principal (its part before the first ``/``), which is
+    also the id of that principal's own scope; "" for no scope."""
+    return scope_id(scope.partition("/")[0]) if scope else ""
+
+
 def is_scoped_node_type(node_type: str) -> bool:
     """Whether a node is an episode stored for one scope alone (``user`` mode)."""
     return node_type.startswith(f"{EPISODE_NODE_TYPE}:")

@@ -64,10 +64,12 @@ from typing import Any
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import SCOPE_SHARED, ConfigError, Settings
 from arona_grpc.episodes import (
+    EVERYONE,
     INDEX_FILE,
     EpisodeIndex,
     IndexPage,
     IndexUnavailable,
+    Whose,
     open_index,
 )
 from arona_grpc.metrics import ServiceMetrics
@@ -77,6 +79,8 @@ from arona_grpc.redact import redact_url
 from arona_grpc.scopes import (
     EPISODE_NODE_TYPE,
     is_scoped_node_type,
+    principal_error,
+    principal_id,
     scope_error,
     scope_id,
     scoped_node_type,
@@ -122,6 +126,11 @@ REPLAY_BATCH = 128
 MAX_REPLAY_BACKOFF_S = 60.0
 # How often a replica looks at a shared (PostgreSQL) outbox for episodes to replay.
 OUTBOX_WATCH_S = 2.0
+# How far back a stored episode looks for the recall event of its turn.
+TIE_LOOKBACK = 20
+# Deletes a forget sends Philia at once (pipelined over the one link; the embedded store
+# erases the deletes that arrive together at once).
+FORGET_BATCH = 64
 # How many replayed node ids are remembered for writebacks waiting on them.
 _REPLAYED_MEMORY = 1024
 # How far ahead of the service's clock a writeback's occurred_at may be (the caller's clock
@@ -348,12 +357,36 @@ class _Episode:
     received: float = 0.0
     # Set once the outbox has it: a failure after that still leaves it safe.
     kept: bool = False
+    # The scope id of its scope's principal ("" for nobody's): forgetting a principal.
+    principal_id: str = ""
+    # What the user said (the question its turn recalled with), to tie that recall's event
+    # to the stored node: deleting the node clears the event.
+    asked: str = ""
 
     @property
     def occurred_us(self) -> int:
         """When it happened, in POSIX microseconds, for the outbox."""
         at = self.received if self.occurred_at is None else self.occurred_at
         return int(at * 1_000_000)
+
+
+@dataclass(slots=True)
+class _Event:
+    """One event of the ring Status reads: what happened (a recall's question, a node id, an
+    error), when, whose (scope and principal ids, "" for none), and the node it concerns,
+    so that forgetting a scope, a principal or a node clears its events too."""
+
+    kind: EventKind
+    detail: str
+    at: float
+    scope_id: str
+    pid: str = ""
+    node_id: str = ""
+
+    @property
+    def question(self) -> str:
+        """A recall's question as recorded (without the ellipsis of a shortened one)."""
+        return self.detail.removesuffix(ELLIPSIS)
 
 
 @dataclass
@@ -437,9 +470,9 @@ class MemoryDomain:
             self._index = index or open_index(
                 settings.data_dir, pool, settings.database_url, storage=self.storage
             )
-        # (kind, detail, wall-clock seconds, scope id): a turn records one or two events,
-        # Status reads them rarely, so the MemoryEvent and its datetime are made only then.
-        self._events: deque[tuple[EventKind, str, float, str]] = deque(maxlen=EVENT_BUFFER_SIZE)
+        # A turn records one or two events, Status reads them rarely, so the MemoryEvent and
+        # its datetime are made only then.
+        self._events: deque[_Event] = deque(maxlen=EVENT_BUFFER_SIZE)
         self._breaker = CircuitBreaker(
             settings.memory_breaker_failures,
             settings.memory_breaker_cooldown_s,
@@ -544,6 +577,7 @@ class MemoryDomain:
         sid = self._scope_id(scope)
         if self._client is None or not query.strip():
             return RecallOutcome(MemoryState.DISABLED, (), "")
+        pid = principal_id(scope)
         limit = min(limit or DEFAULT_RECALL_LIMIT, MAX_RECALL_LIMIT)
         budget_s = self._settings.recall_budget_s
         if deadline_s is not None:
@@ -580,7 +614,7 @@ class MemoryDomain:
             )
             raise
         self._succeeded(permit)
-        self._record(EventKind.RECALL, query, sid)
+        self._record(EventKind.RECALL, query, sid, pid)
         if not self._user_scoped:
             # One user's episodes (stored in user mode, by this or another gateway on the same
             # Philia) are never shared memory: Philia returns them to an unfiltered query.
@@ -626,7 +660,16 @@ class MemoryDomain:
         )
         if not text:
             return WritebackOutcome(stored=False)
-        episode = _Episode(text, node_type, sid, episode_id, occurred_at, received)
+        episode = _Episode(
+            text,
+            node_type,
+            sid,
+            episode_id,
+            occurred_at,
+            received,
+            principal_id=principal_id(scope),
+            asked=without_memory_section(user),
+        )
         try:
             outcome = await self._writeback(episode)
         except MemoryDomainError as exc:
@@ -703,7 +746,8 @@ class MemoryDomain:
         mode only an indexed episode is: with ``scope``, one indexed for that scope (another
         scope's node is ``OTHER_SCOPE``); without, whoever's it is, as the index says (an
         admin's or an internal service's delete by id). A node the index does not know is
-        ``NOT_INDEXED``; neither asks Philia.
+        ``NOT_INDEXED``; neither asks Philia. A deleted node leaves the index and the events
+        its turn recorded (its question among them).
         """
         if not node_id.strip():
             raise InvalidArgument("node_id is required")
@@ -718,62 +762,144 @@ class MemoryDomain:
         else:
             sid = self._scope_id(scope)
         deleted = await self._philia_delete(node_id, sid)
+        self._clear_events(None, [node_id])
         await self._unindex([node_id])
+        await self._note_erasure(None, [node_id])
         return DeleteOutcome(True) if deleted else DeleteOutcome(False, NOT_IN_MEMORY)
 
-    async def list_episodes(self, scope: str, limit: int = 0, before: str = "") -> IndexPage:
-        """A page of ``scope``'s stored episodes, newest first (see :class:`IndexPage`)."""
-        if not scope:
-            raise InvalidArgument("scope is required")
-        sid = scope_id(_checked(scope))
+    async def list_episodes(
+        self,
+        scope: str,
+        limit: int = 0,
+        before: str = "",
+        *,
+        anonymous: bool = False,
+        contains: str = "",
+    ) -> IndexPage:
+        """A page of ``scope``'s stored episodes (``anonymous``: of those stored with no
+        scope), newest first, only those whose preview holds ``contains`` when given (see
+        :class:`IndexPage`)."""
+        if anonymous == bool(scope):
+            raise InvalidArgument("give a scope, or ask for the episodes of no scope")
+        sid = scope_id(_checked(scope)) if scope else ""
         if before and not (before.isascii() and before.isdigit() and len(before) <= 18):
             raise InvalidArgument("before must be a cursor returned as next")
         if self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
         limit = min(limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
         try:
-            return await self._index.page(sid, limit, int(before) if before else None)
+            return await self._index.page(
+                sid, limit, int(before) if before else None, contains=contains
+            )
         except IndexUnavailable as exc:
             raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
-    async def forget(self, scope: str) -> int:
-        """Delete every episode stored for ``scope``; how many Philia deleted.
+    async def forget(
+        self,
+        scope: str = "",
+        *,
+        principal: str = "",
+        anonymous: bool = False,
+        everything: bool = False,
+    ) -> int:
+        """Erase the episodes of one ``scope``, of every scope of one ``principal`` (its own
+        and those it narrowed to), of no scope (``anonymous``), or ``everything``; how many
+        Philia deleted.
 
-        An episode leaves the index once Philia has deleted it (or no longer has it), so a
-        call that stopped half-way (Philia down) can simply be made again.
+        Everything the service keeps of them goes: their episodes waiting in the outbox and
+        their dead letters, the nodes in Philia (deleted together, :data:`FORGET_BATCH` at a
+        time), their index entries, and their events (the questions their turns recalled
+        with), with nothing of them left in the files' logs. An episode leaves the index
+        once Philia has deleted it (or no longer has it), so a call that stopped half-way
+        (Philia down) can simply be made again; it says so.
         """
-        if not scope:
-            raise InvalidArgument("scope is required")
+        if sum((bool(scope), bool(principal), anonymous, everything)) != 1:
+            raise InvalidArgument("forget one scope, one principal, the anonymous, or everything")
         if self._client is None or self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
-        sid = scope_id(_checked(scope))
+        if scope:
+            whose = Whose(scope_id=scope_id(_checked(scope)))
+        elif principal:
+            problem = principal_error(principal)
+            if problem is not None:
+                raise InvalidArgument(f"principal {problem}")
+            whose = Whose(principal_id=scope_id(principal))
+        else:
+            whose = Whose(scope_id="") if anonymous else EVERYONE
         try:
-            node_ids = await self._index.node_ids(sid)
+            if self._outbox is not None:
+                await self._outbox.forget(whose)
+            await self._index.written()
+            node_ids = await self._index.node_ids(whose)
         except IndexUnavailable as exc:
             raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
+        except MemoryDomainError:
+            raise
+        except Exception as exc:  # the outbox's file or database
+            raise MemoryUnavailable(
+                f"the outbox could not be cleared ({write_error(exc)}): nothing was forgotten",
+                code=DATABASE_UNAVAILABLE,
+            ) from None
+        sid = whose.scope_id or ""
         deleted = 0
         done: list[str] = []
         try:
-            for node_id in node_ids:
-                if await self._philia_delete(node_id, sid):
-                    deleted += 1
-                done.append(node_id)
+            for start in range(0, len(node_ids), FORGET_BATCH):
+                batch = node_ids[start : start + FORGET_BATCH]
+                results = await asyncio.gather(
+                    *(self._philia_delete(node_id, sid) for node_id in batch),
+                    return_exceptions=True,
+                )
+                failure: BaseException | None = None
+                for node_id, result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):
+                        failure = failure or result
+                        continue
+                    deleted += result
+                    done.append(node_id)
+                if failure is not None:
+                    raise failure
         except MemoryDomainError as exc:
             raise type(exc)(
                 f"{exc} ({deleted} of {len(node_ids)} episode(s) deleted; call again for the rest)",
                 code=exc.code,
             ) from None
         finally:
+            self._clear_events(whose if len(done) == len(node_ids) else None, done)
             await self._unindex(done)
+        await self._note_erasure(whose, [])
         return deleted
+
+    async def _note_erasure(self, whose: Whose | None, node_ids: list[str]) -> None:
+        """Tell the other replicas of a shared index to clear their events too."""
+        assert self._index is not None
+        try:
+            await self._index.note_erasure(whose, node_ids)
+        except IndexUnavailable as exc:
+            raise MemoryUnavailable(
+                f"forgotten, but the other replicas could not be told ({exc}): try again",
+                code=DATABASE_UNAVAILABLE,
+            ) from None
+
+    async def clear_erased_events(self) -> None:
+        """Clear the events of what other replicas of a shared index forgot since the oldest
+        event here (Status calls it first)."""
+        if self._index is None or not self._events:
+            return
+        try:
+            erased = await self._index.erasures_since(int(self._events[0].at * 1_000_000))
+        except IndexUnavailable:
+            return  # said by the index; the events stay until it answers
+        for whose, node_ids in erased:
+            self._clear_events(whose, node_ids)
 
     def status(self, limit: int = 0) -> StatusSnapshot:
         """Configuration, breaker, outbox and the most recent events, newest first."""
         limit = min(limit or DEFAULT_STATUS_LIMIT, EVENT_BUFFER_SIZE)
         self.storage.recheck()
         newest_first = tuple(
-            MemoryEvent(kind, detail, datetime.fromtimestamp(at, UTC), sid)
-            for kind, detail, at, sid in itertools.islice(reversed(self._events), limit)
+            MemoryEvent(e.kind, e.detail, datetime.fromtimestamp(e.at, UTC), e.scope_id)
+            for e in itertools.islice(reversed(self._events), limit)
         )
         outbox = self._outbox
         return StatusSnapshot(
@@ -844,6 +970,7 @@ class MemoryDomain:
                     episode.episode_id,
                     occurred_us=episode.occurred_us,
                     unless_queued=True,
+                    principal_id=episode.principal_id,
                 )
             )
         except OutboxClosed:
@@ -871,6 +998,7 @@ class MemoryDomain:
                 episode.scope_id,
                 episode.episode_id,
                 occurred_us=episode.occurred_us,
+                principal_id=episode.principal_id,
             ).add_done_callback(_ignore_result)
         except OutboxClosed:
             logger.error("an in-flight writeback was lost: the outbox is already closed")
@@ -1042,7 +1170,13 @@ class MemoryDomain:
         for entry, node_id in stored:
             if replayed:
                 self._stored(
-                    _Episode(entry.text, entry.node_type, entry.scope_id, entry.episode_id),
+                    _Episode(
+                        entry.text,
+                        entry.node_type,
+                        entry.scope_id,
+                        entry.episode_id,
+                        principal_id=entry.principal_id,
+                    ),
                     node_id,
                 )
             self._replayed[entry.seq] = node_id
@@ -1066,6 +1200,7 @@ class MemoryDomain:
                     episode.episode_id,
                     episode.occurred_us,
                     reason,
+                    episode.principal_id,
                 )
             except Exception as error:  # the disk; the caller may send it again
                 logger.error("could not keep a refused episode: %s", type(error).__name__)
@@ -1157,11 +1292,35 @@ class MemoryDomain:
         # Philia errors are already token-free; this is the backstop for status output.
         return self._client.redact(text) if self._client is not None else text
 
-    def _record(self, kind: EventKind, detail: str, sid: str) -> None:
+    def _record(
+        self, kind: EventKind, detail: str, sid: str, pid: str = "", node_id: str = ""
+    ) -> None:
         # A detail (a recall's question, an error) is kept short: Status answers up to a
         # hundred of them, and a question may be thousands of characters.
         detail = shortened(detail, self._settings.memory_status_detail_chars)
-        self._events.append((kind, detail, time.time(), sid))
+        self._events.append(_Event(kind, detail, time.time(), sid, pid, node_id))
+
+    def _tie_recall(self, episode: _Episode, node_id: str) -> None:
+        """Tie the recall its turn made (the newest recall event of its scope whose question
+        the user's text holds) to the stored node, so deleting the node clears that event."""
+        if not episode.asked:
+            return
+        for event in itertools.islice(reversed(self._events), TIE_LOOKBACK):
+            if event.kind is EventKind.RECALL and event.scope_id == episode.scope_id:
+                if not event.node_id and event.question in episode.asked:
+                    event.node_id = node_id
+                    return
+
+    def _clear_events(self, whose: Whose | None, node_ids: Iterable[str] = ()) -> None:
+        """Forget the events of ``whose`` (every one of its scopes) and of these nodes."""
+        gone = set(node_ids)
+        kept = [
+            e
+            for e in self._events
+            if not (e.node_id in gone or (whose is not None and whose.holds(e.scope_id, e.pid)))
+        ]
+        if len(kept) != len(self._events):
+            self._events = deque(kept, maxlen=EVENT_BUFFER_SIZE)
 
     def _scope_id(self, scope: str) -> str:
         """The scope id of a request's scope ("" for none); required in ``user`` mode."""
@@ -1179,12 +1338,15 @@ class MemoryDomain:
 
     def _stored(self, episode: _Episode, node_id: str) -> None:
         """Philia stored ``episode`` as ``node_id``: an event, its id remembered, and an
-        index entry."""
+        index entry (the episodes of no scope too, so that they can be listed and forgotten)."""
         self._remember_id(episode.episode_id, node_id)
-        self._record(EventKind.WRITEBACK, node_id, episode.scope_id)
-        if self._index is not None and episode.scope_id:
+        self._tie_recall(episode, node_id)
+        self._record(EventKind.WRITEBACK, node_id, episode.scope_id, episode.principal_id)
+        if self._index is not None:
             scoped = is_scoped_node_type(episode.node_type)
-            self._index.record(node_id, episode.scope_id, episode.text, scoped)
+            self._index.record(
+                node_id, episode.scope_id, episode.text, scoped, episode.principal_id
+            )
 
     async def _indexed_owner(self, node_id: str) -> str | None:
         assert self._index is not None
@@ -1194,12 +1356,18 @@ class MemoryDomain:
             raise MemoryUnavailable(str(exc), code=DATABASE_UNAVAILABLE) from None
 
     async def _unindex(self, node_ids: list[str]) -> None:
+        """Take deleted episodes out of the index, leaving nothing of them in its files."""
         if self._index is None or not node_ids:
             return
         try:
             await self._index.remove(node_ids)
+            await self._index.erase()
         except IndexUnavailable:
             logger.warning("%d deleted episode(s) are still in the episode index", len(node_ids))
+            raise MemoryUnavailable(
+                "deleted from memory, but the episode index could not be cleared: try again",
+                code=DATABASE_UNAVAILABLE,
+            ) from None
 
     async def _philia_delete(self, node_id: str, sid: str) -> bool:
         """One ``Sync.MemoryDeleteRequest`` behind the breaker; whether the node existed."""

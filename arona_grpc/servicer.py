@@ -144,6 +144,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         try:
             _adopt_request_id(context)
+            # What other replicas forgot leaves this one's events too.
+            await self._domain.clear_erased_events()
             return _status_reply(self._domain.status(request.limit))
         except Exception as exc:
             await _abort(context, "Status", exc)
@@ -151,7 +153,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
         try:
             _adopt_request_id(context)
-            page = await self._domain.list_episodes(request.scope, request.limit, request.before)
+            page = await self._domain.list_episodes(
+                request.scope,
+                request.limit,
+                request.before,
+                anonymous=request.anonymous,
+                contains=request.contains,
+            )
             return _list_reply(page)
         except Exception as exc:
             await _abort(context, "List", exc)
@@ -159,7 +167,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
         try:
             _adopt_request_id(context)
-            return pb.ForgetResponse(deleted=await self._domain.forget(request.scope))
+            deleted = await self._domain.forget(
+                request.scope,
+                principal=request.principal,
+                anonymous=request.anonymous,
+                everything=request.everything,
+            )
+            return pb.ForgetResponse(deleted=deleted)
         except Exception as exc:
             await _abort(context, "Forget", exc)
 

@@ -32,6 +32,7 @@ from arona_grpc.database import (
     DatabaseUnavailable,
     SqliteThread,
     run_on,
+    sqlite_erase,
     sqlite_open,
 )
 
@@ -170,7 +171,15 @@ class ConversationStore(Protocol):
         """The owner's conversations, most recently active first."""
         ...
 
-    async def delete(self, conversation_id: str, owner: str) -> None: ...
+    async def delete(self, conversation_id: str, owner: str) -> None:
+        """Delete one of the owner's conversations and its messages, leaving nothing of them
+        in the database's files (its write-ahead log included) once this returns."""
+        ...
+
+    async def forget(self, owner: str | None) -> int:
+        """Delete every conversation of ``owner`` (None: everyone's) as :meth:`delete` does;
+        how many."""
+        ...
 
     async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
         """Add whole messages at the end, in one transaction, and mark it as just updated."""
@@ -247,8 +256,22 @@ class SqliteConversationStore:
                 ).fetchone()
                 _check_owner(row, conversation_id, owner)
                 db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            sqlite_erase(db)
 
         await self._run(work)
+
+    async def forget(self, owner: str | None) -> int:
+        def work(db: sqlite3.Connection) -> int:
+            with db:
+                if owner is None:
+                    cursor = db.execute("DELETE FROM conversations")
+                else:
+                    cursor = db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
+                gone = cursor.rowcount
+            sqlite_erase(db)
+            return int(gone)
+
+        return await self._run(work)
 
     async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
         rows = [_encoded(m) for m in messages]
@@ -303,6 +326,11 @@ class SqliteConversationStore:
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         return await self._thread.run(work)
+
+
+# Deleted rows leave the tables' pages at once rather than at autovacuum's next pass (what
+# PostgreSQL's own write-ahead log keeps is the database's: README, "What is kept").
+_VACUUM = "VACUUM conversations, messages"
 
 
 class PostgresConversationStore:
@@ -361,8 +389,20 @@ class PostgresConversationStore:
                 )
                 _check_owner(row, conversation_id, owner)
                 await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
+            await conn.execute(_VACUUM)
 
         await self._run(work)
+
+    async def forget(self, owner: str | None) -> int:
+        async def work(conn: Any) -> int:
+            if owner is None:
+                done = await conn.execute("DELETE FROM conversations")
+            else:
+                done = await conn.execute("DELETE FROM conversations WHERE owner = $1", owner)
+            await conn.execute(_VACUUM)
+            return int(done.rsplit(" ", 1)[-1])
+
+        return await self._run(work)
 
     async def append(self, conversation_id: str, *messages: Mapping[str, Any]) -> None:
         rows = [_encoded(m) for m in messages]

@@ -202,6 +202,11 @@ def storage_fault_view(
     }
 
 
+# A forget deletes its episodes a batch at a time, each batch erased from every index of
+# the store: thousands of them take longer than one call's usual deadline.
+FORGET_TIMEOUT_S = 300.0
+
+
 class MemoryClient:
     """Calls ``arona.memory.v1.MemoryService``: recall and writeback over the ``Exchange``
     streams of ``streams`` when given (unary calls otherwise), everything else unary, on
@@ -422,11 +427,21 @@ class MemoryClient:
         reply = await self._call(self._unary()[0].Delete, request)
         return bool(reply.deleted), reply.reason
 
-    async def list_episodes(self, scope: str, limit: int, before: str = "") -> dict[str, Any]:
-        """``{memories: [{node_id, preview, at}], next}``: a page of a scope's episodes."""
-        reply = await self._call(
-            self._unary()[0].List, pb.ListRequest(scope=scope, limit=limit, before=before)
+    async def list_episodes(
+        self,
+        scope: str,
+        limit: int,
+        before: str = "",
+        *,
+        anonymous: bool = False,
+        contains: str = "",
+    ) -> dict[str, Any]:
+        """``{memories: [{node_id, preview, at}], next}``: a page of a scope's episodes (or,
+        ``anonymous``, of those of no scope), only those holding ``contains`` if given."""
+        request = pb.ListRequest(
+            scope=scope, limit=limit, before=before, anonymous=anonymous, contains=contains
         )
+        reply = await self._call(self._unary()[0].List, request)
         return {
             "memories": [
                 {"node_id": e.node_id, "preview": e.preview, "at": _rfc3339_ms(e.at)}
@@ -435,9 +450,20 @@ class MemoryClient:
             "next": reply.next or None,
         }
 
-    async def forget(self, scope: str) -> int:
-        """Delete every episode of ``scope``; how many were deleted."""
-        reply = await self._call(self._unary()[0].Forget, pb.ForgetRequest(scope=scope))
+    async def forget(
+        self,
+        scope: str = "",
+        *,
+        principal: str = "",
+        anonymous: bool = False,
+        everything: bool = False,
+    ) -> int:
+        """Erase every episode of one ``scope``, of every scope of one ``principal``, of no
+        scope (``anonymous``) or ``everything``; how many were deleted."""
+        request = pb.ForgetRequest(
+            scope=scope, principal=principal, anonymous=anonymous, everything=everything
+        )
+        reply = await self._call(self._unary()[0].Forget, request, FORGET_TIMEOUT_S)
         return int(reply.deleted)
 
     async def status(self, limit: int = 50) -> dict[str, Any]:
@@ -516,10 +542,12 @@ class MemoryClient:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    async def _call(self, method: Any, request: Any) -> Any:
+    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
             return await method(
-                request, timeout=self._rpc_timeout_s, metadata=self._call_metadata()
+                request,
+                timeout=timeout_s or self._rpc_timeout_s,
+                metadata=self._call_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             logger.warning("memory service call failed: %s", exc.code().name)

@@ -343,17 +343,23 @@ class TurnPipeline:
             if not writing:
                 del self._writing[scope]
 
-    async def writebacks_settled(self, scope: str, timeout_s: float = WRITEBACK_SETTLE_S) -> None:
-        """Wait (at most ``timeout_s``) for this process's writebacks into ``scope`` that are
-        on their way: read-your-write for a caller listing its memories after a turn.
+    async def writebacks_settled(
+        self, scope: str | None, timeout_s: float = WRITEBACK_SETTLE_S
+    ) -> None:
+        """Wait (at most ``timeout_s``) for this process's writebacks into ``scope`` (None:
+        into any scope) that are on their way: read-your-write for a caller listing its
+        memories after a turn, or forgetting them.
 
         The memory service answers a writeback once its episode is in the index, so a list
         made after this shows every turn this process has answered for the scope (unless
         Philia was down and the episode waits in the outbox).
         """
-        writing = self._writing.get(scope)
+        if scope is None:
+            writing = {task for tasks in self._writing.values() for task in tasks}
+        else:
+            writing = set(self._writing.get(scope, ()))
         if writing:
-            await asyncio.wait(set(writing), timeout=timeout_s)
+            await asyncio.wait(writing, timeout=timeout_s)
 
     async def _writeback(
         self, user: str, assistant: str, scope: str, entry: Journaled | None

@@ -19,12 +19,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     model_validator,
 )
 
-from gateway_http.auth import Principal, memory_scope
+from gateway_http.auth import ANONYMOUS, Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError
@@ -99,10 +100,43 @@ class DeleteParams(_ScopeParams):
 class ListParams(_ScopeParams):
     limit: Annotated[StrictInt, Field(ge=1, le=100)] = 50
     before: NonEmpty | None = None
+    # The episodes of no principal (shared mode's open REST turns) instead of a scope's.
+    anonymous: StrictBool = False
+    # Only the episodes whose preview holds this text (any case).
+    contains: NonEmpty | None = None
+
+    @model_validator(mode="after")
+    def _anonymous_alone(self) -> ListParams:
+        if self.anonymous and (self.scope is not None or self.user is not None):
+            raise ValueError("give 'anonymous' alone, without 'scope' or 'user'")
+        return self
 
 
 class ForgetParams(_ScopeParams):
-    pass
+    """Whose memory to forget: the caller's own scope (or one named by ``scope`` or narrowed
+    by ``user``), every scope of one ``principal``, the episodes of no principal
+    (``anonymous``), or ``everything``; the owner's conversations go too unless
+    ``keep_conversations``."""
+
+    principal: NonEmpty | None = None
+    anonymous: StrictBool = False
+    everything: StrictBool = False
+    keep_conversations: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> ForgetParams:
+        given = [
+            self.scope is not None,
+            self.user is not None,
+            self.principal is not None,
+            self.anonymous,
+            self.everything,
+        ]
+        if sum(given) > 1:
+            raise ValueError(
+                "give at most one of 'scope', 'user', 'principal', 'anonymous' and 'everything'"
+            )
+        return self
 
 
 class CreateConversationParams(_Params):
@@ -316,16 +350,56 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
             reason = NOT_YOURS
         return {"deleted": False, "reason": reason}
 
+    def check_others(ctx: RpcContext, what: str) -> None:
+        """In user mode, memory that is not the caller's own is an admin's."""
+        if user_scoped and not ctx.admin:
+            raise _not_allowed(what)
+
     async def memory_list(params: ListParams, ctx: RpcContext) -> dict[str, Any]:
+        contains = params.contains or ""
+        if params.anonymous:
+            check_others(ctx, "the memory of no principal")
+            await gw.pipeline.writebacks_settled("")
+            return await gw.memory.list_episodes(
+                "", params.limit, params.before or "", anonymous=True, contains=contains
+            )
         scope = scope_for(ctx, params)
         # Read-your-write: the turns this process just answered are listed too.
         await gw.pipeline.writebacks_settled(scope)
-        return await gw.memory.list_episodes(scope, params.limit, params.before or "")
+        return await gw.memory.list_episodes(
+            scope, params.limit, params.before or "", contains=contains
+        )
 
     async def memory_forget(params: ForgetParams, ctx: RpcContext) -> dict[str, Any]:
-        scope = scope_for(ctx, params)
-        await gw.pipeline.writebacks_settled(scope)
-        return {"deleted": await gw.memory.forget(scope)}
+        # Whose conversations go with the memory (None: everyone's; "": none).
+        owner: str | None
+        if params.everything:
+            check_others(ctx, "everyone's memory")
+            await gw.pipeline.writebacks_settled(None)
+            deleted = await gw.memory.forget(everything=True)
+            owner = None
+        elif params.anonymous:
+            check_others(ctx, "the memory of no principal")
+            await gw.pipeline.writebacks_settled("")
+            deleted = await gw.memory.forget(anonymous=True)
+            owner = ANONYMOUS
+        elif params.principal is not None:
+            if params.principal != ctx.user:
+                check_others(ctx, "another principal's memory")
+            await gw.pipeline.writebacks_settled(None)
+            deleted = await gw.memory.forget(principal=params.principal)
+            owner = params.principal
+        else:
+            scope = scope_for(ctx, params)
+            await gw.pipeline.writebacks_settled(scope)
+            deleted = await gw.memory.forget(scope)
+            # A principal's own scope: its conversations (not those of a user it narrowed
+            # to, which share the principal's conversations).
+            owner = "" if "/" in scope else scope
+        conversations = 0
+        if not params.keep_conversations and owner != "":
+            conversations = await gw.conversations.forget(owner)
+        return {"deleted": deleted, "conversations": conversations}
 
     async def conversations_create(
         params: CreateConversationParams, ctx: RpcContext

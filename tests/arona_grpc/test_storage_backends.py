@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from arona_grpc.config import Settings
 from arona_grpc.database import PG_MIGRATIONS, apply_migrations, open_pool
-from arona_grpc.episodes import EpisodeIndex, open_index
+from arona_grpc.episodes import EpisodeIndex, Whose, open_index
 from arona_grpc.outbox import (
     PG_PUT_UNLESS_QUEUED,
     SQLITE_HAS,
@@ -77,7 +77,7 @@ async def test_the_index_pages_and_forgets_on_each_backend(
         assert await index.owner("x-1") == "s2"
         assert await index.owner("nope") is None
         await index.remove(["n-4", "nope"])
-        assert await index.node_ids("s1") == ["n-1", "n-3", "n-2", "n-0"]
+        assert await index.node_ids(Whose(scope_id="s1")) == ["n-1", "n-3", "n-2", "n-0"]
     finally:
         await index.aclose()
 
@@ -137,10 +137,10 @@ async def test_an_episode_sent_again_is_found_by_the_index_on_each_backend(
             await conn.execute("SET plan_cache_mode = force_generic_plan")
             await conn.execute("SET enable_seqscan = off")
             await conn.execute(
-                "PREPARE put_episode(text, text, text, bigint, text, bigint, bigint)"
+                "PREPARE put_episode(text, text, text, bigint, text, bigint, bigint, text)"
                 f" AS {PG_PUT_UNLESS_QUEUED}"
             )
-            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x', 1, 1)")
+            rows = await conn.fetch("EXPLAIN EXECUTE put_episode('t', 'e', '', 1, 'x', 1, 1, '')")
         finally:
             await conn.close()
         plan = " ".join(row[0] for row in rows)

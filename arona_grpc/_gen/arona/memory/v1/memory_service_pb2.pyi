@@ -533,24 +533,34 @@ class ListRequest(_message.Message):
     SCOPE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     BEFORE_FIELD_NUMBER: _builtins.int
+    ANONYMOUS_FIELD_NUMBER: _builtins.int
+    CONTAINS_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
-    """Whose episodes to list; required."""
+    """Whose episodes to list; required unless anonymous is set."""
     limit: _builtins.int
     """How many to return; 0 means 50, at most 100."""
     before: _builtins.str
     """The cursor of the page to read: ListResponse.next of the previous page;
     empty for the newest.
     """
+    anonymous: _builtins.bool
+    """List the episodes stored with no scope (shared mode's turns of no
+    principal) instead of a scope's.
+    """
+    contains: _builtins.str
+    """Only the episodes whose preview holds this text (any case); empty: all."""
     def __init__(
         self,
         *,
         scope: _builtins.str = ...,
         limit: _builtins.int = ...,
         before: _builtins.str = ...,
+        anonymous: _builtins.bool = ...,
+        contains: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "limit", b"limit", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["anonymous", b"anonymous", "before", b"before", "contains", b"contains", "limit", b"limit", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -616,16 +626,30 @@ class ForgetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCOPE_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    ANONYMOUS_FIELD_NUMBER: _builtins.int
+    EVERYTHING_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
-    """Whose episodes to delete; required."""
+    """Exactly one of the four says whose episodes to erase.
+    One scope: <principal> or <principal>/<user>.
+    """
+    principal: _builtins.str
+    """Every scope of one principal: its own and those it narrowed to."""
+    anonymous: _builtins.bool
+    """The episodes stored with no scope."""
+    everything: _builtins.bool
+    """Every episode this service stored."""
     def __init__(
         self,
         *,
         scope: _builtins.str = ...,
+        principal: _builtins.str = ...,
+        anonymous: _builtins.bool = ...,
+        everything: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["anonymous", b"anonymous", "everything", b"everything", "principal", b"principal", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

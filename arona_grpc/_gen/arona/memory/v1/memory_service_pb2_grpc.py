@@ -110,15 +110,17 @@ class MemoryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """List pages through the episodes this service stored for one scope, newest
-        first.
+        """List pages through the episodes this service stored for one scope (or for
+        no scope), newest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Forget(self, request, context):
-        """Forget deletes every episode this service stored for one scope.
+        """Forget erases every episode this service stored for one scope, one
+        principal, no scope, or everyone: in memory, the outbox, the dead letters,
+        the episode index and the status events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,11 +47,14 @@ class MemoryServiceStub:
     Status: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.StatusRequest, _memory_service_pb2.StatusResponse]
     """Status reports the configuration and the most recent memory events."""
     List: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.ListRequest, _memory_service_pb2.ListResponse]
-    """List pages through the episodes this service stored for one scope, newest
-    first.
+    """List pages through the episodes this service stored for one scope (or for
+    no scope), newest first.
     """
     Forget: _grpc.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]
-    """Forget deletes every episode this service stored for one scope."""
+    """Forget erases every episode this service stored for one scope, one
+    principal, no scope, or everyone: in memory, the outbox, the dead letters,
+    the episode index and the status events.
+    """
     Exchange: _grpc.StreamStreamMultiCallable[_memory_service_pb2.ExchangeRequest, _memory_service_pb2.ExchangeResponse]
     """Exchange carries many Recall and Writeback calls over one long-lived
     stream, for high-rate callers (the gateway's HTTP layer). Each call has
@@ -80,11 +83,14 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     Status: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.StatusRequest, _memory_service_pb2.StatusResponse]  # type: ignore[assignment]
     """Status reports the configuration and the most recent memory events."""
     List: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.ListRequest, _memory_service_pb2.ListResponse]  # type: ignore[assignment]
-    """List pages through the episodes this service stored for one scope, newest
-    first.
+    """List pages through the episodes this service stored for one scope (or for
+    no scope), newest first.
     """
     Forget: _aio.UnaryUnaryMultiCallable[_memory_service_pb2.ForgetRequest, _memory_service_pb2.ForgetResponse]  # type: ignore[assignment]
-    """Forget deletes every episode this service stored for one scope."""
+    """Forget erases every episode this service stored for one scope, one
+    principal, no scope, or everyone: in memory, the outbox, the dead letters,
+    the episode index and the status events.
+    """
     Exchange: _aio.StreamStreamMultiCallable[_memory_service_pb2.ExchangeRequest, _memory_service_pb2.ExchangeResponse]  # type: ignore[assignment]
     """Exchange carries many Recall and Writeback calls over one long-lived
     stream, for high-rate callers (the gateway's HTTP layer). Each call has
@@ -140,8 +146,8 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _memory_service_pb2.ListRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_memory_service_pb2.ListResponse, _abc.Awaitable[_memory_service_pb2.ListResponse]]:
-        """List pages through the episodes this service stored for one scope, newest
-        first.
+        """List pages through the episodes this service stored for one scope (or for
+        no scope), newest first.
         """
 
     @_abc_1.abstractmethod
@@ -150,7 +156,10 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _memory_service_pb2.ForgetRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_memory_service_pb2.ForgetResponse, _abc.Awaitable[_memory_service_pb2.ForgetResponse]]:
-        """Forget deletes every episode this service stored for one scope."""
+        """Forget erases every episode this service stored for one scope, one
+        principal, no scope, or everyone: in memory, the outbox, the dead letters,
+        the episode index and the status events.
+        """
 
     @_abc_1.abstractmethod
     def Exchange(

@@ -112,9 +112,12 @@ def totals(summary: UsageSummary) -> dict[str, Any]:
     )
 
 
-def answer(when: Period, groups: tuple[str, ...], summary: UsageSummary) -> dict[str, Any]:
-    """The result of usage.summary."""
+def answer(
+    when: Period, groups: tuple[str, ...], summary: UsageSummary, principal: str | None
+) -> dict[str, Any]:
+    """The result of usage.summary: whose usage it is (None: everyone's), the period, the rows."""
     return {
+        "principal": principal,
         "from": rfc3339(when.start),
         "to": rfc3339(when.end),
         "group_by": list(groups),

@@ -72,6 +72,8 @@ async def test_a_user_sees_only_their_own_usage(stack: Stack) -> None:
     assert result["totals"]["prompt_tokens"] == 150
     assert result["group_by"] == ["principal", "model"]
     assert result["from"] == NOW.strftime("%Y-%m-01T00:00:00.000Z")
+    # Whose usage this is, named: the caller's own.
+    assert result["principal"] == "alice"
 
 
 @pytest.mark.asyncio
@@ -82,7 +84,9 @@ async def test_an_admin_sees_everyones_or_one_principals(stack: Stack) -> None:
         ("bob", 1),
         ("key:team", 1),
     ]
+    assert everyone["principal"] is None
     bob = (await summary(stack, {"principal": "bob"}, token=admin()))["result"]
+    assert bob["principal"] == "bob"
     assert bob["rows"] == [
         {
             "turns": 1,

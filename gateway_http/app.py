@@ -35,7 +35,7 @@ from arona_grpc.storage import StorageFaults
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
 from gateway_http.bodies import DisconnectLog
 from gateway_http.conversations import open_conversations
-from gateway_http.errors import ErrorKind, GatewayError
+from gateway_http.errors import MEMORY_HEADER, NO_RECALL, ErrorKind, GatewayError, is_rest
 from gateway_http.grpc_channel import (
     ReplicaWatch,
     memory_call_metadata,
@@ -69,6 +69,7 @@ def _error_response(error: GatewayError) -> Response:
         orjson.dumps(error.openai_body()),
         status_code=error.mapping.http_status,
         media_type="application/json",
+        headers=error.headers,
     )
 
 
@@ -78,6 +79,8 @@ def _internal_error(request: Request) -> Response:
 
 
 _REQUEST_ID_KEY = b"x-request-id"
+_MEMORY_KEY = MEMORY_HEADER.lower().encode("latin-1")
+_NO_RECALL = (_MEMORY_KEY, NO_RECALL.encode("latin-1"))
 
 
 def _incoming_request_id(scope: Scope) -> str | None:
@@ -100,6 +103,8 @@ class GatewayApp(FastAPI):
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
     request's log lines and gRPC calls, and returned as ``X-Request-Id`` on the response.
+    Every answer under ``/v1`` that is not a turn's (an error, a 404, a listing) gets
+    ``X-Arona-Memory: disabled`` here too, whichever layer produced it.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,7 +117,8 @@ class GatewayApp(FastAPI):
             if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
                 await self._chat_completions(scope, receive, send, request_id)
             else:
-                await super().__call__(scope, receive, _with_request_id(send, request_id))
+                added = _added_headers(request_id, rest=is_rest(scope["path"]))
+                await super().__call__(scope, receive, _with_headers(send, added))
         finally:
             REQUEST_ID.reset(token)
 
@@ -132,16 +138,29 @@ class GatewayApp(FastAPI):
             return
         except Exception:
             response = _internal_error(request)
-        response.raw_headers.append((_REQUEST_ID_KEY, request_id.encode("latin-1")))
+        _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
         await response(scope, receive, send)
 
 
-def _with_request_id(send: Send, request_id: str) -> Send:
-    header = (_REQUEST_ID_KEY, request_id.encode("latin-1"))
+def _added_headers(request_id: str, *, rest: bool) -> list[tuple[bytes, bytes]]:
+    """The request id, and for the REST surface the memory state of an answer without one."""
+    added = [(_REQUEST_ID_KEY, request_id.encode("latin-1"))]
+    if rest:
+        added.append(_NO_RECALL)
+    return added
 
+
+def _add_headers(headers: list[tuple[bytes, bytes]], added: list[tuple[bytes, bytes]]) -> None:
+    said = {key.lower() for key, _ in headers}
+    headers.extend(header for header in added if header[0] not in said)
+
+
+def _with_headers(send: Send, added: list[tuple[bytes, bytes]]) -> Send:
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", ()), header]
+            headers = list(message.get("headers", ()))
+            _add_headers(headers, added)
+            message["headers"] = headers
         await send(message)
 
     return sending

@@ -24,8 +24,9 @@ the last piece of the frame read (about 1 MiB) in a reference cycle until the cy
 collector came by, so ten refused sockets grew the process by 11 MiB.
 
 A refusal is an OpenAI-shaped error from the one error table, sent with ``Connection:
-close``; the connection then reads and discards for a moment before closing, so a client
-still sending its request reads the answer instead of a reset.
+close`` (and, to a request under ``/v1`` as far as its target arrived, ``X-Arona-Memory:
+disabled``, as every REST answer has); the connection then reads and discards for a moment
+before closing, so a client still sending its request reads the answer instead of a reset.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from arona_grpc.config import Settings
-from gateway_http.errors import ErrorKind, GatewayError
+from gateway_http.errors import MEMORY_HEADER, NO_RECALL, ErrorKind, GatewayError, is_rest
 
 # How long a refused connection keeps reading (and discarding) before it closes.
 LINGER_S = 2.0
@@ -196,11 +197,16 @@ class EdgeProtocol(HttpToolsProtocol):
         error = GatewayError(kind, message, code)
         status = error.mapping.http_status
         body = orjson.dumps(error.openai_body())
+        # The request target as far as it arrived (gathered by on_url, set from the first
+        # request on).
+        url: bytes = getattr(self, "url", b"")
+        target = url.partition(b"?")[0].decode("latin-1")
+        memory = f"{MEMORY_HEADER.lower()}: {NO_RECALL}\r\n" if is_rest(target) else ""
         head = (
             f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
             "content-type: application/json\r\n"
             f"content-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n"
+            f"{memory}connection: close\r\n\r\n"
         ).encode("latin-1")
         self.transport.write(head + body)
         if self.transport.can_write_eof():

@@ -74,15 +74,38 @@ GRPC_TO_KIND: dict[grpc.StatusCode, ErrorKind] = {
 }
 
 
+# Every answer of the REST surface (a path under /v1) says what memory did for it, errors and
+# answers that are not turns included: one that recalled nothing says "disabled". A turn's
+# answer sets it (gateway_http.routes.rest); the app adds it to every other answer
+# (gateway_http.app.GatewayApp), the edge to its refusals (gateway_http.edge).
+MEMORY_HEADER = "X-Arona-Memory"
+NO_RECALL = "disabled"
+REST_PREFIX = "/v1"
+
+
+def is_rest(path: str) -> bool:
+    """Whether ``path`` is one of the REST surface's (``/v1`` and below)."""
+    return path == REST_PREFIX or path.startswith(REST_PREFIX + "/")
+
+
 class GatewayError(Exception):
     """A failure with a message that is safe to show to the client."""
 
-    def __init__(self, kind: ErrorKind, message: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        code: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         # A stable machine-readable code, e.g. "conversation_not_found".
         self.code = code or kind.value
+        # Headers of the REST answer (a turn's memory state when it failed after recalling).
+        self.headers = headers
 
     @property
     def mapping(self) -> Mapping:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from gateway_http.chat_request import ChatCompletionRequest
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_BYTES, PAGE_MAX_MESSAGES
-from gateway_http.errors import TABLE, ErrorKind
+from gateway_http.errors import MEMORY_HEADER, TABLE, ErrorKind, is_rest
 from gateway_http.routes.rest import (
     WRITEBACK_HEADER,
     WRITEBACK_OFF,
@@ -90,12 +90,17 @@ _CONVERSATION = _object(
     created_at=_TIME,
     updated_at=_TIME,
 )
-_MEMORY_HEADER = {
-    "X-Arona-Memory": {
-        "description": "What memory did for the turn",
+# On every answer under /v1: what memory did for the turn (disabled for any other answer).
+_MEMORY_STATE = {
+    MEMORY_HEADER: {
+        "description": "What memory did for the turn; disabled when nothing was recalled "
+        "(every answer that is not a turn's)",
         "required": True,
         "schema": {"enum": ["enabled", "disabled", "offline"]},
     },
+}
+_MEMORY_HEADER = {
+    **_MEMORY_STATE,
     WRITEBACK_HEADER: {
         "description": "Whether the turn is written back to memory once its reply is complete: "
         "on; off (no memory for this caller, or the memory service stores no writebacks); "
@@ -339,10 +344,15 @@ def published(app: FastAPI, max_batch: int) -> dict[str, Any]:
     for (method, path), described in _operations(max_batch).items():
         spec["paths"][path][method].update(described)
     edge = _errors()
-    for operations in spec["paths"].values():
+    for path, operations in spec["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             for status, answer in edge.items():
                 responses.setdefault(status, answer)
+            if is_rest(path):
+                for status, answer in responses.items():
+                    # A copy: the edge's answers are shared with the paths outside /v1.
+                    headers = {**_MEMORY_STATE, **answer.get("headers", {})}
+                    responses[status] = {**answer, "headers": headers}
     return spec

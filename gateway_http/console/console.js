@@ -183,6 +183,8 @@
       if (typeof c.exp === "number") {
         who.append(", token valid until ", timeNode(new Date(c.exp * 1000).toISOString()));
       }
+      $("usage-principal").value = "";
+      showUsageScope(null);
     } else {
       who.textContent = "";
     }
@@ -614,12 +616,40 @@
     if (!$("usage-from").value) $("usage-from").value = utcDay(now).slice(0, 8) + "01";
   }
 
+  // Whether the token is an admin's (read for display: the server decides what it shows).
+  const isAdmin = () => claims(token).role === "admin";
+
+  // Whose usage the page shows, said above the figures: an admin's token sees everyone's, or
+  // the principal typed in; any other token only its own principal's (usage.summary's rule),
+  // so the field shows that principal and cannot be changed, and the page says how to see the
+  // turns it does not own. ``principal`` is whose usage usage.summary last answered (its name
+  // for a token the page cannot read, an API key's).
+  function showUsageScope(principal) {
+    const admin = isAdmin();
+    const field = $("usage-principal");
+    field.readOnly = !admin;
+    $("usage-principal-hint").textContent = admin ? "(empty: everyone)" : "(yours only)";
+    $("usage-others").hidden = admin;
+    if (admin) {
+      $("usage-scope").textContent = principal
+        ? "Showing the usage of " + principal + " only."
+        : "Showing everyone's usage, anonymous turns included.";
+      return;
+    }
+    const own = principal || claims(token).sub || "";
+    field.value = own;
+    $("usage-scope").textContent = own
+      ? "Showing only the usage of " + own + ", the principal you signed in as."
+      : "Showing only the usage of the principal you signed in as.";
+  }
+
   async function loadUsage(event) {
     if (event) event.preventDefault();
     defaultPeriod();
     const from = $("usage-from").value;
     const to = $("usage-to").value;
-    const principal = $("usage-principal").value.trim();
+    // Only an admin names a principal; any other token is answered its own.
+    const principal = isAdmin() ? $("usage-principal").value.trim() : "";
     const note = $("usage-note");
     if (to < from) {
       note.textContent = "The last day comes before the first.";
@@ -641,10 +671,11 @@
       return;
     }
     renderUsage(byDay, byPrincipal, from, to);
+    showUsageScope(byDay.principal);
     const t = byDay.totals;
     note.textContent =
       count.format(t.turns) + " turn" + (t.turns === 1 ? "" : "s") + ", " + count.format(t.total_tokens) +
-      " tokens from " + from + " to " + to + (principal ? " for " + principal : "") +
+      " tokens from " + from + " to " + to + (byDay.principal ? " for " + byDay.principal : "") +
       (byDay.truncated ? " (only the first rows)" : "") + ".";
   }
 

@@ -18,7 +18,7 @@ from gateway_http.auth import ANONYMOUS, AuthError, InvalidSubject, Principal, m
 from gateway_http.bodies import read_limited
 from gateway_http.chat_request import split_body
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES
-from gateway_http.errors import ErrorKind, GatewayError, bad_input
+from gateway_http.errors import MEMORY_HEADER, ErrorKind, GatewayError, bad_input
 from gateway_http.memory_client import DISABLED
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.turns import PreparedTurn, TurnRequest
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 # Also dispatched directly by gateway_http.app.GatewayApp (the hot path).
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-MEMORY_HEADER = "X-Arona-Memory"
 MEMORY_COUNT_HEADER = "X-Arona-Memory-Count"
 RECALL_MS_HEADER = "X-Arona-Recall-Ms"
 OVERHEAD_MS_HEADER = "X-Arona-Overhead-Ms"
@@ -116,8 +115,10 @@ def rest_owner(gw: Gateway, request: Request) -> str:
     return principal.id if principal is not None else ANONYMOUS
 
 
-def upstream_failure(exc: UpstreamError) -> GatewayError:
-    return GatewayError(ErrorKind.UPSTREAM, str(exc), "upstream_error")
+def upstream_failure(exc: UpstreamError, turn: PreparedTurn | None = None) -> GatewayError:
+    """The 502 of an upstream that failed; on REST it says what memory did for the turn."""
+    headers = None if turn is None else memory_headers(turn)
+    return GatewayError(ErrorKind.UPSTREAM, str(exc), "upstream_error", headers=headers)
 
 
 def turn_outcome(exc: GatewayError) -> str:
@@ -125,17 +126,22 @@ def turn_outcome(exc: GatewayError) -> str:
     return "upstream_error" if exc.kind is ErrorKind.UPSTREAM else "client_error"
 
 
-def turn_headers(turn: PreparedTurn, writeback: str) -> dict[str, str]:
-    """``X-Arona-Memory`` and its companions, the overhead measured up to now, the
-    writeback decision, and the backend that answered."""
-    overhead_s = turn.overhead_s(time.perf_counter())
-    headers = {
+def memory_headers(turn: PreparedTurn) -> dict[str, str]:
+    """``X-Arona-Memory`` and its companions: what memory did for the turn."""
+    return {
         MEMORY_HEADER: turn.memory_state,
         MEMORY_COUNT_HEADER: str(turn.memory_count),
         RECALL_MS_HEADER: f"{turn.recall_s * 1000:.3f}",
-        OVERHEAD_MS_HEADER: f"{overhead_s * 1000:.3f}",
-        WRITEBACK_HEADER: writeback,
     }
+
+
+def turn_headers(turn: PreparedTurn, writeback: str) -> dict[str, str]:
+    """The memory headers, the overhead measured up to now, the writeback decision, and the
+    backend that answered."""
+    overhead_s = turn.overhead_s(time.perf_counter())
+    headers = memory_headers(turn)
+    headers[OVERHEAD_MS_HEADER] = f"{overhead_s * 1000:.3f}"
+    headers[WRITEBACK_HEADER] = writeback
     backend = turn.backend
     if backend is not None:
         headers[BACKEND_HEADER] = backend
@@ -201,7 +207,7 @@ async def chat_completions(request: Request) -> Response:
         reply = await _unless_disconnected(request, pipeline.complete(turn))
     except UpstreamError as exc:
         pipeline.finished(turn, REST, "upstream_error")
-        raise upstream_failure(exc) from None
+        raise upstream_failure(exc, turn) from None
     except ClientGone:
         pipeline.finished(turn, REST, "cancelled")
         raise
@@ -248,7 +254,7 @@ async def _stream(gw: Gateway, turn: PreparedTurn) -> Response:
         first = None
     except UpstreamError as exc:
         pipeline.finished(turn, REST_STREAM, "upstream_error")
-        raise upstream_failure(exc) from None
+        raise upstream_failure(exc, turn) from None
     except asyncio.CancelledError:
         pipeline.finished(turn, REST_STREAM, "cancelled")
         raise

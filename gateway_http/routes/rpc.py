@@ -441,7 +441,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         when = report.period(params.start, params.to)
         groups = report.group_by(params.group_by)
         summary = await usage.summary(report.query(when, groups, principal))
-        result = report.answer(when, groups, summary)
+        result = report.answer(when, groups, summary, principal)
         if principal is not None:
             budget = usage.budget_of(principal)
             if budget is not None:

@@ -45,14 +45,21 @@ class Period:
 
 
 def period(start: str | None, end: str | None, now: datetime | None = None) -> Period:
-    """``from`` and ``to`` of a query (unset: this calendar month so far, UTC)."""
+    """``from`` and ``to`` of a query (unset: this calendar month so far, UTC).
+
+    Without ``to`` the period ends now, or at ``from`` when ``from`` is still to come: an empty
+    period, not a mistake. Only a ``to`` given, and not after ``from``, is refused."""
     now = now or datetime.now(UTC)
     try:
         first = parse_bound(start, end=False) if start is not None else month_start(now)
-        last = parse_bound(end, end=True) if end is not None else now
+        last = parse_bound(end, end=True) if end is not None else max(now, first)
     except ValueError as exc:
         raise BadQuery(str(exc)) from None
-    if last <= first:
+    if last <= first and end is not None:
+        if start is None:
+            raise BadQuery(
+                f"'to' must be after 'from' (unset: the start of this month, {first:%Y-%m-%d})"
+            )
         raise BadQuery("'to' must be after 'from'")
     return Period(first, last)
 
@@ -105,9 +112,12 @@ def totals(summary: UsageSummary) -> dict[str, Any]:
     )
 
 
-def answer(when: Period, groups: tuple[str, ...], summary: UsageSummary) -> dict[str, Any]:
-    """The result of usage.summary."""
+def answer(
+    when: Period, groups: tuple[str, ...], summary: UsageSummary, principal: str | None
+) -> dict[str, Any]:
+    """The result of usage.summary: whose usage it is (None: everyone's), the period, the rows."""
     return {
+        "principal": principal,
         "from": rfc3339(when.start),
         "to": rfc3339(when.end),
         "group_by": list(groups),

@@ -3,7 +3,7 @@ two principals today and records of earlier days in the gateway's usage store, s
 chart per model and as tables, all equal to what usage.summary answers.
 
 Screenshots go to ``tests/artifacts/console-usage/``: everyone's month, one principal's with
-its budget, and the page on a 420 px phone.
+its budget, the page on a 420 px phone, and what a token that is not an admin's is shown.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 ADMIN = jwt("ops", admin=True)
 ALICE = jwt("alice")
+DEV = jwt("dev")
 NOW = datetime.now(UTC)
 EARLIER = [NOW - timedelta(days=n) for n in (2, 1)]
 FROM = EARLIER[0].strftime("%Y-%m-%d")
@@ -89,6 +90,10 @@ async def test_the_usage_page_charts_tokens_per_day_and_model(tmp_path: Path) ->
         await expect(page.locator("#usage-note")).to_have_text(
             f"{totals['turns']} turns, {totals['total_tokens']:,} tokens from {FROM} to {TODAY}."
         )
+        await expect(page.locator("#usage-scope")).to_have_text(
+            "Showing everyone's usage, anonymous turns included."
+        )
+        await expect(page.locator("#usage-others")).to_be_hidden()
 
         # One bar per (day, model), each as tall as its tokens say, one colour per model.
         bars = page.locator("#usage-chart rect.bar")
@@ -130,6 +135,7 @@ async def test_the_usage_page_charts_tokens_per_day_and_model(tmp_path: Path) ->
             "spent."
         )
         await expect(page.locator("#usage-principals tbody tr")).to_have_count(1)
+        await expect(page.locator("#usage-scope")).to_have_text("Showing the usage of alice only.")
         await watched.shot("02-alice-and-her-budget")
 
         # A phone: the chart scales to the width, nothing scrolls sideways.
@@ -145,4 +151,40 @@ async def test_the_usage_page_charts_tokens_per_day_and_model(tmp_path: Path) ->
         await expect(page.locator("#status-title")).to_be_focused()
         await expect(page.locator("#usage-panel")).to_be_hidden()
         watched.assert_clean(ADMIN)
+        await context.close()
+
+
+async def test_a_token_that_is_not_an_admins_is_told_whose_usage_it_sees(tmp_path: Path) -> None:
+    # `make run`: shared mode, REST open; the turns are anonymous, the banner's JWT is dev's.
+    async with (
+        scoped_stack(tmp_path, scope="shared", api_keys=()) as stack,
+        chromium() as browser,
+    ):
+        assert (await stack.say("rest", None, "I like oolong")).status == 200
+        everyone = await stack.result(ADMIN, "usage.summary", {"group_by": ["principal"]})
+        assert [(r["principal"], r["turns"]) for r in everyone["rows"]] == [("anonymous", 1)]
+
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        watched = await open_console(stack, context, artifact_dir("console-usage"))
+        page = watched.page
+        await sign_in(page, DEV)
+        await page.get_by_role("link", name="Usage").click()
+
+        first = NOW.strftime("%Y-%m-01")
+        await expect(page.locator("#usage-note")).to_have_text(
+            f"0 turns, 0 tokens from {first} to {TODAY} for dev."
+        )
+        await expect(page.locator("#usage-scope")).to_have_text(
+            "Showing only the usage of dev, the principal you signed in as."
+        )
+        others = page.locator("#usage-others")
+        await expect(others).to_be_visible()
+        await expect(others).to_contain_text("turns made anonymously")
+        await expect(others).to_contain_text("arona-gateway token --sub ops --admin")
+        await expect(others).to_contain_text("arona-gateway usage")
+        principal = page.get_by_label("Principal (yours only)")
+        await expect(principal).to_have_value("dev")
+        await expect(principal).not_to_be_editable()
+        await watched.shot("04-not-an-admin")
+        watched.assert_clean(DEV)
         await context.close()

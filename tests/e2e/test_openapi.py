@@ -58,6 +58,12 @@ async def test_the_spec_publishes_the_chat_and_rpc_bodies(tmp_path: Path) -> Non
     assert params["additionalProperties"] is False
     assert "temperature" in params["properties"]
     assert one_or_batch[1]["maxItems"] == 7
+    # Every answer under /v1 says what memory did, errors and the edge's refusals included.
+    for path in ("/v1/chat/completions", "/v1/models", "/v1/conversations/{conversation_id}"):
+        for operation in spec["paths"][path].values():
+            for status, answer in operation["responses"].items():
+                assert answer["headers"]["X-Arona-Memory"]["required"], (path, status)
+    assert "headers" not in rpc["responses"]["408"]
     # No route is left with FastAPI's 422, which the gateway never answers.
     for operations in spec["paths"].values():
         for operation in operations.values():

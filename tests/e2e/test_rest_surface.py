@@ -12,9 +12,11 @@ import httpx
 import openai
 import pytest
 
+from gateway_http.usage.records import Budget
 from tests.e2e.stack import ASK_TEXT, running_stack
 from tests.support.fake_philia import STORE
 from tests.support.fake_upstream import Fail, Hang, Stream
+from tests.support.usage import usage_record
 
 pytestmark = pytest.mark.asyncio
 
@@ -159,12 +161,16 @@ async def test_unknown_fields_are_forwarded_untouched(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_upstream_http_error_is_502(tmp_path: Path, stream: bool) -> None:
     async with running_stack(tmp_path) as stack:
+        stack.philia.memories = [{"node_type": "episode", "text": "likes oolong", "score": 0.5}]
         stack.upstream.script(Fail(status=429, message="slow down"))
         response = await stack.http.post(
             "/v1/chat/completions", json={"model": "m", "messages": ASK, "stream": stream}
         )
         assert response.status_code == 502
         assert _error(response)["code"] == "upstream_error"
+        # The turn had recalled before the upstream failed: the answer says so.
+        assert response.headers["X-Arona-Memory"] == "enabled"
+        assert response.headers["X-Arona-Memory-Count"] == "1"
 
 
 async def test_unreachable_upstream_is_502(tmp_path: Path) -> None:
@@ -248,6 +254,64 @@ async def test_unknown_route_is_openai_shaped_404(tmp_path: Path) -> None:
         response = await stack.http.get("/v1/nothing-here")
         assert response.status_code == 404
         _error(response)
+
+
+async def test_every_rest_answer_says_what_memory_did(tmp_path: Path) -> None:
+    team = {"Authorization": "Bearer sk-team-0123456789"}
+    spent = {"Authorization": "Bearer sk-spent-0123456789"}
+    chat = {"model": "m", "messages": ASK}
+    async with running_stack(
+        tmp_path, api_keys=("team=sk-team-0123456789", "spent=sk-spent-0123456789")
+    ) as stack:
+        usage = stack.app.state.gateway.usage
+        await usage.store.add([usage_record("key:spent", 10, 10)])
+        await usage.store.set_budget("key:spent", Budget(tokens=5))
+        await usage.budgets.refresh()
+        post = stack.http.post
+        answers = {
+            "no key": await post("/v1/chat/completions", json=chat),
+            "no key on models": await stack.http.get("/v1/models"),
+            "bad JSON": await post(
+                "/v1/chat/completions",
+                content=b"{not json",
+                headers={**team, "Content-Type": "application/json"},
+            ),
+            "not declared JSON": await post("/v1/chat/completions", content=b"{}", headers=team),
+            "unknown route": await stack.http.get("/v1/nothing-here", headers=team),
+            "the prefix alone": await stack.http.get("/v1", headers=team),
+            "wrong method": await stack.http.get("/v1/chat/completions", headers=team),
+            "no such conversation": await stack.http.get("/v1/conversations/nope", headers=team),
+            "budget spent": await post("/v1/chat/completions", json=chat, headers=spent),
+            "budget spent, streamed": await post(
+                "/v1/chat/completions", json={**chat, "stream": True}, headers=spent
+            ),
+            "models": await stack.http.get("/v1/models", headers=team),
+            "conversations": await stack.http.get("/v1/conversations", headers=team),
+        }
+        outside = [await stack.http.get("/healthz"), await stack.http.get("/nothing-here")]
+        assert stack.upstream.chat_requests == []
+
+    assert {
+        why: (r.status_code, r.headers.get("X-Arona-Memory")) for why, r in answers.items()
+    } == {
+        "no key": (401, "disabled"),
+        "no key on models": (401, "disabled"),
+        "bad JSON": (400, "disabled"),
+        "not declared JSON": (415, "disabled"),
+        "unknown route": (404, "disabled"),
+        "the prefix alone": (404, "disabled"),
+        "wrong method": (405, "disabled"),
+        "no such conversation": (404, "disabled"),
+        "budget spent": (429, "disabled"),
+        "budget spent, streamed": (429, "disabled"),
+        "models": (200, "disabled"),
+        "conversations": (200, "disabled"),
+    }
+    # Said once, beside the request id every answer has.
+    assert all(len(r.headers.get_list("X-Arona-Memory")) == 1 for r in answers.values())
+    assert all(r.headers.get("X-Request-Id") for r in answers.values())
+    # Not a REST answer, not a memory state.
+    assert [r.headers.get("X-Arona-Memory") for r in outside] == [None, None]
 
 
 async def test_openai_sdk_works_unchanged(tmp_path: Path) -> None:

@@ -255,6 +255,7 @@ async def test_an_unknown_model_is_404_model_not_found_before_recall(
             assert (error["code"], error["data"]) == (-32000, {"code": "model_not_found"})
         else:
             assert turn.status == 404
+            assert turn.headers is not None and turn.headers["X-Arona-Memory"] == "disabled"
             assert turn.body == {
                 "error": {
                     "message": "The model 'llama-9000' does not exist or no backend serves it",

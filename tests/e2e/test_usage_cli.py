@@ -9,7 +9,7 @@ import io
 import os
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -104,11 +104,25 @@ def test_usage_prints_the_table_and_csv(backend: str | None, tmp_path: Path) -> 
     ]
 
 
+def test_usage_of_a_period_still_to_come_is_an_empty_table(tmp_path: Path) -> None:
+    asyncio.run(seed(tmp_path, None, record("alice", "priced", 1200, 34)))
+    tomorrow = (NOW + timedelta(days=1)).strftime("%Y-%m-%d")
+
+    done = run(env_for(tmp_path, None), "usage", "--from", tomorrow)
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    since = f"{tomorrow}T00:00:00.000Z"
+    assert lines[0] == f"usage from {since} to {since}"
+    assert lines[2].split() == ["0", "0", "0", "0", "0", "0", "-"]
+
+
 def test_usage_refuses_a_bad_query_in_one_line(tmp_path: Path) -> None:
     env = env_for(tmp_path, None)
     for args, said in (
         (("--group-by", "colour"), "cannot group by 'colour'"),
         (("--from", "yesterday"), "'yesterday' is not a date (YYYY-MM-DD)"),
+        (("--from", "2026-12-02", "--to", "2026-12-01"), "'to' must be after 'from'"),
     ):
         done = run(env, "usage", *args)
         assert done.returncode == 2

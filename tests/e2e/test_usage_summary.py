@@ -72,6 +72,8 @@ async def test_a_user_sees_only_their_own_usage(stack: Stack) -> None:
     assert result["totals"]["prompt_tokens"] == 150
     assert result["group_by"] == ["principal", "model"]
     assert result["from"] == NOW.strftime("%Y-%m-01T00:00:00.000Z")
+    # Whose usage this is, named: the caller's own.
+    assert result["principal"] == "alice"
 
 
 @pytest.mark.asyncio
@@ -82,7 +84,9 @@ async def test_an_admin_sees_everyones_or_one_principals(stack: Stack) -> None:
         ("bob", 1),
         ("key:team", 1),
     ]
+    assert everyone["principal"] is None
     bob = (await summary(stack, {"principal": "bob"}, token=admin()))["result"]
+    assert bob["principal"] == "bob"
     assert bob["rows"] == [
         {
             "turns": 1,
@@ -137,6 +141,18 @@ async def test_the_period_bounds_the_records(stack: Stack) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_period_still_to_come_is_empty_not_a_mistake(stack: Stack) -> None:
+    tomorrow = (NOW + timedelta(days=1)).strftime("%Y-%m-%d")
+
+    result = (await summary(stack, {"from": tomorrow}))["result"]
+
+    assert result["rows"] == []
+    assert result["totals"]["turns"] == 0
+    assert result["totals"]["total_tokens"] == 0
+    assert result["from"] == result["to"] == f"{tomorrow}T00:00:00.000Z"
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("params", "said"),
     [
@@ -145,6 +161,7 @@ async def test_the_period_bounds_the_records(stack: Stack) -> None:
         ({"from": "2026-02-30"}, "'2026-02-30' is not a date (YYYY-MM-DD)"),
         ({"from": "2026-12-01T10:00:00"}, "has no UTC offset"),
         ({"from": "2026-12-02", "to": "2026-12-01"}, "'to' must be after 'from'"),
+        ({"to": "2020-01-01"}, "'to' must be after 'from' (unset: the start of this month, "),
         ({"since": "2026-12-01"}, "since: Extra inputs are not permitted"),
         ({"group_by": "day"}, "group_by: Input should be a valid list"),
     ],

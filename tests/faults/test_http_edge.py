@@ -156,6 +156,8 @@ async def test_a_trickled_body_is_408_within_its_bound_and_never_reaches_upstrea
         status, error = status_and_error(answer)
         assert (status, error["code"]) == (408, "request_timeout")
         assert "body" in error["message"]
+        # A REST answer like any other: it says memory did nothing.
+        assert b"\r\nx-arona-memory: disabled\r\n" in answer.partition(b"\r\n\r\n")[0]
         assert elapsed < BOUND_S
         assert stack.upstream.chat_requests == []
         # The stalled request is a client's doing: no error (or traceback) in the log.
@@ -172,6 +174,7 @@ async def test_a_trickled_json_rpc_body_is_408(tmp_path: Path) -> None:
         writer.write(post_head("/api/rpc", len(request) + 100) + request)
         answer, elapsed = await answered_while_trickling(reader, writer, b" ")
         assert status_and_error(answer)[0] == 408
+        assert b"x-arona-memory" not in answer.lower()
         assert elapsed < BOUND_S
 
 

@@ -47,7 +47,7 @@ from yarl import URL
 
 from arona_grpc.config import ConfigError
 from gateway_http.upstream.client import DEFAULT_CONNECT_TIMEOUT_S, valid_base_url
-from gateway_http.upstream.globs import example, literal
+from gateway_http.upstream.globs import Undecided, example, literal
 from gateway_http.usage.records import Price
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -510,7 +510,7 @@ class _Checker:
                         f"{at}: no backend serves {model!r}: add it to a backend's models or "
                         "aliases"
                     )
-                elif not exact and example([[model], served]) is None:
+                elif not exact and not _serves_some(model, served):
                     self.problems.append(_nothing_matched(at, model, aliased))
             # What reaches this key: not what an earlier glob key takes.
             before = [rule.pattern for rule in rules if is_glob(rule.pattern)]
@@ -526,12 +526,9 @@ class _Checker:
                 if exact:
                     missing = None if spec.serves(model) else model
                 else:
-                    # What it serves, and what never reaches this key, may be left out...
+                    # What it serves, and what never reaches this key, may be left out.
                     exempt = [*spec.models, *spec.globs, *spec.aliases, *taken, *before]
-                    # ... and what is left is shown by a name of the file if there is one.
-                    missing = example([[model], names], exempt)
-                    if missing is None:
-                        missing = example([[model], served], exempt)
+                    missing = _unserved(model, names, served, exempt)
                 if missing is None:
                     targets.append(target)
                     continue
@@ -573,6 +570,28 @@ class _Checker:
             self.problems.append(f"{at}: no backend named {target.backend!r} (backends: {known})")
             return None
         return target
+
+
+# Any name but the empty one: what a model can be called.
+_A_NAME = "?*"
+
+
+def _serves_some(key: str, served: list[str]) -> bool:
+    """Whether some model ``key`` matches is served (yes when the globs are too intricate to
+    tell: a file is not refused on a guess)."""
+    try:
+        return example([[key], served, [_A_NAME]]) is not None
+    except Undecided:
+        return True
+
+
+def _unserved(key: str, names: list[str], served: list[str], exempt: list[str]) -> str | None:
+    """A model ``key`` matches, served, and not ``exempt``: a name of the file if one is, else
+    the shortest; None when there is none (or when it cannot be told)."""
+    try:
+        return example([[key], names], exempt) or example([[key], served, [_A_NAME]], exempt)
+    except Undecided:
+        return None
 
 
 def _nothing_matched(at: str, key: str, aliased: Mapping[str, str]) -> str:

@@ -18,9 +18,9 @@ import re
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-# A search that has not ended after this many combinations of positions gives up (answers
-# None): far beyond any backends file's globs, it only bounds a pathological one.
-_MAX_STATES = 50_000
+# A search that has not ended after this many combinations of positions gives up (raises
+# Undecided): far beyond any backends file's globs, it only bounds a pathological one.
+_MAX_STATES = 200_000
 _LAST_CHAR = 0x10FFFF
 # The character chosen for a class when it holds one of these: names shown read like names.
 _READABLE = "abcdefghijklmnopqrstuvwxyz0123456789-._/:"
@@ -31,9 +31,15 @@ _STAR = "*"
 _ANY = "?"
 
 _Token = str
-# (which glob of its group, how many of its tokens were matched)
+# (which glob, how many of its tokens were matched); every group numbers its globs alike, so
+# the same glob in two groups is the same position in both.
 _Position = tuple[int, int]
-_State = tuple[frozenset[_Position], ...]
+_Positions = frozenset[_Position]
+_NOWHERE: _Positions = frozenset()
+
+
+class Undecided(Exception):
+    """The globs are too many or too intricate to tell within the search's bound."""
 
 
 def example(all_of: Sequence[Iterable[str]], none_of: Iterable[str] = ()) -> str | None:
@@ -41,27 +47,43 @@ def example(all_of: Sequence[Iterable[str]], none_of: Iterable[str] = ()) -> str
     of ``none_of``; None when there is none.
 
     A name without ``*``, ``?`` or ``[`` is a glob that matches itself only (:func:`literal`
-    makes any name one)."""
-    groups = [[_tokens(pattern) for pattern in group] for group in (*all_of, none_of)]
-    alphabet = _alphabet(token for group in groups for tokens in group for token in tokens)
-    start: _State = tuple(
-        _closure(group, ((index, 0) for index in range(len(group)))) for group in groups
-    )
+    makes any name one). Raises :class:`Undecided` past the search's bound."""
+    numbers: dict[str, int] = {}
+    groups = [
+        [numbers.setdefault(pattern, len(numbers)) for pattern in group]
+        for group in (*all_of, none_of)
+    ]
+    globs = [_tokens(pattern) for pattern in numbers]
+    tokens = {token for each in globs for token in each}
+    alphabet = _alphabet(tokens)
+    # The characters of the alphabet each token takes: a class as fnmatch reads it (ranges,
+    # negation, empty ranges), a literal itself only (always a class of its own).
+    takes = {
+        token: [k for k, char in enumerate(alphabet) if fnmatch.fnmatchcase(char, token)]
+        for token in tokens
+        if len(token) > 1
+    }
+    takes.update((char, [k]) for k, char in enumerate(alphabet))
+    takes[_STAR] = takes[_ANY] = list(range(len(alphabet)))
+
+    start = tuple(_closure(globs, ((number, 0) for number in group)) for group in groups)
     seen = {start}
-    queue: deque[tuple[_State, str]] = deque([(start, "")])
+    queue: deque[tuple[tuple[_Positions, ...], str]] = deque([(start, "")])
     while queue:
         state, name = queue.popleft()
-        if _found(groups, state):
+        *wanted, unwanted = state
+        if all(_accepts(globs, each) for each in wanted) and not _accepts(globs, unwanted):
             return name
-        for char in alphabet:
-            after = tuple(
-                _step(group, positions, char)
-                for group, positions in zip(groups, state, strict=True)
-            )
-            if after in seen or not all(after[:-1]) or _matches_all_after(groups[-1], after[-1]):
+        moves = [_moves(globs, positions, takes) for positions in state]
+        for k, char in enumerate(alphabet):
+            # A wanted group that can no longer match: nothing to find this way.
+            if not all(k in each for each in moves[:-1]):
+                continue
+            after = tuple(each.get(k, _NOWHERE) for each in moves)
+            if after in seen or _covered(globs, after):
                 continue
             if len(seen) >= _MAX_STATES:
-                return None
+                raise Undecided
             seen.add(after)
             queue.append((after, name + char))
     return None
@@ -103,15 +125,6 @@ def _tokens(pattern: str) -> tuple[_Token, ...]:
     return tuple(tokens)
 
 
-def _takes(token: _Token, char: str) -> bool:
-    if token in (_STAR, _ANY):
-        return True
-    if len(token) == 1:
-        return char == token
-    # A class: fnmatch itself says what it holds (ranges, negation, empty ranges).
-    return fnmatch.fnmatchcase(char, token)
-
-
 def _alphabet(tokens: Iterable[_Token]) -> list[str]:
     """One character of each class of characters that no token tells apart, readable first."""
     edges = {0}
@@ -134,44 +147,44 @@ def _readable_first(char: str) -> tuple[int, int]:
     return (0, _READABLE.index(char)) if char in _READABLE else (1, ord(char))
 
 
-def _closure(
-    group: Sequence[tuple[_Token, ...]], positions: Iterable[_Position]
-) -> frozenset[_Position]:
+def _closure(globs: Sequence[tuple[_Token, ...]], positions: Iterable[_Position]) -> _Positions:
     """``positions`` and those a ``*`` reaches by matching nothing."""
     closed: set[_Position] = set()
-    for index, at in positions:
-        tokens = group[index]
-        closed.add((index, at))
+    for number, at in positions:
+        tokens = globs[number]
+        closed.add((number, at))
         while at < len(tokens) and tokens[at] == _STAR:
             at += 1
-            closed.add((index, at))
+            closed.add((number, at))
     return frozenset(closed)
 
 
-def _step(
-    group: Sequence[tuple[_Token, ...]], positions: frozenset[_Position], char: str
-) -> frozenset[_Position]:
-    moved: list[_Position] = []
-    for index, at in positions:
-        tokens = group[index]
-        if at < len(tokens) and _takes(tokens[at], char):
-            moved.append((index, at if tokens[at] == _STAR else at + 1))
-    return _closure(group, moved)
+def _moves(
+    globs: Sequence[tuple[_Token, ...]], positions: _Positions, takes: dict[_Token, list[int]]
+) -> dict[int, _Positions]:
+    """Where ``positions`` go on each character of the alphabet (by its index; none: nowhere),
+    all at once: a literal moves on one character only, which keeps many exact names cheap."""
+    moved: dict[int, list[_Position]] = {}
+    for number, at in positions:
+        tokens = globs[number]
+        if at == len(tokens):
+            continue
+        token = tokens[at]
+        after = (number, at if token == _STAR else at + 1)
+        for k in takes[token]:
+            moved.setdefault(k, []).append(after)
+    return {k: _closure(globs, each) for k, each in moved.items()}
 
 
-def _accepts(group: Sequence[tuple[_Token, ...]], positions: frozenset[_Position]) -> bool:
-    return any(at == len(group[index]) for index, at in positions)
+def _accepts(globs: Sequence[tuple[_Token, ...]], positions: _Positions) -> bool:
+    return any(at == len(globs[number]) for number, at in positions)
 
 
-def _matches_all_after(
-    group: Sequence[tuple[_Token, ...]], positions: frozenset[_Position]
-) -> bool:
-    """Whether every continuation is matched (a glob is at its trailing ``*``): nothing to find
-    past here."""
+def _covered(globs: Sequence[tuple[_Token, ...]], state: tuple[_Positions, ...]) -> bool:
+    """Whether every name going on from ``state`` is matched by the unwanted globs: one of
+    them is at its trailing ``*``, or they are where one wanted group is (and more)."""
+    *wanted, unwanted = state
     # Runs of * are one token, so a trailing * is the last token.
-    return any(at == len(group[index]) - 1 and group[index][at] == _STAR for index, at in positions)
-
-
-def _found(groups: Sequence[Sequence[tuple[_Token, ...]]], state: _State) -> bool:
-    *wanted, unwanted = zip(groups, state, strict=True)
-    return all(_accepts(*each) for each in wanted) and not _accepts(*unwanted)
+    return any(
+        at == len(globs[number]) - 1 and globs[number][at] == _STAR for number, at in unwanted
+    ) or any(each <= unwanted for each in wanted)

@@ -418,3 +418,27 @@ aliases = { fast = "gpt-4o-mini" }
         "fallbacks.\"gpt-*\"[0]: backend 'alpha' does not serve 'gpt-4o-mini', which 'gpt-*' "
         'matches: add \'gpt-*\' to its models, or write { backend = "alpha", model = "…" }'
     ]
+
+
+@pytest.mark.timeout(10)
+def test_a_glob_key_over_hundreds_of_listed_models_is_checked_at_once(tmp_path: Path) -> None:
+    models = [f"gpt-{size}-{n}" for n in range(300) for size in ("mini", "large")]
+    listed = ", ".join(f'"{model}"' for model in models)
+    text = f"""
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+models = [{listed}, "o*"]
+
+[backends.azure]
+base_url = "http://127.0.0.1:8007/v1"
+models = [{listed.replace('"gpt-large-150", ', "")}]
+
+[fallbacks]
+"gpt-*" = ["azure"]
+"""
+    assert problems(tmp_path, text) == [
+        "fallbacks.\"gpt-*\"[0]: backend 'azure' does not serve 'gpt-large-150', which 'gpt-*' "
+        'matches: add \'gpt-*\' to its models, or write { backend = "azure", model = "…" }'
+    ]
+    backends = load(tmp_path, text.replace('"gpt-*" = ["azure"]', '"gpt-mini-*" = ["azure"]'))
+    assert chain(backends, "gpt-mini-7") == [("openai", None), ("azure", None)]

@@ -23,9 +23,11 @@ which backends serve a model, in what order, and under what name (:meth:`Backend
 
 A model is served by the first backend, in file order, that lists it by exact name or alias;
 failing that, by the first whose glob matches it. Its fallbacks come from the ``[fallbacks]`` key
-that names it exactly, or else the first glob key that matches it. A fallback entry is a
-backend's name (the model as that backend serves it: its alias, or the same name) or a table
-``{backend, model}`` (that model name, sent as it is).
+that names it exactly; an alias without one has those of the model it names (as if that model
+had been asked); otherwise the first glob key that matches. A fallback entry is a backend's name
+(the model as that backend serves it: its alias, or the same name) or a table ``{backend,
+model}`` (that model name, sent as it is). A backend named under a glob key must serve every
+model the key can send it (:func:`~gateway_http.upstream.globs.example` finds one it does not).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from yarl import URL
 
 from arona_grpc.config import ConfigError
 from gateway_http.upstream.client import DEFAULT_CONNECT_TIMEOUT_S, valid_base_url
+from gateway_http.upstream.globs import Undecided, example, literal
 from gateway_http.usage.records import Price
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -199,13 +202,40 @@ class BackendsFile:
                 return spec
         return None
 
-    def fallback_rule(self, model: str) -> FallbackRule | None:
-        """The ``[fallbacks]`` entry of ``model``: its exact key, else the first matching glob."""
-        for rule in self.fallbacks:
-            if rule.pattern == model:
-                return rule
+    def aliased(self) -> dict[str, str]:
+        """Each alias and the model it names, as the backend serving the alias (the first
+        listing it by name) names it; in file order."""
+        aliased: dict[str, str] = {}
+        for spec in self.backends:
+            for alias, named in spec.aliases.items():
+                if alias not in aliased and self.primary(alias) is spec:
+                    aliased[alias] = named
+        return aliased
+
+    def fallback_rule(self, model: str) -> tuple[FallbackRule | None, str]:
+        """The ``[fallbacks]`` entry of ``model``, and the name its entries are to serve: the
+        key naming ``model`` exactly; for an alias without one, the entry of the model it
+        names (that model's exact key, else its first glob); else the first glob matching."""
+        exact = self._exact_rule(model)
+        if exact is not None:
+            return exact, model
+        primary = self.primary(model)
+        named = primary.sent_as(model) if primary is not None else None
+        if named is not None:
+            # One step only: an alias names a model of its own backend, whatever other
+            # backends call that name.
+            model = named
+            exact = self._exact_rule(model)
+            if exact is not None:
+                return exact, model
         for rule in self.fallbacks:
             if rule.matches(model):
+                return rule, model
+        return None, model
+
+    def _exact_rule(self, model: str) -> FallbackRule | None:
+        for rule in self.fallbacks:
+            if rule.pattern == model:
                 return rule
         return None
 
@@ -218,12 +248,15 @@ class BackendsFile:
             return ()
         chain = [(primary, primary.sent_as(model))]
         seen = {(primary.name, primary.sent_as(model) or model)}
-        rule = self.fallback_rule(model)
+        rule, serving = self.fallback_rule(model)
         for target in rule.targets if rule is not None else ():
             spec = self.backend(target.backend)
             if spec is None:
                 continue
-            sent = target.model if target.model is not None else spec.sent_as(model)
+            sent = target.model if target.model is not None else spec.sent_as(serving)
+            if sent is None and serving != model:
+                # Inherited from the model an alias names: that model, not the alias, is sent.
+                sent = serving
             if (spec.name, sent or model) not in seen:
                 seen.add((spec.name, sent or model))
                 chain.append((spec, sent))
@@ -451,6 +484,16 @@ class _Checker:
                 "fallbacks: must be a table of model = [backend, ...] ([fallbacks])"
             )
             return []
+        aliased = backends.aliased()
+        named = set(aliased.values())
+        # The names a glob key is looked up for: every model served by name or by glob, and
+        # the models aliases name (an alias has its model's fallbacks)...
+        names = [model for spec in backends.backends for model in spec.models]
+        names += [literal(model) for model in named]
+        served = [*names, *(pattern for spec in backends.backends for pattern in spec.globs)]
+        # ... less those an exact key takes, and aliases (unless another alias names them).
+        taken = [key for key in tables if not is_glob(key)]
+        taken += [alias for alias in aliased if alias not in named]
         rules: list[FallbackRule] = []
         for model, entries in tables.items():
             at = f"fallbacks.{_key(model)}"
@@ -460,24 +503,46 @@ class _Checker:
                 )
                 continue
             exact = not is_glob(model)
-            if exact and backends.primary(model) is None and not self._broken:
-                self.problems.append(
-                    f"{at}: no backend serves {model!r}: add it to a backend's models or aliases"
-                )
+            # (With a broken backend, that may be the one meant to serve the key.)
+            if not self._broken:
+                if exact and backends.primary(model) is None and model not in named:
+                    self.problems.append(
+                        f"{at}: no backend serves {model!r}: add it to a backend's models or "
+                        "aliases"
+                    )
+                elif not exact and not _serves_some(model, served):
+                    self.problems.append(_nothing_matched(at, model, aliased))
+            # What reaches this key: not what an earlier glob key takes.
+            before = [rule.pattern for rule in rules if is_glob(rule.pattern)]
             targets: list[FallbackTarget] = []
             for i, entry in enumerate(entries):
                 target = self._fallback_target(f"{at}[{i}]", entry, backends)
                 if target is None:
                     continue
                 spec = backends.backend(target.backend)
-                if exact and target.model is None and spec is not None and not spec.serves(model):
+                if target.model is not None or spec is None:
+                    targets.append(target)
+                    continue
+                if exact:
+                    missing = None if spec.serves(model) else model
+                else:
+                    # What it serves, and what never reaches this key, may be left out.
+                    exempt = [*spec.models, *spec.globs, *spec.aliases, *taken, *before]
+                    missing = _unserved(model, names, served, exempt)
+                if missing is None:
+                    targets.append(target)
+                    continue
+                or_write = f'or write {{ backend = "{target.backend}", model = "…" }}'
+                if exact:
                     self.problems.append(
                         f"{at}[{i}]: backend {target.backend!r} does not serve {model!r}: add it "
-                        f'to its models or aliases, or write {{ backend = "{target.backend}", '
-                        'model = "…" }'
+                        f"to its models or aliases, {or_write}"
                     )
-                    continue
-                targets.append(target)
+                else:
+                    self.problems.append(
+                        f"{at}[{i}]: backend {target.backend!r} does not serve {missing!r}, "
+                        f"which {model!r} matches: add {model!r} to its models, {or_write}"
+                    )
             rules.append(FallbackRule(model, tuple(targets)))
         return rules
 
@@ -505,6 +570,39 @@ class _Checker:
             self.problems.append(f"{at}: no backend named {target.backend!r} (backends: {known})")
             return None
         return target
+
+
+# Any name but the empty one: what a model can be called.
+_A_NAME = "?*"
+
+
+def _serves_some(key: str, served: list[str]) -> bool:
+    """Whether some model ``key`` matches is served (yes when the globs are too intricate to
+    tell: a file is not refused on a guess)."""
+    try:
+        return example([[key], served, [_A_NAME]]) is not None
+    except Undecided:
+        return True
+
+
+def _unserved(key: str, names: list[str], served: list[str], exempt: list[str]) -> str | None:
+    """A model ``key`` matches, served, and not ``exempt``: a name of the file if one is, else
+    the shortest; None when there is none (or when it cannot be told)."""
+    try:
+        return example([[key], names], exempt) or example([[key], served, [_A_NAME]], exempt)
+    except Undecided:
+        return None
+
+
+def _nothing_matched(at: str, key: str, aliased: Mapping[str, str]) -> str:
+    """The line for a glob key that matches no model a backend serves."""
+    for alias, named in aliased.items():
+        if fnmatch.fnmatchcase(alias, key):
+            return (
+                f"{at}: no backend serves a model {key!r} matches; an alias has the fallbacks "
+                f"of the model it names ({alias!r}: {named!r}), so key them by that model"
+            )
+    return f"{at}: no backend serves a model {key!r} matches: add one to a backend's models"
 
 
 def _schema_problems(at: str, exc: PydanticValidationError, known: str) -> list[str]:

@@ -179,6 +179,50 @@ async def test_5xx_and_429_fall_back_before_anything_reached_the_client(
             assert turn.events.count("[DONE]") == 1
 
 
+# a also serves gpt-4o as `omni`; a Claude model falls back to a's gpt-4o.
+ALIASES_FALL_BACK = (
+    TWO_PROVIDERS.replace(
+        'aliases = {{ fast = "gpt-4o-mini" }}',
+        'aliases = {{ fast = "gpt-4o-mini", omni = "gpt-4o" }}',
+    )
+    + '"claude-*" = [{{ backend = "a", model = "gpt-4o" }}]\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("alias", "named", "standing_in", "sent"),
+    [
+        # gpt-4o's own key names b, which b serves under its own name for it.
+        ("omni", "gpt-4o", "b", "openai/gpt-4o"),
+        # Asked as sonnet, sent as claude-3-5-sonnet-20241022: the "claude-*" key.
+        ("sonnet", "claude-3-5-sonnet-20241022", "a", "gpt-4o"),
+    ],
+)
+async def test_an_alias_falls_back_as_the_model_it_names(
+    tmp_path: Path, alias: str, named: str, standing_in: str, sent: str
+) -> None:
+    with watching("gateway_http") as logs:
+        async with routed_stack(tmp_path, ALIASES_FALL_BACK) as routed:
+            down, up = (routed.b, routed.a) if standing_in == "a" else (routed.a, routed.b)
+            for surface in SURFACES:
+                down.script(Fail(503, "overloaded"))
+                turn = await routed.chat(surface, alias)
+                assert (turn.status, turn.content) == (200, "reply to: what tea do I like?"), (
+                    surface
+                )
+                assert backend_of(turn) == standing_in, surface
+            # The alias's backend was asked for the model it names, then the fallback for
+            # that model as it serves it: the same turn as asking for the model itself.
+            assert [r.body["model"] for r in down.chat_requests] == [named] * len(SURFACES)
+            assert [r.body["model"] for r in up.chat_requests] == [sent] * len(SURFACES)
+    answered = [record.getMessage() for record in logs.matching("answered by backend")]
+    assert len(answered) == len(SURFACES)
+    assert all(
+        line.startswith(f"model {alias} answered by backend {standing_in} as {sent} (2 attempts")
+        for line in answered
+    )
+
+
 @pytest.mark.parametrize("surface", ["rest", "sse", "rpc"])
 async def test_a_4xx_is_not_retried_elsewhere(tmp_path: Path, surface: str) -> None:
     async with routed_stack(tmp_path) as routed:

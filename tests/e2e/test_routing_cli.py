@@ -81,6 +81,40 @@ timeout_s = -1
     assert not (tmp_path / "data").exists()
 
 
+def test_a_glob_fallback_to_a_backend_not_serving_its_models_stops_start_up(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "backends.toml"
+    path.write_text(
+        """
+[backends.anthropic]
+base_url = "http://127.0.0.1:1/v1"
+models = ["claude-*"]
+
+[backends.alpha]
+base_url = "http://127.0.0.1:2/v1"
+models = ["gpt-4o"]
+
+[fallbacks]
+"claude-*" = ["alpha"]
+"""
+    )
+    done = subprocess.run(
+        [COMMAND, "serve"],
+        env=_env(tmp_path, ARONA_BACKENDS=str(path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"arona-gateway: error: {path}: fallbacks.\"claude-*\"[0]: backend 'alpha' does not "
+        "serve 'claude-', which 'claude-*' matches: add 'claude-*' to its models, or write "
+        '{ backend = "alpha", model = "…" }\n'
+    )
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_backends_file_and_an_upstream_url_together_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "backends.toml"
     path.write_text('[backends.a]\nbase_url = "http://127.0.0.1:1/v1"\nmodels = ["m"]\n')
@@ -113,7 +147,7 @@ models = ["gpt-*"]
 
 [backends.second]
 base_url = "{second.base_url}"
-models = ["claude-*"]
+models = ["claude-*", "gpt-*"]
 aliases = {{ "gpt-4o" = "claude-stand-in" }}
 
 [fallbacks]

@@ -25,7 +25,7 @@ base_url = "https://openrouter.ai/api/v1/"
 api_key_env = "ROUTER_KEY"
 timeout_s = 30
 connect_timeout_s = 2.5
-models = ["gpt-4o", "*/*"]
+models = ["gpt-4o", "gpt-*", "*/*"]
 aliases = { fast = "openai/gpt-4o-mini" }
 
 [backends.local]
@@ -70,7 +70,8 @@ def test_fallbacks_come_in_order_from_the_exact_key_else_the_first_glob(tmp_path
     assert chain(backends, "gpt-4-turbo") == [("openai", None), ("router", None)]
     # "*" catches the rest.
     assert chain(backends, "o1") == [("openai", None), ("local", "llama3.1:8b")]
-    assert chain(backends, "fast") == [("openai", "gpt-4o-mini"), ("local", "llama3.1:8b")]
+    # An alias has the fallbacks of the model it names, and they are sent that model.
+    assert chain(backends, "fast") == [("openai", "gpt-4o-mini"), ("router", "gpt-4o-mini")]
 
 
 def test_what_can_be_listed_is_names_and_aliases_each_once(tmp_path: Path) -> None:
@@ -247,8 +248,8 @@ def test_the_readme_example_is_a_valid_file_routing_as_it_says(tmp_path: Path) -
     assert chain(backends, "gpt-4o") == [("openai", None), ("anthropic", "claude-sonnet-4-5")]
     assert chain(backends, "fast") == [("openai", "gpt-4o-mini")]
     assert chain(backends, "o3-mini") == [("openai", None)]
-    # Fallbacks are keyed by the name asked: "sonnet" is not "claude-*".
-    assert chain(backends, "sonnet") == [("anthropic", "claude-sonnet-4-5")]
+    # An alias falls back as the model it names: "sonnet" is claude-sonnet-4-5, a "claude-*".
+    assert chain(backends, "sonnet") == [("anthropic", "claude-sonnet-4-5"), ("openai", "gpt-4o")]
     assert chain(backends, "claude-opus-4-1") == [("anthropic", None), ("openai", "gpt-4o")]
     assert [model for model, _ in backends.listed()] == ["gpt-4o", "gpt-4o-mini", "fast", "sonnet"]
 
@@ -257,3 +258,187 @@ def test_a_name_to_show_in_a_hint_is_one_the_file_routes(tmp_path: Path) -> None
     assert load(tmp_path, FILE).example_model() == "o1"
     globs_only = '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["gpt-4o-[mn]*", "x?"]'
     assert load(tmp_path, globs_only).example_model() == "gpt-4o-m"
+
+
+# Anthropic serves Claude models by glob and one by alias; the others serve some or all of them.
+CLAUDE = """
+[backends.anthropic]
+base_url = "https://api.anthropic.com/v1"
+models = ["claude-*"]
+aliases = { sonnet = "claude-sonnet-4-5" }
+
+[backends.alpha]
+base_url = "http://127.0.0.1:8001/v1"
+models = ["gpt-4o"]
+
+[backends.beta]
+base_url = "http://127.0.0.1:8002/v1"
+models = ["claude-3-*", "claude-sonnet-4-5"]
+
+[backends.gamma]
+base_url = "http://127.0.0.1:8003/v1"
+models = ["*"]
+
+[backends.delta]
+base_url = "http://127.0.0.1:8004/v1"
+models = ["claude-*"]
+aliases = { "claude-sonnet-4-5" = "claude-sonnet-4-5-eu" }
+"""
+
+
+def test_a_glob_key_refuses_a_backend_that_does_not_serve_what_it_matches(
+    tmp_path: Path,
+) -> None:
+    text = CLAUDE + '[fallbacks]\n"claude-*" = ["alpha", "beta", "gamma", "delta"]\n'
+    assert problems(tmp_path, text) == [
+        # A name of the file is shown when there is one...
+        "fallbacks.\"claude-*\"[0]: backend 'alpha' does not serve 'claude-sonnet-4-5', which "
+        "'claude-*' matches: add 'claude-*' to its models, or write "
+        '{ backend = "alpha", model = "…" }',
+        # ... else the shortest model the key sends it that it does not serve.
+        "fallbacks.\"claude-*\"[1]: backend 'beta' does not serve 'claude-', which 'claude-*' "
+        "matches: add 'claude-*' to its models, or write "
+        '{ backend = "beta", model = "…" }',
+    ]
+
+
+def test_a_glob_key_accepts_a_backend_serving_all_that_can_reach_it(tmp_path: Path) -> None:
+    text = (
+        CLAUDE
+        + """
+[backends.sonnets]
+base_url = "http://127.0.0.1:8005/v1"
+models = ["claude-sonnet-*"]
+
+[fallbacks]
+# An exact key, or an earlier glob key, takes what it names: the next key never sees those.
+"claude-3-5-haiku" = ["gamma"]
+"claude-3-*" = ["beta"]
+"claude-sonnet-*" = ["sonnets", "delta"]
+"*" = ["gamma", { backend = "alpha", model = "gpt-4o" }]
+"""
+    )
+    backends = load(tmp_path, text)
+    assert chain(backends, "claude-3-opus") == [("anthropic", None), ("beta", None)]
+    assert chain(backends, "claude-sonnet-4") == [
+        ("anthropic", None),
+        ("sonnets", None),
+        ("delta", None),
+    ]
+    assert chain(backends, "claude-opus-4-1") == [
+        ("anthropic", None),
+        ("gamma", None),
+        ("alpha", "gpt-4o"),
+    ]
+    # Only models some backend serves reach a key: azure serves every gpt model there is.
+    two = """
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+models = ["gpt-4o", "gpt-4o-mini"]
+
+[backends.azure]
+base_url = "http://127.0.0.1:8006/v1"
+models = ["gpt-4o-mini", "gpt-4o"]
+
+[fallbacks]
+"gpt-*" = ["azure"]
+"""
+    assert chain(load(tmp_path, two), "gpt-4o-mini") == [("openai", None), ("azure", None)]
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (
+            "claud-*",
+            "fallbacks.\"claud-*\": no backend serves a model 'claud-*' matches: add one to a "
+            "backend's models",
+        ),
+        (
+            "son*",
+            "fallbacks.\"son*\": no backend serves a model 'son*' matches; an alias has the "
+            "fallbacks of the model it names ('sonnet': 'claude-sonnet-4-5'), so key them by "
+            "that model",
+        ),
+    ],
+)
+def test_a_glob_key_matching_no_model_served_is_refused(
+    tmp_path: Path, key: str, expected: str
+) -> None:
+    text = CLAUDE.replace('models = ["*"]', 'models = ["gpt-*"]')
+    text += f'[fallbacks]\n"{key}" = [{{ backend = "gamma", model = "gpt-4o" }}]\n'
+    assert problems(tmp_path, text) == [expected]
+
+
+def test_an_alias_has_the_fallbacks_of_the_model_it_names(tmp_path: Path) -> None:
+    text = (
+        CLAUDE
+        + """
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+models = ["gpt-4o"]
+aliases = { fast = "gpt-4o-mini", omni = "gpt-4o", sonnet = "gpt-4o" }
+
+[fallbacks]
+"gpt-4o" = ["alpha"]
+# Named by no backend's models: only the alias fast reaches it, and that is enough.
+"gpt-4o-mini" = [{ backend = "gamma", model = "llama3.1:8b" }]
+"claude-*" = ["gamma", "delta"]
+"omni" = ["gamma"]
+"""
+    )
+    backends = load(tmp_path, text)
+    # By the model's exact key...
+    assert chain(backends, "fast") == [("openai", "gpt-4o-mini"), ("gamma", "llama3.1:8b")]
+    # ... or its glob key, each fallback getting the model (by its own alias, if it has one).
+    assert chain(backends, "sonnet") == [
+        ("anthropic", "claude-sonnet-4-5"),
+        ("gamma", "claude-sonnet-4-5"),
+        ("delta", "claude-sonnet-4-5-eu"),
+    ]
+    # A key naming the alias itself comes first.
+    assert chain(backends, "omni") == [("openai", "gpt-4o"), ("gamma", None)]
+
+
+def test_an_alias_glob_key_is_checked_against_the_model_it_names(tmp_path: Path) -> None:
+    # fast is gpt-4o-mini, a "gpt-*": alpha, serving gpt-4o only, cannot stand in for it.
+    text = (
+        CLAUDE
+        + """
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+models = ["gpt-4o"]
+aliases = { fast = "gpt-4o-mini" }
+
+[fallbacks]
+"gpt-*" = ["alpha"]
+"""
+    )
+    assert problems(tmp_path, text) == [
+        "fallbacks.\"gpt-*\"[0]: backend 'alpha' does not serve 'gpt-4o-mini', which 'gpt-*' "
+        'matches: add \'gpt-*\' to its models, or write { backend = "alpha", model = "…" }'
+    ]
+
+
+@pytest.mark.timeout(10)
+def test_a_glob_key_over_hundreds_of_listed_models_is_checked_at_once(tmp_path: Path) -> None:
+    models = [f"gpt-{size}-{n}" for n in range(300) for size in ("mini", "large")]
+    listed = ", ".join(f'"{model}"' for model in models)
+    text = f"""
+[backends.openai]
+base_url = "https://api.openai.com/v1"
+models = [{listed}, "o*"]
+
+[backends.azure]
+base_url = "http://127.0.0.1:8007/v1"
+models = [{listed.replace('"gpt-large-150", ', "")}]
+
+[fallbacks]
+"gpt-*" = ["azure"]
+"""
+    assert problems(tmp_path, text) == [
+        "fallbacks.\"gpt-*\"[0]: backend 'azure' does not serve 'gpt-large-150', which 'gpt-*' "
+        'matches: add \'gpt-*\' to its models, or write { backend = "azure", model = "…" }'
+    ]
+    backends = load(tmp_path, text.replace('"gpt-*" = ["azure"]', '"gpt-mini-*" = ["azure"]'))
+    assert chain(backends, "gpt-mini-7") == [("openai", None), ("azure", None)]

@@ -427,8 +427,9 @@ async def check_scope_mode(settings: Settings, index: EpisodeIndex) -> None:
         elsewhere = "another ARONA_DATA_DIR"
     raise ScopeModeRefused(
         f"{where} holds per-user memories (stored with ARONA_MEMORY_SCOPE=user), which "
-        "shared mode would show to every caller: set ARONA_MEMORY_SCOPE=user (or, to start "
-        f"a new shared memory, use {elsewhere})"
+        "shared mode would show to every caller: set ARONA_MEMORY_SCOPE=user; or forget them "
+        "(run it with ARONA_MEMORY_SCOPE=user, then `arona-gateway forget --all` beside it) "
+        f"and start again; or, for a new shared memory, use {elsewhere}"
     )
 
 

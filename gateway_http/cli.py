@@ -656,7 +656,57 @@ def _parser() -> argparse.ArgumentParser:
     )
     _import_parser(sub)
     _usage_parsers(sub)
+    _forget_parser(sub)
     return parser
+
+
+def _forget_parser(sub: Any) -> None:
+    forget = sub.add_parser(
+        "forget",
+        help="erase the memory (and conversations) of one scope, one principal, the turns of "
+        "no principal, or everyone, through the gRPC service",
+    )
+    whose = forget.add_mutually_exclusive_group(required=True)
+    whose.add_argument("--scope", help="one scope: PRINCIPAL or PRINCIPAL/USER")
+    whose.add_argument(
+        "--principal", help="every scope of one principal (a JWT sub, key:NAME), users included"
+    )
+    whose.add_argument(
+        "--anonymous",
+        action="store_true",
+        help="the turns of no principal (shared mode, REST without a bearer)",
+    )
+    whose.add_argument("--all", action="store_true", help="everything the memory service stored")
+    forget.add_argument(
+        "--keep-conversations",
+        action="store_true",
+        help="leave the owner's conversations (default: they are deleted too)",
+    )
+
+
+def _forget_command(settings: Settings, args: argparse.Namespace) -> None:
+    from gateway_http import forgetting
+
+    target = forgetting.Target(
+        scope=args.scope or "",
+        principal=args.principal or "",
+        anonymous=args.anonymous,
+        everything=args.all,
+    )
+    printed: list[str] = []
+
+    async def run() -> None:
+        try:
+            printed.append(
+                await forgetting.forget(
+                    settings, target, keep_conversations=args.keep_conversations
+                )
+            )
+        except forgetting.ForgetRefused as exc:
+            raise StartupError(str(exc)) from None
+
+    _run(run())
+    print(printed[0], flush=True)
 
 
 def _usage_parsers(sub: Any) -> None:
@@ -881,6 +931,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(_migrate(env))
         elif args.command in ("usage", "budget"):
             _usage_commands(settings, args)
+        elif args.command == "forget":
+            _forget_command(settings, args)
         elif args.command == "up":
             _run(_up(env, backends))
         elif args.command == "serve":

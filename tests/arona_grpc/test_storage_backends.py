@@ -301,8 +301,10 @@ async def test_shared_mode_refuses_an_index_that_holds_one_users_episodes(
     )
     assert str(refused.value) == (
         f"{where} holds per-user memories (stored with ARONA_MEMORY_SCOPE=user), which shared "
-        "mode would show to every caller: set ARONA_MEMORY_SCOPE=user (or, to start a new "
-        f"shared memory, use {'another ARONA_DATA_DIR' if backend is None else 'another database'})"
+        "mode would show to every caller: set ARONA_MEMORY_SCOPE=user; or forget them (run it "
+        "with ARONA_MEMORY_SCOPE=user, then `arona-gateway forget --all` beside it) and start "
+        "again; or, for a new shared memory, use "
+        f"{'another ARONA_DATA_DIR' if backend is None else 'another database'}"
     )
     # Once its owner forgot it, the index holds nothing of one user alone.
     domain = MemoryDomain(per_user, pool=pool)

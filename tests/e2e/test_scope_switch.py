@@ -9,6 +9,7 @@ shared-mode recall, wherever it runs, drops the episodes Philia holds for one us
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import grpc
@@ -20,7 +21,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.server import GrpcServer
 from tests.e2e.scoped import jwt, scoped_stack
 from tests.e2e.test_up import gateway_up
-from tests.support.served import run
+from tests.support.served import run, run_both
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -44,8 +45,9 @@ async def test_per_user_memories_refuse_a_shared_start_in_one_line(tmp_path: Pat
         line = (
             f"arona-gateway: error: {data_dir / 'episodes.db'} holds per-user memories (stored "
             "with ARONA_MEMORY_SCOPE=user), which shared mode would show to every caller: set "
-            "ARONA_MEMORY_SCOPE=user (or, to start a new shared memory, use another "
-            "ARONA_DATA_DIR)\n"
+            "ARONA_MEMORY_SCOPE=user; or forget them (run it with ARONA_MEMORY_SCOPE=user, then "
+            "`arona-gateway forget --all` beside it) and start again; or, for a new shared "
+            "memory, use another ARONA_DATA_DIR\n"
         )
         assert await run(data_dir, "up") == (2, line)
         # serve refuses before it listens or reaches Philia (nothing answers at this URL).
@@ -56,6 +58,18 @@ async def test_per_user_memories_refuse_a_shared_start_in_one_line(tmp_path: Pat
         async with gateway_up(data_dir, user_mode) as up:
             again = await up.rpc(client, "chat.send", chat(ASK))
             assert again["memory"] == "enabled" and "4417" in again["content"]
+            # The way out the line offers, followed as written.
+            grpc_address = re.search(r"gRPC\s+(\S+)", up.banner)
+            assert grpc_address is not None
+            code, out, err = await run_both(
+                data_dir, "forget", "--all", env={"ARONA_GRPC_TARGET": grpc_address.group(1)}
+            )
+            assert (code, err) == (0, "")
+            # The fact and the question asked since: both turns of that user.
+            assert out == "forgot 2 episode(s) of everyone and 0 conversation(s)\n"
+        async with gateway_up(data_dir) as up:
+            shared = await up.rpc(client, "chat.send", chat(ASK))
+            assert shared["memory"] == "disabled" and "4417" not in shared["content"]
 
 
 async def test_shared_recall_never_returns_an_episode_stored_for_one_user(

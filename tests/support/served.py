@@ -185,13 +185,21 @@ async def run(
     data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
 ) -> tuple[int, str]:
     """``arona-gateway ARGV`` to its end: the exit code and all it wrote to stderr."""
+    code, _, err = await run_both(data_dir, *argv, env=env, user=user)
+    return code, err
+
+
+async def run_both(
+    data_dir: Path, *argv: str, env: Mapping[str, str] | None = None, user: str | None = None
+) -> tuple[int, str, str]:
+    """``arona-gateway ARGV`` to its end: the exit code, its stdout and its stderr."""
     command = _as_user(user, [COMMAND, *argv])
     process = await asyncio.create_subprocess_exec(
         *command,
         env=gateway_env(data_dir, env),
-        stdout=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    _, err = await asyncio.wait_for(process.communicate(), 60)
+    out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
-    return process.returncode, err.decode()
+    return process.returncode, out.decode(), err.decode()

@@ -1,0 +1,122 @@
+"""``arona-gateway forget``: an operator's erasure of one scope, one principal, the turns of no
+principal, or everything.
+
+The memory goes through the running gRPC service's ``Forget`` (``ARONA_GRPC_TARGET``,
+``ARONA_GRPC_TOKEN`` and ``ARONA_GRPC_TLS_CA`` as for the HTTP layer), which erases it from
+Philia, the outbox, the dead letters, the episode index and the status events. The
+conversations go from the database the HTTP layer keeps them in (``ARONA_DATABASE_URL``, else
+``conversations.db`` under ``ARONA_DATA_DIR``), whose owner is the forgotten principal (the
+turns of no principal: ``anonymous``), unless ``--keep-conversations``. Nothing is reported
+as done that is not: a memory service that cannot finish stops the command before any
+conversation is touched, with its reason (run it again).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+from arona_grpc.config import Settings
+from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
+from arona_grpc.scopes import principal_error, scope_error
+from gateway_http.auth import ANONYMOUS
+from gateway_http.conversations import open_conversations
+from gateway_http.errors import GatewayError
+from gateway_http.grpc_channel import memory_call_metadata, open_memory_channel
+from gateway_http.memory_client import MemoryClient
+
+
+class ForgetRefused(Exception):
+    """The forget could not be done (one line, safe to print)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Whose memory: exactly one of the four."""
+
+    scope: str = ""
+    principal: str = ""
+    anonymous: bool = False
+    everything: bool = False
+
+    def check(self) -> None:
+        given = sum((bool(self.scope), bool(self.principal), self.anonymous, self.everything))
+        if given != 1:
+            raise ForgetRefused("give one of --scope, --principal, --anonymous and --all")
+        if self.scope and (problem := scope_error(self.scope)) is not None:
+            raise ForgetRefused(f"--{problem}")
+        if self.principal and (problem := principal_error(self.principal)) is not None:
+            raise ForgetRefused(f"--principal {problem}")
+
+    @property
+    def owner(self) -> str | None:
+        """Whose conversations go with it: None for everyone's, "" for none (a scope a
+        principal narrowed to a user: the principal's conversations are not that user's)."""
+        if self.everything:
+            return None
+        if self.anonymous:
+            return ANONYMOUS
+        if self.principal:
+            return self.principal
+        return "" if "/" in self.scope else self.scope
+
+    @property
+    def described(self) -> str:
+        if self.everything:
+            return "everyone"
+        if self.anonymous:
+            return "the turns of no principal"
+        if self.principal:
+            return f"principal {self.principal} (every scope it narrowed to included)"
+        return f"scope {self.scope}"
+
+
+async def forget(settings: Settings, target: Target, *, keep_conversations: bool) -> str:
+    """Forget ``target``'s memory (and conversations); what was done, in one line."""
+    target.check()
+    channel = open_memory_channel(settings)
+    client = MemoryClient(
+        channel,
+        recall_budget_s=settings.recall_budget_s,
+        rpc_timeout_s=settings.memory_timeout_s,
+        metadata=memory_call_metadata(settings),
+    )
+    try:
+        deleted = await client.forget(
+            target.scope,
+            principal=target.principal,
+            anonymous=target.anonymous,
+            everything=target.everything,
+        )
+    except GatewayError as exc:
+        raise ForgetRefused(
+            f"the memory service did not finish: {exc.message} (nothing is reported done; "
+            "run the same command again)"
+        ) from None
+    finally:
+        await channel.close(None)
+    done = f"forgot {deleted:,} episode(s) of {target.described}"
+    owner = target.owner
+    if keep_conversations or owner == "":
+        return done + "; conversations kept"
+    gone = await _forget_conversations(settings, owner)
+    return f"{done} and {gone:,} conversation(s)"
+
+
+async def _forget_conversations(settings: Settings, owner: str | None) -> int:
+    pool = None
+    try:
+        if settings.database_url:
+            pool = await open_pool(settings.database_url, max_size=1)
+        store = open_conversations(settings.data_dir, pool, settings.database_url)
+        try:
+            return await store.forget(owner)
+        finally:
+            await store.aclose()
+    except (DatabaseUnavailable, SchemaRefused, sqlite3.Error) as exc:
+        raise ForgetRefused(
+            f"the memory is forgotten, the conversations are not: {exc} (run it again)"
+        ) from None
+    finally:
+        if pool is not None:
+            await pool.close()

@@ -1,0 +1,307 @@
+"""Forget means gone: what a user asked to forget is in no file, table, index or answer.
+
+``arona-gateway up`` runs as a user runs it (the embedded store, the gRPC service, the HTTP
+gateway, the ``echo`` model), in ``user`` mode, on SQLite files or with PostgreSQL. Alice tells
+it a made-up word on every surface — REST JSON, SSE with a conversation, ``chat.send``, a gRPC
+``Writeback``, ``arona-gateway import`` — and Bob one of his own. Every turn's question holds
+its word, so the status events hold them too. Alice forgets; then not one of her words is found
+by ``memory.list``, ``memory.status``, ``memory.recall``, her conversations, a raw recall of
+the store from this (another) process, any table, or — byte for byte — any file of the data
+directory, after a clean stop or a SIGKILL; a restart recalls none of them. Bob's word is
+found where it should be all along: the search would see one left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import httpx
+import pytest
+
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
+from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.philia import PhiliaClient
+from gateway_http.auth import mint_token
+from tests.support.erasure import files_holding
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(300)]
+
+COMMAND = str(Path(sys.executable).parent / "arona-gateway")
+BANNER_END = "Ctrl-C stops everything."
+JWT_SECRET = "an-hs256-secret-for-the-erasure-test-0123456789"
+STORE_TOKEN = "store-token-of-the-erasure-test"
+# One made-up word a surface, so a leftover says where it came from.
+WORDS = {
+    "rest": "Quorvandel",
+    "sse": "Plimsoxter",
+    "rpc": "Drezzlewick",
+    "grpc": "Vantrobule",
+    "import": "Skelloquin",
+}
+KEPT = "Marrowfinch"
+
+
+def _jwt(sub: str, *, admin: bool = False) -> str:
+    return mint_token(JWT_SECRET, sub, 3600, admin=admin)
+
+
+ALICE, BOB, ADMIN = _jwt("alice"), _jwt("bob"), _jwt("ops", admin=True)
+
+
+@dataclass
+class Up:
+    process: asyncio.subprocess.Process
+    http: str
+    grpc: str
+    store: str
+    stderr: list[str] = field(default_factory=list)
+
+
+def _env(data_dir: Path, database_url: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(
+        ARONA_DATA_DIR=str(data_dir),
+        ARONA_HTTP_PORT="0",
+        ARONA_GRPC_PORT="0",
+        ARONA_MEMORY_SCOPE="user",
+        ARONA_JWT_SECRET=JWT_SECRET,
+        ARONA_MEMORY_TOKEN=STORE_TOKEN,
+        ARONA_LOG_LEVEL="info",
+    )
+    if database_url is not None:
+        env["ARONA_DATABASE_URL"] = database_url
+    return env
+
+
+@asynccontextmanager
+async def running(env: dict[str, str], *, kill: bool = False) -> AsyncIterator[Up]:
+    """``arona-gateway up``, stopped by Ctrl-C (or SIGKILL with ``kill``) at the end."""
+    process = await asyncio.create_subprocess_exec(
+        COMMAND, "up", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    assert process.stdout is not None and process.stderr is not None
+    lines: list[str] = []
+
+    async def banner() -> None:
+        assert process.stdout is not None
+        while not lines or lines[-1] != BANNER_END:
+            raw = await process.stdout.readline()
+            assert raw, "arona-gateway up exited before it was ready"
+            lines.append(raw.decode().rstrip("\n"))
+
+    try:
+        await asyncio.wait_for(banner(), 60)
+        text = "\n".join(lines)
+        found = [
+            re.search(pattern, text)
+            for pattern in (r"HTTP\s+(http://\S+)", r"gRPC\s+(\S+)", r"memory\s+(ws://\S+)")
+        ]
+        assert all(found), text
+        http, grpc_target, store = (m.group(1) for m in found if m is not None)
+        up = Up(process, http, grpc_target, store)
+        yield up
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGKILL if kill else signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    log = err.decode()
+    assert "Traceback" not in log
+    if kill:
+        assert process.returncode == -signal.SIGKILL
+    else:
+        assert process.returncode == 0, log
+    up.stderr.append(log)
+
+
+async def _rpc(
+    client: httpx.AsyncClient, up: Up, bearer: str, method: str, params: Any = None
+) -> Any:
+    reply = (
+        await client.post(
+            f"{up.http}/api/rpc",
+            json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}},
+            headers={"Authorization": f"Bearer {bearer}"},
+        )
+    ).json()
+    assert "result" in reply, reply
+    return reply["result"]
+
+
+def _chat(text: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "echo", "messages": [{"role": "user", "content": text}], **fields}
+
+
+async def _tell_everything(client: httpx.AsyncClient, up: Up, env: dict[str, str]) -> None:
+    """Alice's word on every surface (each question holds it), and Bob's one."""
+    alice = {"Authorization": f"Bearer {ALICE}"}
+    rest = await client.post(
+        f"{up.http}/v1/chat/completions",
+        json=_chat(f"Remember that my bike lock word is {WORDS['rest']}"),
+        headers=alice,
+    )
+    assert rest.status_code == 200, rest.text
+    conversation = (await client.post(f"{up.http}/v1/conversations", json={}, headers=alice)).json()
+    async with client.stream(
+        "POST",
+        f"{up.http}/v1/chat/completions",
+        json=_chat(
+            f"Remember that my hamster is called {WORDS['sse']}",
+            stream=True,
+            conversation_id=conversation["id"],
+        ),
+        headers=alice,
+    ) as streamed:
+        assert streamed.status_code == 200
+        assert WORDS["sse"] in "".join([line async for line in streamed.aiter_lines()])
+    said = await _rpc(
+        client, up, ALICE, "chat.send", _chat(f"Remember my locker code {WORDS['rpc']}")
+    )
+    assert WORDS["rpc"] in said["content"]
+    async with grpc.aio.insecure_channel(up.grpc) as channel:
+        stored = await pb_grpc.MemoryServiceStub(channel).Writeback(
+            pb.WritebackRequest(
+                user=f"My boat is named {WORDS['grpc']}", assistant="Noted", scope="alice"
+            )
+        )
+        assert stored.stored
+    history = Path(env["ARONA_DATA_DIR"]).parent / "import" / "history.jsonl"
+    history.parent.mkdir(exist_ok=True)
+    line = {
+        "messages": [
+            {"role": "user", "content": f"My grandmother's village is {WORDS['import']}"},
+            {"role": "assistant", "content": "What a lovely name"},
+        ]
+    }
+    history.write_text(json.dumps(line) + "\n")
+    imported = await asyncio.create_subprocess_exec(
+        COMMAND,
+        "import",
+        str(history),
+        "--user",
+        "alice",
+        env={**env, "ARONA_GRPC_TARGET": up.grpc},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(imported.communicate(), 60)
+    assert imported.returncode == 0, (out, err)
+    kept = await _rpc(client, up, BOB, "chat.send", _chat(f"My dog is called {KEPT}"))
+    assert KEPT in kept["content"]
+
+
+def _holding(text: str, words: Iterable[str]) -> list[str]:
+    folded = text.lower()
+    return [word for word in words if word.lower() in folded]
+
+
+async def _tables_holding(database_url: str, words: Iterable[str]) -> dict[str, list[str]]:
+    """Each table of the database that holds any of ``words`` in any column."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        tables = [
+            row[0]
+            for row in await conn.fetch(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+            )
+        ]
+        found: dict[str, list[str]] = {}
+        for table in tables:
+            held = [
+                word
+                for word in words
+                if await conn.fetchval(
+                    f'SELECT count(*) FROM "{table}" t WHERE t::text ILIKE $1', f"%{word}%"
+                )
+            ]
+            if held:
+                found[table] = held
+        return found
+    finally:
+        await conn.close()
+
+
+async def _store_recall(up: Up, words: Iterable[str]) -> list[str]:
+    """The texts the store itself recalls for ``words``, asked from this process."""
+    client = PhiliaClient(up.store, STORE_TOKEN, 10.0)
+    try:
+        texts: list[str] = []
+        for word in words:
+            texts += [m.text for m in await client.query(word, 20)]
+        return texts
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stop", ["clean", "sigkill"])
+async def test_a_forgotten_word_is_found_nowhere(
+    tmp_path: Path, backend: str | None, stop: str
+) -> None:
+    data_dir = tmp_path / "data"
+    env = _env(data_dir, backend)
+    words = list(WORDS.values())
+    logs: list[str] = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with running(env, kill=stop == "sigkill") as up:
+            await _tell_everything(client, up, env)
+            listed = await _rpc(client, up, ALICE, "memory.list")
+            assert len(listed["memories"]) == 5
+            status = json.dumps(await _rpc(client, up, ADMIN, "memory.status", {"limit": 100}))
+            # The events hold every chat turn's question (Writeback and import recall nothing).
+            assert _holding(status, words) == [WORDS["rest"], WORDS["sse"], WORDS["rpc"]]
+            if backend is None:
+                # In the store, the index and the conversations (or their logs) for now.
+                held = {name.split(".")[0] for name in files_holding(data_dir, words)}
+                assert held >= {"memory", "episodes", "conversations"}
+
+            forgotten = await _rpc(client, up, ALICE, "memory.forget")
+            assert forgotten == {"deleted": 5, "conversations": 1}
+
+            assert (await _rpc(client, up, ALICE, "memory.list"))["memories"] == []
+            status = json.dumps(await _rpc(client, up, ADMIN, "memory.status", {"limit": 100}))
+            assert _holding(status, [*words, KEPT]) == [KEPT]
+            for word in words:
+                for scope in ("alice", "bob"):
+                    recall = await _rpc(
+                        client, up, ADMIN, "memory.recall", {"query": word, "scope": scope}
+                    )
+                    assert _holding(json.dumps(recall), words) == []
+            conversations = await client.get(
+                f"{up.http}/v1/conversations", headers={"Authorization": f"Bearer {ALICE}"}
+            )
+            assert conversations.json()["data"] == []
+            recalled = await _store_recall(up, [*words, KEPT])
+            assert _holding(" ".join(recalled), [*words, KEPT]) == [KEPT]
+            if backend is not None:
+                assert await _tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+            assert files_holding(data_dir, words) == {}
+        logs += up.stderr
+
+        # Stopped (cleanly or killed): nothing was left to come back, in the files or later.
+        assert files_holding(data_dir, words) == {}
+        assert files_holding(data_dir, [KEPT])
+        assert files_holding(tmp_path / "import", words) == {"history.jsonl": [WORDS["import"]]}
+        async with running(env) as again:
+            for question in ("What is my bike lock word?", "What is my hamster called?"):
+                said = await _rpc(client, again, ALICE, "chat.send", _chat(question))
+                assert _holding(said["content"], words) == []
+            listed = await _rpc(client, again, ALICE, "memory.list")
+            assert _holding(json.dumps(listed), words) == []
+            assert _holding(" ".join(await _store_recall(again, words)), words) == []
+        logs += again.stderr
+    assert files_holding(data_dir, words) == {}
+    if backend is not None:
+        assert await _tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+    # Nor did the logs ever carry them.
+    assert _holding("\n".join(logs), [*words, KEPT]) == []

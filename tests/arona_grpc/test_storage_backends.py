@@ -27,6 +27,7 @@ from arona_grpc.outbox import (
 )
 from arona_grpc.redact import redact_url
 from arona_grpc.service import MemoryDomain, MemoryUnavailable, ScopeModeRefused
+from tests.support.erasure import files_holding, tables_holding
 from tests.support.fake_philia import STORE, FakePhilia, Step
 
 pytestmark = pytest.mark.asyncio
@@ -322,3 +323,66 @@ async def test_a_fresh_data_directory_gets_no_index_file_from_the_check(
     await domain.check_scope_mode()
     await domain.aclose()
     assert not (tmp_path / "episodes.db").exists()
+
+
+async def test_forgetting_a_principal_erases_its_queued_and_refused_episodes_and_events(
+    tmp_path: Path, backend: str | None, pool: Any, fake: FakePhilia
+) -> None:
+    # Philia refuses one of alice's episodes for what it is (a dead letter), then fails: the
+    # breaker opens and the rest wait in the outbox, a user alice narrowed to and bob's too.
+    words = ["Ferrowhisp", "Glenquartz", "Ombrelline", "Tisselbrook"]
+    settings = settings_for(
+        fake,
+        tmp_path,
+        backend,
+        memory_scope="user",
+        memory_breaker_failures=1,
+        memory_breaker_cooldown_s=60.0,
+    )
+    domain = MemoryDomain(settings, pool=pool)
+    try:
+        await domain.recall(f"Where did I put the {words[0]}?", scope="alice/mia")
+        fake.script(
+            STORE, Step(error=(-32602, "invalid episode")), Step(error=(-32603, "disk busy"))
+        )
+        for text, scope in ((words[1], "alice"), (words[2], "alice"), (words[3], "alice/mia")):
+            with pytest.raises(Exception, match="dead-letter|outbox"):
+                await domain.writeback(f"Remember {text}", "noted", scope)
+        with pytest.raises(MemoryUnavailable):
+            await domain.writeback("My dog is called Marrowfinch", "noted", "bob")
+        status = domain.status(100)
+        assert (status.outbox_depth, status.dead_letters) == (3, 1)
+        assert any(words[0] in event.detail for event in status.events)
+
+        assert await domain.forget(principal="alice") == 0
+        status = domain.status(100)
+        assert status.outbox_depth == 1
+        assert [d.scope_id for d in status.recent_dead_letters] == []
+        assert not [e for e in status.events if any(w in e.detail for w in words)]
+    finally:
+        await domain.aclose()
+    if backend is None:
+        assert files_holding(tmp_path, words) == {}
+        assert set(files_holding(tmp_path, ["Marrowfinch"])) <= {"outbox.db", "outbox.db-wal"}
+    else:
+        assert await tables_holding(backend, [*words, "Marrowfinch"]) == {"outbox": ["Marrowfinch"]}
+
+
+async def test_what_one_replica_forgot_leaves_the_others_events(
+    tmp_path: Path, database_url: str, fake: FakePhilia
+) -> None:
+    settings = settings_for(fake, tmp_path, database_url, memory_scope="user")
+    pool = await open_pool(database_url)
+    first = MemoryDomain(settings, pool=pool)
+    second = MemoryDomain(dataclasses.replace(settings, data_dir=tmp_path / "second"), pool=pool)
+    try:
+        await second.recall("What is Quillbramble?", scope="alice")
+        await second.recall("What is Hopscrawl?", scope="bob")
+        assert await first.forget(scope="alice") == 0
+        await second.clear_erased_events()
+        details = [event.detail for event in second.status(100).events]
+        assert details == ["What is Hopscrawl?"]
+    finally:
+        await first.aclose()
+        await second.aclose()
+        await pool.close()

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import grpc
 import httpx
 import pytest
@@ -34,7 +33,7 @@ from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.philia import PhiliaClient
 from gateway_http.auth import mint_token
-from tests.support.erasure import files_holding
+from tests.support.erasure import files_holding, tables_holding
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -206,32 +205,6 @@ def _holding(text: str, words: Iterable[str]) -> list[str]:
     return [word for word in words if word.lower() in folded]
 
 
-async def _tables_holding(database_url: str, words: Iterable[str]) -> dict[str, list[str]]:
-    """Each table of the database that holds any of ``words`` in any column."""
-    conn = await asyncpg.connect(database_url)
-    try:
-        tables = [
-            row[0]
-            for row in await conn.fetch(
-                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
-            )
-        ]
-        found: dict[str, list[str]] = {}
-        for table in tables:
-            held = [
-                word
-                for word in words
-                if await conn.fetchval(
-                    f'SELECT count(*) FROM "{table}" t WHERE t::text ILIKE $1', f"%{word}%"
-                )
-            ]
-            if held:
-                found[table] = held
-        return found
-    finally:
-        await conn.close()
-
-
 async def _store_recall(up: Up, words: Iterable[str]) -> list[str]:
     """The texts the store itself recalls for ``words``, asked from this process."""
     client = PhiliaClient(up.store, STORE_TOKEN, 10.0)
@@ -284,7 +257,7 @@ async def test_a_forgotten_word_is_found_nowhere(
             recalled = await _store_recall(up, [*words, KEPT])
             assert _holding(" ".join(recalled), [*words, KEPT]) == [KEPT]
             if backend is not None:
-                assert await _tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+                assert await tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
             assert files_holding(data_dir, words) == {}
         logs += up.stderr
 
@@ -302,6 +275,6 @@ async def test_a_forgotten_word_is_found_nowhere(
         logs += again.stderr
     assert files_holding(data_dir, words) == {}
     if backend is not None:
-        assert await _tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+        assert await tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
     # Nor did the logs ever carry them.
     assert _holding("\n".join(logs), [*words, KEPT]) == []

@@ -43,3 +43,33 @@ def files_holding(root: Path, words: Iterable[str]) -> dict[str, list[str]]:
         if held:
             found[str(path.relative_to(root))] = held
     return found
+
+
+async def tables_holding(database_url: str, words: Iterable[str]) -> dict[str, list[str]]:
+    """Each table of a PostgreSQL database that holds any of ``words`` (any case) in any
+    column, with those words; empty when none does."""
+    import asyncpg
+
+    words = list(words)
+    conn = await asyncpg.connect(database_url)
+    try:
+        tables = [
+            str(row[0])
+            for row in await conn.fetch(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+            )
+        ]
+        found: dict[str, list[str]] = {}
+        for table in tables:
+            held = [
+                word
+                for word in words
+                if await conn.fetchval(
+                    f'SELECT count(*) FROM "{table}" t WHERE t::text ILIKE $1', f"%{word}%"
+                )
+            ]
+            if held:
+                found[table] = held
+        return found
+    finally:
+        await conn.close()

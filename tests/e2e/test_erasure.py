@@ -68,13 +68,13 @@ class Up:
     stderr: list[str] = field(default_factory=list)
 
 
-def _env(data_dir: Path, database_url: str | None) -> dict[str, str]:
+def _env(data_dir: Path, database_url: str | None, scope: str = "user") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
     env.update(
         ARONA_DATA_DIR=str(data_dir),
         ARONA_HTTP_PORT="0",
         ARONA_GRPC_PORT="0",
-        ARONA_MEMORY_SCOPE="user",
+        ARONA_MEMORY_SCOPE=scope,
         ARONA_JWT_SECRET=JWT_SECRET,
         ARONA_MEMORY_TOKEN=STORE_TOKEN,
         ARONA_LOG_LEVEL="info",
@@ -278,3 +278,53 @@ async def test_a_forgotten_word_is_found_nowhere(
         assert await tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
     # Nor did the logs ever carry them.
     assert _holding("\n".join(logs), [*words, KEPT]) == []
+
+
+async def test_the_default_mode_lists_searches_and_forgets_the_turns_of_no_principal(
+    tmp_path: Path,
+) -> None:
+    # `make run`: shared mode, REST open. Anonymous turns are stored; the banner's JWT (not an
+    # admin's) finds and forgets them, and the command line forgets what is left.
+    data_dir = tmp_path / "data"
+    env = _env(data_dir, None, scope="shared")
+    dev = _jwt("dev")
+    turns = ["My spare key is under the Brindlestone", "The wifi password is Cobbleflint"]
+    async with httpx.AsyncClient(timeout=60) as client, running(env) as up:
+        for text in turns:
+            said = await client.post(f"{up.http}/v1/chat/completions", json=_chat(text))
+            assert said.status_code == 200
+        await _rpc(client, up, dev, "chat.send", _chat("Note my plant is a Sorrelwing"))
+        # dev's own memory is dev's turn only; the turns of no principal are asked for.
+        own = await _rpc(client, up, dev, "memory.list")
+        assert [m["preview"] for m in own["memories"]] == [
+            "User: Note my plant is a Sorrelwing Assistant: Echo: Note my plant is a Sorrelwing"
+        ]
+        anonymous = await _rpc(client, up, dev, "memory.list", {"anonymous": True})
+        assert len(anonymous["memories"]) == 2
+        found = await _rpc(
+            client, up, dev, "memory.list", {"anonymous": True, "contains": "cobbleFLINT"}
+        )
+        [match] = found["memories"]
+        assert "Cobbleflint" in match["preview"]
+        assert await _rpc(client, up, dev, "memory.delete", {"node_id": match["node_id"]}) == {
+            "deleted": True
+        }
+        forget = await asyncio.create_subprocess_exec(
+            COMMAND,
+            "forget",
+            "--anonymous",
+            env={**env, "ARONA_GRPC_TARGET": up.grpc},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(forget.communicate(), 60)
+        assert (forget.returncode, err) == (0, b"")
+        assert out == b"forgot 1 episode(s) of the turns of no principal and 0 conversation(s)\n"
+        assert (await _rpc(client, up, dev, "memory.list", {"anonymous": True}))["memories"] == []
+        for question in ("Where is my spare key?", "What is the wifi password?"):
+            said = await _rpc(client, up, dev, "chat.send", _chat(question))
+            assert _holding(said["content"], ["Brindlestone", "Cobbleflint"]) == []
+        # dev's own turn was nobody else's to forget.
+        assert len((await _rpc(client, up, dev, "memory.list"))["memories"]) == 3
+    assert files_holding(data_dir, ["Brindlestone", "Cobbleflint"]) == {}
+    assert files_holding(data_dir, ["Sorrelwing"])

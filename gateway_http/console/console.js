@@ -30,8 +30,12 @@
   let generation = 0;
   let samples = [];
   let metricsWithToken = false;
-  let episodesScope = null;
+  // What the episodes panel last listed, {scope, anonymous, contains} (scope null: the
+  // caller's own): what "Older episodes" pages through and "Forget all" forgets.
+  let listing = null;
   let episodesNext = null;
+  // "shared" or "user", from the last status (null until one came).
+  let scopeMode = null;
 
   class RpcError extends Error {
     constructor(code, message, data) {
@@ -185,6 +189,9 @@
       }
       $("usage-principal").value = "";
       showUsageScope(null);
+      scopeMode = null;
+      resetEpisodes();
+      showMemoryChoices();
     } else {
       who.textContent = "";
     }
@@ -256,6 +263,8 @@
     text("enabled", onOff(s.enabled));
     text("writeback", onOff(s.writeback));
     text("scope-mode", s.scope);
+    scopeMode = s.scope;
+    showMemoryChoices();
     const breaker = $("breaker");
     breaker.textContent = s.breaker || "—";
     breaker.className = "badge breaker-" + (s.breaker || "unknown");
@@ -467,27 +476,79 @@
     body.replaceChildren(rows);
   }
 
-  // ---- a user's episodes ----
-  async function listEpisodes(event) {
-    event.preventDefault();
-    episodesScope = $("episodes-scope").value.trim() || null;
-    asking = null;
-    $("episodes-table").tBodies[0].replaceChildren();
-    await loadEpisodes(null);
+  // ---- episodes: a scope's, or those of no principal; searched, deleted, forgotten ----
+
+  // Whether this token may act on memory of no principal, or everyone's: an admin's right in
+  // user mode, anyone's in shared mode (read for display: the server decides).
+  const mayActOnOthers = () => isAdmin() || scopeMode === "shared";
+
+  function showMemoryChoices() {
+    const allowed = mayActOnOthers();
+    const anonymous = $("episodes-anonymous");
+    $("episodes-anonymous-choice").hidden = !allowed;
+    if (!allowed && anonymous.checked) {
+      anonymous.checked = false;
+      anonymousChosen();
+    }
+    $("forget-everything").hidden = !allowed;
   }
 
-  async function loadEpisodes(before) {
+  // The turns of no principal have no scope: the scope field does not apply while chosen.
+  function anonymousChosen() {
+    $("episodes-scope").disabled = $("episodes-anonymous").checked;
+  }
+
+  function resetEpisodes() {
+    closeQuestion(false);
+    listing = null;
+    episodesNext = null;
+    $("episodes-table").tBodies[0].replaceChildren();
+    $("episodes-more").hidden = true;
+    $("forget-bar").hidden = true;
+    $("episodes-note").textContent = "";
+  }
+
+  async function listEpisodes(event) {
+    event.preventDefault();
+    const anonymous = $("episodes-anonymous").checked && !$("episodes-anonymous-choice").hidden;
+    const contains = $("episodes-contains").value;
+    listing = {
+      scope: anonymous ? null : $("episodes-scope").value.trim() || null,
+      anonymous: anonymous,
+      // As typed (a leading space can matter), unless blank.
+      contains: contains.trim() ? contains : null,
+    };
+    await reloadEpisodes("");
+  }
+
+  // The listing again from its newest episode; ``said`` (a forget's outcome) leads the note.
+  async function reloadEpisodes(said) {
+    closeQuestion(false);
+    $("episodes-table").tBodies[0].replaceChildren();
+    await loadEpisodes(null, said);
+  }
+
+  // "of “alice”", "of your own scope", "of no principal": whose episodes a listing shows.
+  function listedOf(l) {
+    if (l.anonymous) return "of no principal";
+    return "of " + (l.scope ? "“" + l.scope + "”" : "your own scope");
+  }
+
+  async function loadEpisodes(before, said) {
     const note = $("episodes-note");
     const more = $("episodes-more");
+    const lead = said ? said + " " : "";
     const params = { limit: 50 };
-    if (episodesScope) params.scope = episodesScope;
+    if (listing.anonymous) params.anonymous = true;
+    else if (listing.scope) params.scope = listing.scope;
+    if (listing.contains) params.contains = listing.contains;
     if (before) params.before = before;
-    note.textContent = "Loading…";
+    note.textContent = lead + "Loading…";
     let page;
     try {
       page = await rpc("memory.list", params);
     } catch (err) {
-      note.textContent = "Listing failed: " + describe(err);
+      note.textContent = lead + "Listing failed: " + describe(err);
       more.hidden = true;
       return;
     }
@@ -495,11 +556,13 @@
     for (const m of page.memories) body.appendChild(episodeRow(m));
     episodesNext = page.next;
     more.hidden = !episodesNext;
-    const who = episodesScope ? "“" + episodesScope + "”" : "your own scope";
+    showForget();
+    const of = listedOf(listing);
+    const match = listing.contains ? " whose preview holds “" + listing.contains + "”" : "";
     const count = body.rows.length;
-    note.textContent = count
-      ? count + " episode" + (count === 1 ? "" : "s") + " of " + who + (episodesNext ? " (more below)" : "") + "."
-      : "No episodes in " + who + ".";
+    note.textContent = lead + (count
+      ? count + " episode" + (count === 1 ? "" : "s") + " " + of + match + (episodesNext ? " (more below)" : "") + "."
+      : "No episodes " + of + match + ".");
   }
 
   function episodeRow(m) {
@@ -519,7 +582,14 @@
     return row;
   }
 
-  // The open "Delete this episode?" question, if any: {box, button}. One at a time.
+  // Where the keyboard goes when the element it was on is gone.
+  function focusEpisodesForm() {
+    const scope = $("episodes-scope");
+    (scope.disabled ? $("episodes-anonymous") : scope).focus();
+  }
+
+  // The open question, if any: {box, hide (what it stands in for), button (to focus back)}.
+  // One at a time: a row's "Delete?" or the "Forget all" one.
   let asking = null;
 
   // Delete asks first, in the row itself: "Yes, delete" deletes; Cancel (or Escape) keeps the
@@ -545,24 +615,28 @@
       closeQuestion(true);
       $("episodes-note").textContent = "Kept episode " + m.node_id + ".";
     });
+    escapeCancels(box, no);
+    button.hidden = true;
+    button.after(box);
+    asking = { box: box, hide: button, button: button };
+    $("episodes-note").textContent = "Delete episode " + m.node_id + "? It cannot be undone.";
+    no.focus();
+  }
+
+  function escapeCancels(box, no) {
     box.addEventListener("keydown", (event) => {
       if (event.key === "Escape") {
         event.preventDefault();
         no.click();
       }
     });
-    button.hidden = true;
-    button.after(box);
-    asking = { box: box, button: button };
-    $("episodes-note").textContent = "Delete episode " + m.node_id + "? It cannot be undone.";
-    no.focus();
   }
 
   // Closes the open question (only ``box``'s, when given: a list reloaded meanwhile has none).
   function closeQuestion(refocus, box) {
     if (!asking || (box && asking.box !== box)) return;
     asking.box.remove();
-    asking.button.hidden = false;
+    asking.hide.hidden = false;
     if (refocus) asking.button.focus();
     asking = null;
   }
@@ -570,7 +644,9 @@
   async function deleteEpisode(row, m, box) {
     const note = $("episodes-note");
     const params = { node_id: m.node_id };
-    if (episodesScope) params.scope = episodesScope;
+    // An episode of no principal has no scope to name: its id alone (any node in shared mode;
+    // in user mode, an admin's delete of an indexed one).
+    if (!listing.anonymous && listing.scope) params.scope = listing.scope;
     for (const b of box.querySelectorAll("button")) b.disabled = true;
     let result;
     try {
@@ -582,7 +658,9 @@
     }
     if (!result.deleted) {
       closeQuestion(true, box);
-      note.textContent = "Not deleted: episode " + m.node_id + " is not in this scope, or is already gone.";
+      note.textContent = listing.anonymous
+        ? "Not deleted: episode " + m.node_id + " is already gone."
+        : "Not deleted: episode " + m.node_id + " is not in this scope, or is already gone.";
       return;
     }
     if (asking && asking.box === box) asking = null;
@@ -591,7 +669,133 @@
     row.remove();
     note.textContent = "Deleted episode " + m.node_id + ".";
     const next = neighbour ? neighbour.querySelector("button") : null;
-    (next || $("episodes-scope")).focus();
+    if (next) next.focus();
+    else focusEpisodesForm();
+  }
+
+  // What a "Forget all" forgets: memory.forget's params, the button's and the question's
+  // words, and whose conversations go with it (null: none do).
+  function forgetTarget(everything) {
+    if (everything) {
+      return {
+        params: { everything: true },
+        button: "Forget everything",
+        question: "Forget everything?",
+        episodes: "every episode, of every scope and of no principal",
+        conversations: "every conversation",
+      };
+    }
+    const but = listing.contains ? "not only those matching “" + listing.contains + "”" : "not only those listed";
+    if (listing.anonymous) {
+      return {
+        params: { anonymous: true },
+        button: "Forget all turns of no principal",
+        question: "Forget all turns of no principal?",
+        episodes: "every episode of no principal (open REST turns), " + but,
+        conversations: "the conversations of no principal",
+      };
+    }
+    const scope = listing.scope;
+    if (!scope) {
+      const own = claims(token).sub;
+      return {
+        params: {},
+        button: "Forget all of your own scope",
+        question: "Forget all of your own scope?",
+        episodes: "every episode of your own scope" + (own ? " (" + own + ")" : "") + ", " + but,
+        conversations: "your conversations",
+      };
+    }
+    // Conversations belong to a principal, not to a user it narrowed its turns to.
+    const slash = scope.indexOf("/");
+    return {
+      params: { scope: scope },
+      button: "Forget all of “" + scope + "”",
+      question: "Forget all of “" + scope + "”?",
+      episodes: "every episode of “" + scope + "”, " + but,
+      conversations: slash < 0 ? "the conversations of “" + scope + "”" : null,
+      owner: slash < 0 ? null : scope.slice(0, slash),
+    };
+  }
+
+  function showForget() {
+    const bar = $("forget-bar");
+    $("forget-listed").textContent = forgetTarget(false).button;
+    if (!(asking && asking.hide === bar)) bar.hidden = false;
+  }
+
+  // "Forget all" asks first, below the list, in the row delete's way: the question says what
+  // goes (every episode, and whose conversations, unless kept), the focus starts on Cancel,
+  // Escape cancels.
+  function askForget(button, everything) {
+    if (asking) closeQuestion(false);
+    const target = forgetTarget(everything);
+    const bar = $("forget-bar");
+    const box = document.createElement("div");
+    box.className = "confirm forget-question";
+    box.setAttribute("role", "group");
+    box.setAttribute("aria-label", target.question);
+    box.setAttribute("aria-describedby", "forget-detail");
+    const question = document.createElement("span");
+    question.textContent = target.question;
+    const detail = document.createElement("p");
+    detail.id = "forget-detail";
+    detail.textContent = "Erases " + target.episodes +
+      (target.conversations
+        ? ", and " + target.conversations + "."
+        : "; conversations stay (they are the principal " + target.owner + "’s).") +
+      " It cannot be undone.";
+    box.append(question, detail);
+    let keep = null;
+    if (target.conversations) {
+      const label = document.createElement("label");
+      keep = document.createElement("input");
+      keep.type = "checkbox";
+      label.append(keep, " Keep " + target.conversations);
+      box.appendChild(label);
+    }
+    const yes = document.createElement("button");
+    yes.type = "button";
+    yes.className = "danger solid";
+    yes.textContent = "Yes, forget";
+    const no = document.createElement("button");
+    no.type = "button";
+    no.textContent = "Cancel";
+    box.append(yes, no);
+    yes.addEventListener("click", () => forgetAll(target, box, keep));
+    no.addEventListener("click", () => {
+      closeQuestion(true);
+      $("episodes-note").textContent = "Nothing forgotten.";
+    });
+    escapeCancels(box, no);
+    bar.hidden = true;
+    bar.after(box);
+    asking = { box: box, hide: bar, button: button };
+    $("episodes-note").textContent = target.question + " It cannot be undone.";
+    no.focus();
+  }
+
+  function plural(n, word) {
+    return count.format(n) + " " + word + (n === 1 ? "" : "s");
+  }
+
+  async function forgetAll(target, box, keep) {
+    const note = $("episodes-note");
+    const params = Object.assign({}, target.params);
+    if (keep && keep.checked) params.keep_conversations = true;
+    for (const b of box.querySelectorAll("button, input")) b.disabled = true;
+    let result;
+    try {
+      result = await rpc("memory.forget", params);
+    } catch (err) {
+      closeQuestion(true, box);
+      note.textContent = "Forget failed: " + describe(err);
+      return;
+    }
+    closeQuestion(true, box);
+    await reloadEpisodes(
+      "Forgot " + plural(result.deleted, "episode") + " and " + plural(result.conversations, "conversation") + "."
+    );
   }
 
   // ---- pages: #memory (the default) and #usage ----
@@ -852,7 +1056,10 @@
     $("sign-out").addEventListener("click", () => signOut("Signed out."));
     $("recall-form").addEventListener("submit", recall);
     $("episodes-form").addEventListener("submit", listEpisodes);
-    $("episodes-more").addEventListener("click", () => loadEpisodes(episodesNext));
+    $("episodes-more").addEventListener("click", () => loadEpisodes(episodesNext, ""));
+    $("episodes-anonymous").addEventListener("change", anonymousChosen);
+    $("forget-listed").addEventListener("click", (event) => askForget(event.currentTarget, false));
+    $("forget-everything").addEventListener("click", (event) => askForget(event.currentTarget, true));
     $("usage-form").addEventListener("submit", loadUsage);
     window.addEventListener("hashchange", () => {
       if (token) showPage(true);
@@ -860,6 +1067,7 @@
     // Headings that take focus after sign-in, for screen readers and keyboards.
     $("status-title").tabIndex = -1;
     $("usage-title").tabIndex = -1;
+    anonymousChosen();
     const zone = timeZoneName();
     for (const node of document.querySelectorAll(".time-zone")) node.textContent = zone;
     const saved = sessionStorage.getItem(TOKEN_KEY);

@@ -1,7 +1,8 @@
 """The operator console in a real headless Chromium, against the real stack.
 
 The embedded store, the real gRPC ``MemoryService`` and the real app under uvicorn
-(:func:`tests.e2e.scoped.scoped_stack`, ``user`` scope mode), and Debian's ``chromium``
+(:func:`tests.e2e.scoped.scoped_stack`, ``user`` scope mode, and ``shared`` for the turns of no
+principal), and Debian's ``chromium``
 driven by Playwright (:mod:`tests.support.browser`). The page is used as an operator would:
 by label and role, with the keyboard where it matters, and every wait is one of Playwright's
 bounded expectations, never a sleep. A screenshot of each state is saved under
@@ -33,6 +34,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 ADMIN = jwt("ops", admin=True)
 ALICE = jwt("alice")
+# The JWT `make run`'s banner prints: not an admin's.
+DEV = jwt("dev")
 FACT = "My locker code is 4417 and my locker is the blue zebra one"
 OTHER = "I keep a spare zebra key in the kitchen drawer"
 ASK = "Which zebra locker is mine, and its code?"
@@ -389,6 +392,9 @@ async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> 
         await keyboard.type("alice")
         await keyboard.press("Enter")
         await expect(page.locator("#episodes-table tbody tr")).to_have_count(1)
+        for field_id in ("episodes-anonymous", "episodes-contains"):
+            await keyboard.press("Tab")
+            assert await focused() == field_id
         await keyboard.press("Tab")
         assert await page.evaluate("() => document.activeElement.textContent") == "List episodes"
         await keyboard.press("Tab")
@@ -580,3 +586,116 @@ async def test_a_phone_and_a_wide_screen_in_local_time(tmp_path: Path) -> None:
             watched.assert_clean(ADMIN)
             await context.close()
         assert len((await stack.result(ADMIN, "memory.list", {"scope": "alice"}))["memories"]) == 2
+
+
+async def test_the_turns_of_no_principal_are_listed_searched_and_forgotten(tmp_path: Path) -> None:
+    """`make run`'s default: shared mode with REST open, whose turns have no principal, and the
+    banner's token, which is not an admin's."""
+    shots = artifact_dir("console")
+    hamster = "My hamster is called Glimmerquark"
+    statue = "The spare key sits under the Thistlewombat statue"
+    fern = "Remind me to water the Pollendrake fern"
+    async with (
+        scoped_stack(tmp_path, scope="shared", api_keys=()) as stack,
+        chromium() as browser,
+    ):
+        created = await stack.http.post("/v1/conversations", json={})
+        conversation = created.json()["id"]
+        assert (await stack.say("rest", None, hamster, conversation_id=conversation)).status == 200
+        for text in (statue, fern):
+            assert (await stack.say("rest", None, text)).status == 200
+        said = await stack.say("rpc", DEV, "I prefer oolong tea")
+        assert said.content == "reply to: I prefer oolong tea"
+        await stack.settle()
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        watched = await open_console(stack, context, shots)
+        page = watched.page
+        await sign_in(page, DEV)
+        await expect(page.locator("#scope-mode")).to_have_text("shared")
+
+        # The turns of no principal instead of a scope: the three REST turns, not dev's own.
+        await page.get_by_label("Turns of no principal").check()
+        await expect(page.locator("#episodes-scope")).to_be_disabled()
+        await page.get_by_role("button", name="List episodes").click()
+        rows = page.locator("#episodes-table tbody tr")
+        note = page.locator("#episodes-note")
+        await expect(rows).to_have_count(3)
+        await expect(note).to_have_text("3 episodes of no principal.")
+        await expect(rows.filter(has_text="oolong")).to_have_count(0)
+        # A row's Delete works on them too.
+        row = rows.filter(has_text="Pollendrake")
+        await row.get_by_role("button", name="Delete episode").click()
+        await row.get_by_role("button", name="Yes, delete").click()
+        await expect(rows).to_have_count(2)
+        await expect(note).to_contain_text("Deleted episode")
+
+        # A search narrows the list, in any case.
+        search = page.get_by_label("Search previews")
+        await search.fill("glimmerQUARK")
+        await search.press("Enter")
+        await expect(rows).to_have_count(1)
+        await expect(rows).to_contain_text(hamster)
+        await expect(note).to_have_text(
+            "1 episode of no principal whose preview holds “glimmerQUARK”."
+        )
+        # Shared memory: dev's recall finds what the anonymous callers said.
+        query = page.get_by_label("Query")
+        await query.fill("Glimmerquark Thistlewombat")
+        await query.press("Enter")
+        section = page.locator("#recall-section")
+        await expect(section).to_contain_text("Glimmerquark")
+        await watched.shot("12-no-principal-searched")
+
+        # Forget all of them asks first: on Cancel, saying what goes; Escape keeps them.
+        forget = page.get_by_role("button", name="Forget all turns of no principal")
+        await expect(page.get_by_role("button", name="Forget everything")).to_be_visible()
+        await forget.click()
+        question = page.get_by_role("group", name="Forget all turns of no principal?")
+        await expect(question.get_by_role("button", name="Cancel")).to_be_focused()
+        await expect(question).to_contain_text("not only those matching “glimmerQUARK”")
+        await expect(question).to_contain_text("and the conversations of no principal.")
+        keep = question.get_by_label("Keep the conversations of no principal")
+        await expect(keep).not_to_be_checked()
+        await watched.shot("13-forget-asks-first")
+        await page.keyboard.press("Escape")
+        await expect(question).to_have_count(0)
+        await expect(forget).to_be_focused()
+        await expect(note).to_have_text("Nothing forgotten.")
+        kept = await stack.result(DEV, "memory.list", {"anonymous": True})
+        assert len(kept["memories"]) == 2
+
+        # Confirmed: both episodes and the anonymous conversation go; the list is reloaded.
+        await forget.click()
+        await question.get_by_role("button", name="Yes, forget").click()
+        await expect(note).to_have_text(
+            "Forgot 2 episodes and 1 conversation. No episodes of no principal whose preview"
+            " holds “glimmerQUARK”."
+        )
+        await expect(forget).to_be_focused()
+        await search.fill("")
+        await search.press("Enter")
+        await expect(note).to_have_text("No episodes of no principal.")
+        await expect(rows).to_have_count(0)
+        await watched.shot("14-no-principal-forgotten")
+
+        # Nothing of them is recalled, stored or in the event feed (once it refreshes: dev's
+        # own recalls stay, the anonymous callers' questions go); dev's own episode stays.
+        feed = page.locator("#events-table")
+        for text in (hamster, statue, fern):
+            await expect(feed).not_to_contain_text(text)
+        await query.press("Enter")
+        await expect(page.locator("#recall-state")).to_have_text(
+            "State: disabled — nothing would be injected"
+        )
+        await expect(section).to_have_text("")
+        stored = "\n".join(stack.stored_texts())
+        assert "oolong" in stored
+        assert all(word not in stored for word in ("Glimmerquark", "Thistlewombat", "Pollendrake"))
+        gone = await stack.http.get(f"/v1/conversations/{conversation}")
+        assert gone.status_code == 404
+        own = await stack.result(DEV, "memory.list", {})
+        assert [m["preview"] for m in own["memories"]] == [
+            "User: I prefer oolong tea Assistant: reply to: I prefer oolong tea"
+        ]
+        watched.assert_clean(DEV)
+        await context.close()

@@ -126,8 +126,8 @@ async def test_the_usage_page_charts_tokens_per_day_and_model(tmp_path: Path) ->
         await watched.shot("01-everyone")
 
         # One principal's usage, with its budget.
-        await page.get_by_label("Principal").fill("alice")
-        await page.get_by_label("Principal").press("Enter")
+        await page.get_by_role("textbox", name="Principal").fill("alice")
+        await page.get_by_role("textbox", name="Principal").press("Enter")
         await expect(page.locator("#usage-budget")).to_be_visible()
         mine = await stack.result(ADMIN, "usage.summary", {"principal": "alice"})
         await expect(page.locator("#usage-budget")).to_have_text(

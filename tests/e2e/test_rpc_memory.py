@@ -20,7 +20,9 @@ async def test_status_reports_events_newest_first(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
         stack.philia.memories = [{"node_type": "episode", "text": "oolong", "score": 0.5}]
         await stack.turn("rest", [{"role": "user", "content": ASK_TEXT}])
-        await stack.philia.wait_frames(STORE)
+        # Listing the turns of no principal waits for this process's writebacks of them.
+        listed = (await stack.rpc("memory.list", {"anonymous": True}))["result"]["memories"]
+        assert [m["node_id"] for m in listed] == ["n-1"]
         before = (await stack.rpc("memory.status"))["result"]["events"]
         assert [(e["kind"], e["detail"]) for e in before] == [
             ("writeback", "n-1"),

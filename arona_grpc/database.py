@@ -29,8 +29,9 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -373,6 +374,20 @@ async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX)
             await pool.close()
             raise
     return pool
+
+
+@asynccontextmanager
+async def command_pool(url: str | None) -> AsyncIterator[Any | None]:
+    """The pool of a command-line tool: one connection to ``url`` (None without one: the
+    SQLite files), closed when done. Raises what :func:`open_pool` raises."""
+    if not url:
+        yield None
+        return
+    pool = await open_pool(url, max_size=1)
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 async def migrate(url: str) -> list[Migration]:

@@ -628,15 +628,8 @@ class StoreServer:
                     ids = await self._in_db(
                         functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
-            except Exception as err:
-                if isinstance(err, sqlite3.Error):
-                    # The disk (full, read-only, permissions): one line per fault, and a
-                    # refusal that says so instead of "Internal error".
-                    self._storage.failed(STORE_PART, str(self.store.path), err, STORE_COST)
-                    err = RpcError(
-                        jsonrpc.INTERNAL_ERROR,
-                        f"the memory store cannot write its database: {write_error(err)}",
-                    )
+            except Exception as exc:
+                err = self._write_failure(exc)
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(err)
@@ -658,6 +651,20 @@ class StoreServer:
                 self._checkpointing = asyncio.get_running_loop().run_in_executor(
                     self._executor, self._checkpoint
                 )
+
+    def _write_failure(self, exc: Exception) -> Exception:
+        """What a store or delete that failed answers: the disk (full, read-only, permissions)
+        is said once per fault and refused in those words, a delete whose erasure could not
+        finish says so, anything else stays "Internal error"."""
+        if isinstance(exc, sqlite3.Error):
+            self._storage.failed(STORE_PART, str(self.store.path), exc, STORE_COST)
+            return RpcError(
+                jsonrpc.INTERNAL_ERROR,
+                f"the memory store cannot write its database: {write_error(exc)}",
+            )
+        if isinstance(exc, StoreError):
+            return RpcError(jsonrpc.INTERNAL_ERROR, f"the memory store: {exc}")
+        return exc
 
     async def _embedded(self, nodes: list[NewNode]) -> list[NewNode]:
         """``nodes`` with their vectors (hybrid ranking), embedded on the embedding thread,
@@ -748,15 +755,8 @@ class StoreServer:
             del self._deletes[:DELETE_BATCH_MAX]
             try:
                 found = await self._in_db(self.store.delete_many, [node for node, _ in batch])
-            except Exception as err:
-                if isinstance(err, sqlite3.Error):
-                    self._storage.failed(STORE_PART, str(self.store.path), err, STORE_COST)
-                    err = RpcError(
-                        jsonrpc.INTERNAL_ERROR,
-                        f"the memory store cannot write its database: {write_error(err)}",
-                    )
-                elif isinstance(err, StoreError):
-                    err = RpcError(jsonrpc.INTERNAL_ERROR, f"the memory store: {err}")
+            except Exception as exc:
+                err = self._write_failure(exc)
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(err)

@@ -17,13 +17,13 @@ import sqlite3
 from dataclasses import dataclass
 
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
+from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.scopes import principal_error, scope_error
 from gateway_http.auth import ANONYMOUS
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import GatewayError
-from gateway_http.grpc_channel import memory_call_metadata, open_memory_channel
-from gateway_http.memory_client import MemoryClient
+from gateway_http.grpc_channel import open_memory_channel
+from gateway_http.memory_client import command_client
 
 
 class ForgetRefused(Exception):
@@ -75,12 +75,7 @@ async def forget(settings: Settings, target: Target, *, keep_conversations: bool
     """Forget ``target``'s memory (and conversations); what was done, in one line."""
     target.check()
     channel = open_memory_channel(settings)
-    client = MemoryClient(
-        channel,
-        recall_budget_s=settings.recall_budget_s,
-        rpc_timeout_s=settings.memory_timeout_s,
-        metadata=memory_call_metadata(settings),
-    )
+    client = command_client(settings, channel)
     try:
         deleted = await client.forget(
             target.scope,
@@ -104,19 +99,14 @@ async def forget(settings: Settings, target: Target, *, keep_conversations: bool
 
 
 async def _forget_conversations(settings: Settings, owner: str | None) -> int:
-    pool = None
     try:
-        if settings.database_url:
-            pool = await open_pool(settings.database_url, max_size=1)
-        store = open_conversations(settings.data_dir, pool, settings.database_url)
-        try:
-            return await store.forget(owner)
-        finally:
-            await store.aclose()
+        async with command_pool(settings.database_url) as pool:
+            store = open_conversations(settings.data_dir, pool, settings.database_url)
+            try:
+                return await store.forget(owner)
+            finally:
+                await store.aclose()
     except (DatabaseUnavailable, SchemaRefused, sqlite3.Error) as exc:
         raise ForgetRefused(
             f"the memory is forgotten, the conversations are not: {exc} (run it again)"
         ) from None
-    finally:
-        if pool is not None:
-            await pool.close()

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from arona_grpc.config import Settings
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.logs import REQUEST_ID, REQUEST_ID_HEADER
 from arona_grpc.service import DATABASE_UNAVAILABLE, OUTBOX_PART
@@ -32,7 +33,7 @@ from arona_grpc.service import NOT_INDEXED as NOT_INDEXED  # a Delete's reasons,
 from arona_grpc.service import OTHER_SCOPE as OTHER_SCOPE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
-from gateway_http.grpc_channel import ReplicaWatch, replica_view
+from gateway_http.grpc_channel import ReplicaWatch, memory_call_metadata, replica_view
 from gateway_http.memory_stream import CallFailed, ExchangeStream, StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.views import rfc3339_ms
@@ -552,3 +553,14 @@ class MemoryClient:
         except grpc.aio.AioRpcError as exc:
             logger.warning("memory service call failed: %s", exc.code().name)
             raise _gateway_error(exc) from None
+
+
+def command_client(settings: Settings, channel: grpc.aio.Channel) -> MemoryClient:
+    """The client of a command-line tool (``import``, ``forget``) on ``channel``, with the
+    deadlines and token of ``settings``."""
+    return MemoryClient(
+        channel,
+        recall_budget_s=settings.recall_budget_s,
+        rpc_timeout_s=settings.memory_timeout_s,
+        metadata=memory_call_metadata(settings),
+    )

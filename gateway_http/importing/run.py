@@ -31,11 +31,11 @@ from typing import TextIO, TypeVar
 from arona_grpc.config import Settings
 from arona_grpc.scopes import principal_error
 from gateway_http.errors import ErrorKind, GatewayError
-from gateway_http.grpc_channel import memory_call_metadata, open_memory_channel
+from gateway_http.grpc_channel import open_memory_channel
 from gateway_http.importing.display import Progress
 from gateway_http.importing.ledger import Ledger, LedgerError
 from gateway_http.importing.lines import BadLine, ImportLine, Turn, parse_line
-from gateway_http.memory_client import KeptEpisode, MemoryClient
+from gateway_http.memory_client import KeptEpisode, MemoryClient, command_client
 
 T = TypeVar("T")
 
@@ -150,12 +150,7 @@ async def run_import(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     channel = open_memory_channel(settings)
-    client = MemoryClient(
-        channel,
-        recall_budget_s=settings.recall_budget_s,
-        rpc_timeout_s=settings.memory_timeout_s,
-        metadata=memory_call_metadata(settings),
-    )
+    client = command_client(settings, channel)
     importer = _Importer(settings, client, ledger, shown, stop, window)
     try:
         try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
+from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from gateway_http.usage import report
 from gateway_http.usage.records import DEFAULT_BUDGET, MICRO, Budget, month_of
 from gateway_http.usage.store import UsageStore, open_usage_store
@@ -23,20 +23,15 @@ class CommandError(Exception):
 
 @asynccontextmanager
 async def _store(settings: Settings) -> AsyncIterator[UsageStore]:
-    pool = None
     try:
-        if settings.database_url:
-            pool = await open_pool(settings.database_url, max_size=1)
-        store = open_usage_store(settings.data_dir, pool, settings.database_url)
-        try:
-            yield store
-        finally:
-            await store.aclose()
+        async with command_pool(settings.database_url) as pool:
+            store = open_usage_store(settings.data_dir, pool, settings.database_url)
+            try:
+                yield store
+            finally:
+                await store.aclose()
     except (DatabaseUnavailable, SchemaRefused) as exc:
         raise CommandError(str(exc)) from None
-    finally:
-        if pool is not None:
-            await pool.close()
 
 
 async def usage_command(

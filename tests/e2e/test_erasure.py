@@ -138,6 +138,20 @@ async def _rpc(
     return reply["result"]
 
 
+async def _command(up: Up, env: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    """``arona-gateway ARGV`` against the running ``up``: exit code, stdout, stderr."""
+    process = await asyncio.create_subprocess_exec(
+        COMMAND,
+        *argv,
+        env={**env, "ARONA_GRPC_TARGET": up.grpc},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
 def _chat(text: str, **fields: Any) -> dict[str, Any]:
     return {"model": "echo", "messages": [{"role": "user", "content": text}], **fields}
 
@@ -184,18 +198,8 @@ async def _tell_everything(client: httpx.AsyncClient, up: Up, env: dict[str, str
         ]
     }
     history.write_text(json.dumps(line) + "\n")
-    imported = await asyncio.create_subprocess_exec(
-        COMMAND,
-        "import",
-        str(history),
-        "--user",
-        "alice",
-        env={**env, "ARONA_GRPC_TARGET": up.grpc},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(imported.communicate(), 60)
-    assert imported.returncode == 0, (out, err)
+    code, out, err = await _command(up, env, "import", str(history), "--user", "alice")
+    assert code == 0, (out, err)
     kept = await _rpc(client, up, BOB, "chat.send", _chat(f"My dog is called {KEPT}"))
     assert KEPT in kept["content"]
 
@@ -309,17 +313,9 @@ async def test_the_default_mode_lists_searches_and_forgets_the_turns_of_no_princ
         assert await _rpc(client, up, dev, "memory.delete", {"node_id": match["node_id"]}) == {
             "deleted": True
         }
-        forget = await asyncio.create_subprocess_exec(
-            COMMAND,
-            "forget",
-            "--anonymous",
-            env={**env, "ARONA_GRPC_TARGET": up.grpc},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(forget.communicate(), 60)
-        assert (forget.returncode, err) == (0, b"")
-        assert out == b"forgot 1 episode(s) of the turns of no principal and 0 conversation(s)\n"
+        code, out, err = await _command(up, env, "forget", "--anonymous")
+        assert (code, err) == (0, "")
+        assert out == "forgot 1 episode(s) of the turns of no principal and 0 conversation(s)\n"
         assert (await _rpc(client, up, dev, "memory.list", {"anonymous": True}))["memories"] == []
         for question in ("Where is my spare key?", "What is the wifi password?"):
             said = await _rpc(client, up, dev, "chat.send", _chat(question))

@@ -24,7 +24,8 @@ public questions people asked a search engine (Natural Questions).
 from __future__ import annotations
 
 import re
-import sqlite3
+
+from arona_store.retrieval import WordIndex
 
 MIN_COSINE = 0.3
 MIN_COVERAGE = 0.5
@@ -53,11 +54,6 @@ _NOT_NAMES = frozenset(
     monday tuesday wednesday thursday friday saturday sunday i
     """.split()
 )
-_HELD = "SELECT 1 FROM nodes_fts WHERE nodes_fts MATCH ? LIMIT 1"
-_HELD_OF_TYPE = (
-    "SELECT 1 FROM nodes_fts JOIN nodes ON nodes.seq = nodes_fts.rowid"
-    " WHERE nodes_fts MATCH ? AND nodes.node_type = ? LIMIT 1"
-)
 
 
 def names(text: str) -> list[str]:
@@ -71,20 +67,15 @@ def names(text: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def names_held(reader: sqlite3.Connection, text: str, node_type: str | None) -> tuple[int, int]:
+def names_held(words: WordIndex, text: str, node_type: str | None) -> tuple[int, int]:
     """How many of the names of ``text`` (:func:`names`) some memory (of ``node_type``) holds,
     and how many none does (read transaction open)."""
     held = unknown = 0
     for name in names(text):
-        phrase = f'"{name}"'
-        if node_type is None:
-            row = reader.execute(_HELD, (phrase,)).fetchone()
-        else:
-            row = reader.execute(_HELD_OF_TYPE, (phrase, node_type)).fetchone()
-        if row is None:
-            unknown += 1
-        else:
+        if words.holds(name, node_type):
             held += 1
+        else:
+            unknown += 1
     return held, unknown
 
 

@@ -44,7 +44,6 @@ Nothing here imports numpy at module level: a lexical store never loads it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sqlite3
@@ -53,7 +52,8 @@ from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_share
 from arona_store.floor import far
-from arona_store.lexical import IDS_OF, LexicalRanker
+from arona_store.lexical import LexicalRanker
+from arona_store.retrieval import NodeTable
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
 
 if TYPE_CHECKING:
@@ -151,21 +151,19 @@ def two_readings(
 
 
 def _cosines_of_keys(
-    reader: sqlite3.Connection, index: VectorIndex, query_vector: Vector, seqs: list[int]
+    nodes: NodeTable, index: VectorIndex, query_vector: Vector, seqs: list[int]
 ) -> dict[int, float]:
     """The cosine of the query with the vector of each of ``seqs`` that has one, from the
     index (synced in this read transaction: it holds every vector the snapshot has)."""
     if not seqs:
         return {}
-    rows = reader.execute(IDS_OF, (json.dumps(seqs),)).fetchall()
+    rows = list(nodes.ids(seqs).items())
     found = index.cosines(query_vector, [node_id for _, node_id in rows])
-    return {
-        int(seq): cosine for (seq, _), cosine in zip(rows, found, strict=True) if cosine is not None
-    }
+    return {seq: cosine for (seq, _), cosine in zip(rows, found, strict=True) if cosine is not None}
 
 
 def _with_neighbours(
-    reader: sqlite3.Connection,
+    nodes: NodeTable,
     lexical_ranker: LexicalRanker,
     index: VectorIndex,
     query_vector: Vector,
@@ -178,7 +176,7 @@ def _with_neighbours(
     near = lexical_ranker.neighbours_of(list(cosines))
     known = dict(cosines)
     unseen = sorted({j for js in near.values() for j in js if j not in known})
-    known.update(_cosines_of_keys(reader, index, query_vector, unseen))
+    known.update(_cosines_of_keys(nodes, index, query_vector, unseen))
     out = {}
     for seq, cosine in cosines.items():
         around = [known[j] for j in near.get(seq, []) if j in known]
@@ -204,6 +202,7 @@ def squash(value: float) -> float:
 
 def hybrid_ranked(
     reader: sqlite3.Connection,
+    nodes: NodeTable,
     lexical_ranker: LexicalRanker,
     index: VectorIndex,
     terms: list[str],
@@ -246,7 +245,7 @@ def hybrid_ranked(
     strengths = dict(found.strengths)
     # The lexical candidates' similarity.
     unseen = [seq for seq in strengths if seq not in cosines]
-    cosines.update(_cosines_of_keys(reader, index, query_vector, unseen))
+    cosines.update(_cosines_of_keys(nodes, index, query_vector, unseen))
     if far(max(cosines.values(), default=0.0), found.coverage, personal):
         return []  # nothing close in meaning, few of its words (arona_store.floor)
     # A memory holding none of the question's words itself (found through its context, or by
@@ -255,7 +254,7 @@ def hybrid_ranked(
         if cosines.get(seq, 0.0) < MIN_OWN_COSINE:
             del strengths[seq]
             cosines.pop(seq, None)
-    cosines = _with_neighbours(reader, lexical_ranker, index, query_vector, cosines)
+    cosines = _with_neighbours(nodes, lexical_ranker, index, query_vector, cosines)
     # A memory that only asks (or echoes) a question shares its words and its meaning: both
     # signals count QUESTION_WEIGHT of theirs (arona_store.scoring.is_question).
     asking = lexical_ranker.questions(list(strengths))

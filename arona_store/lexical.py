@@ -1,13 +1,9 @@
 """The lexical recall: the memories whose words, and whose context's words, match a question.
 
-A memory matches by two FTS5 indexes: its own text (``nodes_fts``) and its context document
-(``nodes_ctx``, :mod:`arona_store.context`); :mod:`arona_store.scoring` turns their BM25 values
-into a score. Each index gives its best :data:`CANDIDATES` matches (the lookup of the other
-index's BM25 completes each), ranked by SQLite in C over the newest :data:`MAX_SCAN_ROWS`
-matches (:data:`CONTEXT_SCAN_ROWS` context documents): the most any recall ranks, whatever
-the store's size. On a large store the words held by at most :data:`RARE_DOCS` nodes are also
-looked up on their own when the question's words hold more nodes than that, so a memory
-sharing a rare word with the question is never missed because it is old.
+A memory matches by two fields of the store's word index (:mod:`arona_store.retrieval`): its own
+text (``turn``) and its context document (``context``, :mod:`arona_store.context`);
+:mod:`arona_store.scoring` turns their BM25 values into a score. Each field gives its best
+:data:`CANDIDATES` matches (the lookup of the other field's BM25 completes each).
 
 A recall first finds these candidates (:meth:`LexicalRanker.candidates`), then computes their
 strengths (:meth:`LexicalRanker.matches`), with those of any other nodes the hybrid ranking
@@ -26,13 +22,10 @@ weighing as a word match with its context.
 
 from __future__ import annotations
 
-import json
 import math
-import sqlite3
 from dataclasses import dataclass
 
-from arona_store.context import neighbours_many
-from arona_store.schema import COUNTERS, FULL_TEXT_INDEXES
+from arona_store.retrieval import Field, NodeTable, WordIndex
 from arona_store.scoring import (
     CONTEXT_WEIGHT,
     QUESTION_WEIGHT,
@@ -41,25 +34,14 @@ from arona_store.scoring import (
     relevance_of,
     strength_of,
 )
-from arona_store.words import fts_expression
 
 # Below this many nodes every query is cheap, so no word is ever pruned as too common.
 PRUNE_MIN_NODES = 1000
 DOC_COUNT_CACHE_SIZE = 10_000
-# Most matches of one index one query reads (the newest). Each costs FTS5 about 1.3 µs of
-# bm25(), so 4,000 cost 5 ms; LoCoMo's conversations written before 100,000 benchmark episodes
-# (python -m bench.recall_locomo --buried) lose nothing from 4,000 to 2,000 (R@10 71.7 -> 72.2
-# hybrid, 68.8 -> 69.4 lexical: fewer of the newer memories compete) and lose at 1,000 (71.1).
-MAX_SCAN_ROWS = 2000
-# The same for the context documents, each of which holds 1 + BEFORE + AFTER memories: a word
-# matches that many times more documents there, each longer.
-CONTEXT_SCAN_ROWS = 1000
 # On a large store, a word found in at least 1 / CONTEXT_COMMON of the context documents is
 # left out of the context index's query (LexicalRanker._context_plan).
 CONTEXT_COMMON = 3
-# A word held by at most this many nodes is also matched on its own on a large store.
-RARE_DOCS = 1000
-# Each of the question's words a memory holds itself adds this to its strength (_held).
+# Each of the question's words a memory holds itself adds this to its strength.
 WORD_WEIGHT = 0.5
 # A memory that matches through its context only (none of the words is its own) is recalled
 # when it is at least this share of the best match's strength.
@@ -68,36 +50,6 @@ CONTEXT_ONLY_SHARE = 0.5
 CANDIDATES = 40
 # Node ids whose memory is known to ask (or not) a question (LexicalRanker.questions).
 QUESTION_CACHE_SIZE = 50_000
-# The ids, and the texts, of some keys (a JSON list: one statement, prepared once).
-IDS_OF = "SELECT seq, id FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
-_TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
-_TERM_DOCS = "SELECT count(*) FROM nodes_fts WHERE nodes_fts MATCH ?"
-_CONTEXT_DOCS = "SELECT count(*) FROM nodes_ctx WHERE nodes_ctx MATCH ?"
-
-
-def _top_sql(index: str, of_type: bool) -> str:
-    """The best matches (rowid, bm25) among the newest ``:cap``, best first."""
-    join = f" JOIN nodes ON nodes.seq = {index}.rowid" if of_type else ""
-    where = " AND nodes.node_type = :node_type" if of_type else ""
-    return (
-        f"SELECT rowid, b FROM (SELECT {index}.rowid AS rowid, bm25({index}) AS b FROM {index}"
-        f"{join} WHERE {index} MATCH :expr{where} ORDER BY {index}.rowid DESC LIMIT :cap)"
-        " ORDER BY b, rowid DESC LIMIT :n"
-    )
-
-
-# The BM25 of listed rows (bm25s): the range lets FTS5 skip the matches outside it.
-_BM25S = {
-    index: f"SELECT rowid, bm25({index}) FROM {index} WHERE {index} MATCH ?"
-    " AND rowid BETWEEN ? AND ? AND +rowid IN (SELECT value FROM json_each(?))"
-    for index in FULL_TEXT_INDEXES
-}
-
-_TOP = {
-    (index, of_type): _top_sql(index, of_type)
-    for index in FULL_TEXT_INDEXES
-    for of_type in (False, True)
-}
 
 
 @dataclass(frozen=True)
@@ -109,9 +61,10 @@ class Candidates:
     # The counters of this snapshot (nodes, changes).
     total: int
     changes: int
-    expression: str | None
-    # The expression matched against the context documents (without their common words).
-    context_expression: str | None
+    # The words matched (none: no memory holds any of them).
+    words: list[str]
+    # The words matched against the context documents (without their common words).
+    context_words: list[str]
     turn: dict[int, float]
     context: dict[int, float]
     cjk: dict[int, float]
@@ -122,7 +75,6 @@ class Matches:
     """The lexical candidates of one question: key -> strength, and its FTS expression."""
 
     strengths: dict[int, float]
-    expression: str | None
     # The candidates that hold some of the question's words themselves (the others match
     # through their context only).
     own: set[int]
@@ -132,13 +84,15 @@ class Matches:
 
 
 class LexicalRanker:
-    """The lexical recall over one reader connection, with the words' document counts it
-    has learnt. Used under the store's read lock, in its read transaction."""
+    """The lexical recall over the store's word index and nodes (one snapshot a recall: the
+    store's read lock held, its read transaction open), with the words' document counts it
+    has learnt."""
 
-    def __init__(self, reader: sqlite3.Connection) -> None:
-        self._reader = reader
-        # term -> (nodes holding it, `changes` when counted); see _docs_with.
-        self._doc_counts: dict[str, tuple[int, int]] = {}
+    def __init__(self, words: WordIndex, nodes: NodeTable) -> None:
+        self._words = words
+        self._nodes = nodes
+        # (field, term) -> (documents holding it, `changes` when counted); see _count.
+        self._doc_counts: dict[tuple[Field, str], tuple[int, int]] = {}
         # key -> its neighbours' keys, as looked up during the current recall (matches()
         # starts it afresh): the hybrid ranking reads them again (neighbours_of).
         self._near: dict[int, list[int]] = {}
@@ -185,30 +139,19 @@ class LexicalRanker:
         """The best ``depth`` matches of each index (read transaction open): the walks that
         rank, before any strength is computed (:meth:`matches`)."""
         self._near = {}
-        total, changes, _, _ = self._reader.execute(COUNTERS).fetchone()
+        total, changes = self._words.counters()
         kept, docs = self._plan(terms, total, changes)
         turn: dict[int, float] = {}
         context: dict[int, float] = {}
-        expression = fts_expression(kept)
-        context_expression = expression
-        if expression is not None:
-            context_expression = fts_expression(self._context_plan(kept, total, changes))
-            turn = self._top("nodes_fts", expression, depth, node_type)
-            if context_expression is not None:
-                context = self._top("nodes_ctx", context_expression, depth, node_type)
-            rare = [term for term, n in zip(kept, docs, strict=False) if n <= RARE_DOCS]
-            if docs and sum(docs) > MAX_SCAN_ROWS and rare and len(rare) < len(kept):
-                # The newest matches may not reach an old memory holding a rare word.
-                extra = " OR ".join(f'"{term}"' for term in rare)
-                walks = [("nodes_fts", turn)]
-                if context_expression is not None:
-                    walks.append(("nodes_ctx", context))
-                for index, found in walks:
-                    for seq in self._top(index, extra, depth, node_type):
-                        found.setdefault(seq, -1.0)
-        pairs = fts_expression(grams)
-        cjk = {} if pairs is None else self._top("nodes_cjk", pairs, depth, node_type)
-        return Candidates(terms, total, changes, expression, context_expression, turn, context, cjk)
+        context_words: list[str] = []
+        if kept:
+            context_words = self._context_plan(kept, total, changes)
+            counts = dict(zip(kept, docs, strict=True)) if docs else None
+            turn = self._words.top("turn", kept, depth, node_type, counts)
+            if context_words:
+                context = self._words.top("context", context_words, depth, node_type, counts)
+        cjk = self._words.top("pairs", grams, depth, node_type) if grams else {}
+        return Candidates(terms, total, changes, kept, context_words, turn, context, cjk)
 
     def matches(self, found: Candidates, also: list[int] | None = None) -> Matches:
         """The strengths of the candidates ``found``, and of the nodes ``also`` (found
@@ -220,12 +163,10 @@ class LexicalRanker:
         turn, context = found.turn, found.context
         coverage_turn: dict[int, float] = {}
         coverage_context: dict[int, float] = {}
-        if found.expression is not None:
+        if found.words:
             seqs = sorted(turn.keys() | context.keys())
             wanted = sorted(set(seqs).union(also or ()))
-            strengths = self._strengths(
-                found.expression, found.context_expression, wanted, turn, context
-            )
+            strengths = self._strengths(found.words, found.context_words, wanted, turn, context)
             own = {seq for seq in seqs if turn.get(seq, 0.0) > 0.0}
             coverage_turn = {seq: turn.get(seq, 0.0) for seq in seqs}
             around = set(seqs).union(*(self._near.get(seq, []) for seq in seqs))
@@ -240,7 +181,7 @@ class LexicalRanker:
         coverage = self._coverage(
             found.terms, found.total, found.changes, coverage_turn, coverage_context
         )
-        return Matches(strengths, found.expression, own, coverage)
+        return Matches(strengths, own, coverage)
 
     def questions(self, seqs: list[int]) -> set[int]:
         """Those of ``seqs`` whose memory only asks or repeats a question
@@ -250,7 +191,7 @@ class LexicalRanker:
             return set()
         asking: set[int] = set()
         unknown: list[tuple[int, str]] = []
-        for seq, node_id in self._reader.execute(IDS_OF, (json.dumps(seqs),)):
+        for seq, node_id in self._nodes.ids(seqs).items():
             known = self._asks.get(node_id)
             if known is None:
                 unknown.append((int(seq), node_id))
@@ -259,9 +200,7 @@ class LexicalRanker:
         if unknown:
             if len(self._asks) + len(unknown) > QUESTION_CACHE_SIZE:
                 self._asks.clear()
-            texts = dict(
-                self._reader.execute(_TEXTS_OF, (json.dumps([seq for seq, _ in unknown]),))
-            )
+            texts = self._nodes.texts([seq for seq, _ in unknown])
             for seq, node_id in unknown:
                 text = texts.get(seq)
                 if text is None:
@@ -273,25 +212,28 @@ class LexicalRanker:
 
     def _strengths(
         self,
-        expression: str,
-        context_expression: str | None,
+        words: list[str],
+        context_words: list[str],
         seqs: list[int],
         turn: dict[int, float],
         context: dict[int, float],
     ) -> dict[int, float]:
-        """The strengths of ``seqs``: their own BM25 (for ``expression``), their context's
-        and their neighbours' contexts' (for ``context_expression``; none: every word is
-        common there, :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`);
-        ``turn`` and ``context`` hold the BM25 values known already (-1: not yet looked up)
-        and are completed."""
-        turn.update(self.bm25s("nodes_fts", expression, [s for s in seqs if turn.get(s, -1) < 0]))
+        """The strengths of ``seqs``: their own BM25 (for ``words``), their context's and
+        their neighbours' contexts' (for ``context_words``; none: every word is common there,
+        :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`); ``turn`` and
+        ``context`` hold the BM25 values known already (-1: not yet looked up) and are
+        completed."""
+        turn.update(self._words.scores("turn", words, [s for s in seqs if turn.get(s, -1) < 0]))
         near = self.neighbours_of(seqs)
         wanted = {s for s in seqs if context.get(s, -1) < 0}
         wanted.update(j for js in near.values() for j in js if j not in context)
         context.update(dict.fromkeys(wanted, 0.0))
-        if context_expression is not None:
-            context.update(self.bm25s("nodes_ctx", context_expression, sorted(wanted)))
-        held = self._held(expression, seqs)
+        if context_words:
+            context.update(self._words.scores("context", context_words, sorted(wanted)))
+        # BM25 gives nothing to a word in half the memories or more, so in a store of a
+        # handful of memories every match weighs about zero; the count of words held still
+        # tells "I prefer oolong tea" from a memory that only sits next to it.
+        held = self._words.held(words, seqs)
         return {
             s: strength_of(
                 turn.get(s, 0.0),
@@ -307,27 +249,10 @@ class LexicalRanker:
         a key no node holds has none), looked up once a recall."""
         missing = [s for s in seqs if s not in self._near]
         if missing:
-            found = neighbours_many(self._reader, missing)
+            found = self._nodes.neighbours(missing)
             for s in missing:
                 self._near[s] = found.get(s, [])
         return {s: self._near[s] for s in seqs}
-
-    def _held(self, expression: str, seqs: list[int]) -> dict[int, int]:
-        """How many of the words of ``expression`` each of ``seqs`` holds itself.
-
-        BM25 gives nothing to a word in half the memories or more, so in a store of a handful
-        of memories every match weighs about zero; the count of words held still tells "I
-        prefer oolong tea" from a memory that only sits next to it. One walk of each word's
-        matches (``+rowid``: see :meth:`bm25s`), no BM25."""
-        held: dict[int, int] = {}
-        marks = ", ".join("?" * len(seqs))
-        for word in expression.split(" OR "):
-            for (seq,) in self._reader.execute(
-                f"SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ? AND +rowid IN ({marks})",
-                [word, *seqs],
-            ):
-                held[int(seq)] = held.get(int(seq), 0) + 1
-        return held
 
     def _coverage(
         self,
@@ -352,35 +277,6 @@ class LexicalRanker:
             docs, _ = self._docs_with(term, changes)
             whole += max(1e-6, math.log((total - docs + 0.5) / (docs + 0.5)))
         return min(1.0, best / whole) if whole > 0 else 0.0
-
-    def bm25s(self, index: str, expression: str, seqs: list[int]) -> dict[int, float]:
-        """The (positive) BM25 in ``index`` of those of ``seqs`` that match ``expression``.
-
-        ``+rowid`` keeps the list away from FTS5: given ``rowid IN (...)``, SQLite runs the
-        full-text query once per listed row, and ``bm25()`` counts every match of every word
-        again each time (40 rows: 3-6 ms at 10,000 nodes, 15-36 ms at 100,000). So FTS5 walks
-        the matches once and SQLite keeps the listed ones: the same scores, 0.2-0.5 and
-        2-3.5 ms. The walk is bounded by the lowest and highest key listed (FTS5 seeks to
-        them), so a list of recent memories does not read the old matches."""
-        if not seqs:
-            return {}
-        return {
-            int(seq): max(0.0, -float(bm25))
-            for seq, bm25 in self._reader.execute(
-                _BM25S[index], (expression, min(seqs), max(seqs), json.dumps(seqs))
-            )
-        }
-
-    def _top(
-        self, index: str, expression: str, depth: int, node_type: str | None
-    ) -> dict[int, float]:
-        """The best ``depth`` matches of ``index`` among its newest, key -> positive BM25."""
-        cap = CONTEXT_SCAN_ROWS if index == "nodes_ctx" else MAX_SCAN_ROWS
-        params: dict[str, object] = {"expr": expression, "cap": cap, "n": depth}
-        if node_type is not None:
-            params["node_type"] = node_type
-        sql = _TOP[(index, node_type is not None)]
-        return {int(seq): max(0.0, -float(b)) for seq, b in self._reader.execute(sql, params)}
 
     def _plan(self, terms: list[str], total: int, changes: int) -> tuple[list[str], list[int]]:
         """Choose the words worth matching on a large store (read lock held).
@@ -425,7 +321,7 @@ class LexicalRanker:
     def _context_docs(self, term: str, changes: int) -> int:
         """About how many context documents hold ``term`` (:meth:`_count`: each node
         inserted or deleted rewrites up to five of them)."""
-        count, _ = self._count(_CONTEXT_DOCS, "\0" + term, term, changes, 5)  # no word holds a NUL
+        count, _ = self._count("context", term, changes, 5)
         return count
 
     def _docs_with(self, term: str, changes: int) -> tuple[int, int]:
@@ -434,23 +330,23 @@ class LexicalRanker:
         Counting a word found in most of 100,000 nodes takes milliseconds, so counts are
         cached. Each node inserted or deleted since (``changes`` counts them, in this snapshot)
         moves the true count by at most one, so the count minus those changes is a safe lower
-        bound; the count is taken again once the changes since exceed a tenth of it. Runs with
-        the read lock held, in the recall's read transaction.
+        bound; the count is taken again once the changes since exceed a tenth of it.
         """
-        docs, drift = self._count(_TERM_DOCS, term, term, changes, 1)
+        docs, drift = self._count("turn", term, changes, 1)
         return docs, max(0, docs - drift)
 
-    def _count(self, sql: str, key: str, term: str, changes: int, moves: int) -> tuple[int, int]:
-        """How many rows of an index held ``term`` when counted (``sql``; cached under
-        ``key``), and how many nodes were inserted or deleted since (``changes`` counts them,
-        in this snapshot). Each of those moves the count by at most ``moves``; it is taken
-        again once they could have moved it by more than a tenth."""
+    def _count(self, field: Field, term: str, changes: int, moves: int) -> tuple[int, int]:
+        """How many documents of ``field`` held ``term`` when counted (cached), and how many
+        nodes were inserted or deleted since (``changes`` counts them, in this snapshot).
+        Each of those moves the count by at most ``moves``; it is taken again once they
+        could have moved it by more than a tenth."""
+        key = (field, term)
         cached = self._doc_counts.get(key)
         if cached is not None:
             drift = changes - cached[1]
             if 0 <= drift and drift * moves * 10 <= cached[0]:
                 return cached[0], drift
-        count = int(self._reader.execute(sql, (f'"{term}"',)).fetchone()[0])
+        count = self._words.count(field, term)
         if len(self._doc_counts) >= DOC_COUNT_CACHE_SIZE:
             self._doc_counts.clear()
         self._doc_counts[key] = (count, changes)

@@ -43,6 +43,7 @@ from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vect
 from arona_store.lexical import LexicalRanker
 from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
 from arona_store.ranking import Ranking, check_ranking
+from arona_store.retrieval.fts5 import Fts5Words, SqliteNodes
 from arona_store.schema import (
     BUSY_TIMEOUT_MS,
     COUNTERS,
@@ -98,8 +99,11 @@ class MemoryStore:
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._closed = False
-        # What the lexical recall learns about the words (reader only).
-        self._lexical = LexicalRanker(reader)
+        # The retrieval engines over the reader (arona_store.retrieval), and what the lexical
+        # recall learns about the words (reader only).
+        self._words = Fts5Words(reader)
+        self._nodes = SqliteNodes(reader)
+        self._lexical = LexicalRanker(self._words, self._nodes)
         self.path = path
         # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
         self._embedder = embedder
@@ -435,7 +439,7 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                held, unknown = names_held(self._reader, text, node_type)
+                held, unknown = names_held(self._words, text, node_type)
                 if names_unknown(held, unknown):
                     return []  # it asks about something this memory never heard of
                 if self._index is None or pending is None:
@@ -443,6 +447,7 @@ class MemoryStore:
                 else:
                     ranked = hybrid_ranked(
                         self._reader,
+                        self._nodes,
                         self._lexical,
                         self._index,
                         terms,

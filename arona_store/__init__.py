@@ -6,6 +6,9 @@
   :mod:`~arona_store.words`, :mod:`~arona_store.cjk`, :mod:`~arona_store.scoring`,
   :mod:`~arona_store.context`, :mod:`~arona_store.lexical`, :mod:`~arona_store.hybrid` and
   :mod:`~arona_store.floor`.
+- :mod:`arona_store.retrieval`: the boundary between the ranking and the engines that walk the
+  whole store (the word index, the node table), with :mod:`arona_store.retrieval.fts5` over
+  SQLite behind it.
 - :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint.
 - :mod:`arona_store.jsonrpc`: JSON-RPC 2.0 envelope validation and reply frames.
 - :mod:`arona_store.ranking`: which ranking runs (``ARONA_STORE_RANKING``: lexical or hybrid).

@@ -15,6 +15,7 @@ Where each part lives:
 - :mod:`arona_store.words`, :mod:`arona_store.cjk`: what a question is searched for;
 - :mod:`arona_store.context`: each memory's context document (its neighbours);
 - :mod:`arona_store.scoring`: the lexical score (words, context, recency for near-ties);
+- :mod:`arona_store.retrieval`: the word index and node table the recall reads (FTS5 behind);
 - :mod:`arona_store.lexical`: the lexical recall (candidates of both indexes);
 - :mod:`arona_store.hybrid`: the hybrid recall (words and sentence embeddings);
 - :mod:`arona_store.floor`: when nothing is relevant;

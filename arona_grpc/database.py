@@ -562,21 +562,23 @@ def sqlite_open(
 ERASE_WAIT_S = 5.0
 
 
+class LogInUse(sqlite3.OperationalError):
+    """The write-ahead log could not be reset: another connection still reads it."""
+
+
 def sqlite_erase(db: sqlite3.Connection, wait_s: float = ERASE_WAIT_S) -> None:
     """Leave nothing deleted so far in ``db``'s write-ahead log: copy the log into the
     database file and truncate it (the connection must zero what it frees:
     ``PRAGMA secure_delete``). Another connection reading an older snapshot keeps the log
     in use; this waits for it (each try waits the busy timeout), at most ``wait_s``, then
-    raises :class:`sqlite3.OperationalError`, having erased nothing it could not."""
+    raises :class:`LogInUse`, having erased nothing it could not."""
     deadline = time.monotonic() + wait_s
     while True:
         busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         if not busy:
             return
         if time.monotonic() >= deadline:
-            raise sqlite3.OperationalError(
-                "the write-ahead log is still read by another connection"
-            )
+            raise LogInUse("the write-ahead log is still read by another connection")
         time.sleep(0.05)
 
 

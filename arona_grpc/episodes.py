@@ -133,8 +133,14 @@ def _entry(node_id: str, scope_id: str, text: str, scoped: bool, principal_id: s
     return (node_id, scope_id, int(time.time() * 1_000_000), preview_of(text), scoped, principal_id)
 
 
-def _sqlite_mark(_: int) -> str:
+def sqlite_mark(_: int) -> str:
+    """The placeholder of a SQLite statement's argument (:meth:`Whose.where`)."""
     return "?"
+
+
+def postgres_mark(i: int) -> str:
+    """The placeholder of a PostgreSQL statement's ``i``-th argument, from 0."""
+    return f"${i + 1}"
 
 
 def _contains(text: str) -> str:
@@ -286,7 +292,7 @@ class SqliteEpisodeIndex:
         return _page(await self._read(read), limit)
 
     async def node_ids(self, whose: Whose) -> list[str]:
-        condition, args = whose.where(_sqlite_mark)
+        condition, args = whose.where(sqlite_mark)
         rows = await self._read(
             lambda db: db.execute(
                 f"SELECT node_id FROM episodes WHERE {condition} ORDER BY seq DESC", args
@@ -455,7 +461,7 @@ class PostgresEpisodeIndex:
         return _page(rows, limit)
 
     async def node_ids(self, whose: Whose) -> list[str]:
-        condition, args = whose.where(lambda i: f"${i + 1}")
+        condition, args = whose.where(postgres_mark)
         rows = await self._read(
             f"SELECT node_id FROM episodes WHERE {condition} ORDER BY seq DESC", *args
         )
@@ -480,7 +486,8 @@ class PostgresEpisodeIndex:
             key if kind == "principal" else None,
             list(node_ids) if whose is None else [],
         )
-        # The events they could clear are at most a few minutes old.
+        # Kept a day: each replica clears its events of what was forgotten since its oldest
+        # event whenever it is asked for its status (MemoryDomain.clear_erased_events).
         await self._read(
             "DELETE FROM erasures WHERE at_us < $1", int((time.time() - 86400) * 1_000_000)
         )

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from arona_grpc.config import Settings
 from arona_grpc.database import SqliteStep, run_on, sqlite_erase, sqlite_migrate
-from arona_grpc.episodes import Whose
+from arona_grpc.episodes import Whose, postgres_mark, sqlite_mark
 from arona_grpc.failure_log import FailureLog
 from arona_grpc.redact import redact_url
 
@@ -348,12 +348,10 @@ class _OutboxFile:
     def forget(self, whose: Whose) -> _Counts:
         """Remove the queued episodes and dead letters of ``whose``, leaving nothing of them
         in the file or its log."""
-        if self._db is None:
-            if not self._path.exists():
-                return self._counts()
-            self._open()
+        if self._db is None and not self._path.exists():
+            return self._counts()
         db = self._opened()
-        condition, args = whose.where(lambda _: "?")
+        condition, args = whose.where(sqlite_mark)
         with db:
             db.execute(f"DELETE FROM episodes WHERE {condition}", args)
             db.execute(f"DELETE FROM dead_letters WHERE {condition}", args)
@@ -867,7 +865,7 @@ class PostgresOutbox(_Kept):
     async def forget(self, whose: Whose) -> None:
         """Remove the queued episodes and dead letters of ``whose``; their rows are
         vacuumed away (PostgreSQL's own log is the database's: README, "What is kept")."""
-        condition, args = whose.where(lambda i: f"${i + 1}")
+        condition, args = whose.where(postgres_mark)
 
         async def work(conn: Any) -> _Counts:
             async with conn.transaction():

@@ -373,8 +373,9 @@ class _Episode:
 @dataclass(slots=True)
 class _Event:
     """One event of the ring Status reads: what happened (a recall's question, a node id, an
-    error), when, whose (scope and principal ids, "" for none), and the node it concerns,
-    so that forgetting a scope, a principal or a node clears its events too."""
+    error), when, whose (scope and principal ids, "" for none), and, for a recall, the node
+    its turn was stored as (:meth:`MemoryDomain._tie_recall`): forgetting a scope, a
+    principal or that node clears the events that hold its words."""
 
     kind: EventKind
     detail: str
@@ -1293,13 +1294,11 @@ class MemoryDomain:
         # Philia errors are already token-free; this is the backstop for status output.
         return self._client.redact(text) if self._client is not None else text
 
-    def _record(
-        self, kind: EventKind, detail: str, sid: str, pid: str = "", node_id: str = ""
-    ) -> None:
+    def _record(self, kind: EventKind, detail: str, sid: str, pid: str = "") -> None:
         # A detail (a recall's question, an error) is kept short: Status answers up to a
         # hundred of them, and a question may be thousands of characters.
         detail = shortened(detail, self._settings.memory_status_detail_chars)
-        self._events.append(_Event(kind, detail, time.time(), sid, pid, node_id))
+        self._events.append(_Event(kind, detail, time.time(), sid, pid))
 
     def _tie_recall(self, episode: _Episode, node_id: str) -> None:
         """Tie the recall its turn made (the newest recall event of its scope whose question

@@ -50,7 +50,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -219,6 +219,21 @@ def _occurred_at(properties: Mapping[str, str]) -> datetime | None:
             " e.g. 2023-05-08T13:56:00Z"
         ) from None
     return when
+
+
+def _answer(batch: Sequence[tuple[object, asyncio.Future[_T]]], results: Sequence[_T]) -> None:
+    """Answer each waiting call of a write or delete batch with its result (a call its
+    caller gave up on is skipped)."""
+    for (_, done), result in zip(batch, results, strict=True):
+        if not done.done():
+            done.set_result(result)
+
+
+def _refuse(batch: Sequence[tuple[object, asyncio.Future[_T]]], error: Exception) -> None:
+    """Answer each waiting call of a batch that failed with ``error``."""
+    for _, done in batch:
+        if not done.done():
+            done.set_exception(error)
 
 
 class StoreServer:
@@ -629,15 +644,10 @@ class StoreServer:
                         functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
             except Exception as exc:
-                err = self._write_failure(exc)
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(err)
+                _refuse(batch, self._write_failure(exc))
                 continue
             self._storage.succeeded(STORE_PART)
-            for (_, done), node_id in zip(batch, ids, strict=True):
-                if not done.done():
-                    done.set_result(node_id)
+            _answer(batch, ids)
             if unembedded:
                 # Written without a vector: its identical stored node had one (kept by the
                 # refresh), unless that node was deleted meanwhile or embedding failed.
@@ -756,14 +766,9 @@ class StoreServer:
             try:
                 found = await self._in_db(self.store.delete_many, [node for node, _ in batch])
             except Exception as exc:
-                err = self._write_failure(exc)
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(err)
+                _refuse(batch, self._write_failure(exc))
                 continue
-            for (_, done), deleted in zip(batch, found, strict=True):
-                if not done.done():
-                    done.set_result(deleted)
+            _answer(batch, found)
 
 
 async def serve_forever(

@@ -18,6 +18,7 @@ import sqlite3
 import uuid
 from collections.abc import Iterable
 
+from arona_grpc.database import LogInUse, sqlite_erase
 from arona_store import context
 from arona_store.cjk import INSERT_CJK, cjk_index_text
 from arona_store.nodes import NewNode, Row, StoreError, Timestamp, digest, epoch, key_of
@@ -174,14 +175,16 @@ def erase_deleted(conn: sqlite3.Connection) -> None:
     marks a deleted document's words as gone: the segment that holds them keeps them until it
     is merged, and the write-ahead log keeps the pages written until it is reset. So every
     full-text index is merged into one segment (``optimize``; the connection zeroes the pages
-    it frees, ``PRAGMA secure_delete``), and the log is copied into the database and truncated.
+    it frees, ``PRAGMA secure_delete``), and the log is copied into the database and truncated
+    (:func:`~arona_grpc.database.sqlite_erase`, which waits a little for a reader to finish).
     :class:`StoreError` if a reader kept the log from being reset (the next delete tries again).
     """
     for index in FULL_TEXT_INDEXES:
         conn.execute(f"INSERT INTO {index}({index}) VALUES ('optimize')")
-    busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-    if busy:
-        raise StoreError("deleted, but the write-ahead log is still in use: delete again")
+    try:
+        sqlite_erase(conn)
+    except LogInUse:
+        raise StoreError("deleted, but the write-ahead log is still in use: delete again") from None
 
 
 def begin_write(conn: sqlite3.Connection, wait: bool) -> bool:

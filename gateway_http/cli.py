@@ -686,8 +686,9 @@ def _forget_parser(sub: Any) -> None:
 
 def _forget_command(settings: Settings, args: argparse.Namespace) -> None:
     from gateway_http import forgetting
+    from gateway_http.memory_client import ForgetTarget
 
-    target = forgetting.Target(
+    target = ForgetTarget(
         scope=args.scope or "",
         principal=args.principal or "",
         anonymous=args.anonymous,

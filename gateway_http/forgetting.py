@@ -14,75 +14,48 @@ conversation is touched, with its reason (run it again).
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 
 from arona_grpc.config import Settings
 from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.scopes import principal_error, scope_error
-from gateway_http.auth import ANONYMOUS
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import GatewayError
 from gateway_http.grpc_channel import open_memory_channel
-from gateway_http.memory_client import command_client
+from gateway_http.memory_client import ForgetTarget, command_client
 
 
 class ForgetRefused(Exception):
     """The forget could not be done (one line, safe to print)."""
 
 
-@dataclass(frozen=True)
-class Target:
-    """Whose memory: exactly one of the four."""
-
-    scope: str = ""
-    principal: str = ""
-    anonymous: bool = False
-    everything: bool = False
-
-    def check(self) -> None:
-        given = sum((bool(self.scope), bool(self.principal), self.anonymous, self.everything))
-        if given != 1:
-            raise ForgetRefused("give one of --scope, --principal, --anonymous and --all")
-        if self.scope and (problem := scope_error(self.scope)) is not None:
-            raise ForgetRefused(f"--{problem}")
-        if self.principal and (problem := principal_error(self.principal)) is not None:
-            raise ForgetRefused(f"--principal {problem}")
-
-    @property
-    def owner(self) -> str | None:
-        """Whose conversations go with it: None for everyone's, "" for none (a scope a
-        principal narrowed to a user: the principal's conversations are not that user's)."""
-        if self.everything:
-            return None
-        if self.anonymous:
-            return ANONYMOUS
-        if self.principal:
-            return self.principal
-        return "" if "/" in self.scope else self.scope
-
-    @property
-    def described(self) -> str:
-        if self.everything:
-            return "everyone"
-        if self.anonymous:
-            return "the turns of no principal"
-        if self.principal:
-            return f"principal {self.principal} (every scope it narrowed to included)"
-        return f"scope {self.scope}"
+def _check(target: ForgetTarget) -> None:
+    """The target as the command line gave it, or a refusal naming the option."""
+    given = sum((bool(target.scope), bool(target.principal), target.anonymous, target.everything))
+    if given != 1:
+        raise ForgetRefused("give one of --scope, --principal, --anonymous and --all")
+    if target.scope and (problem := scope_error(target.scope)) is not None:
+        raise ForgetRefused(f"--{problem}")
+    if target.principal and (problem := principal_error(target.principal)) is not None:
+        raise ForgetRefused(f"--principal {problem}")
 
 
-async def forget(settings: Settings, target: Target, *, keep_conversations: bool) -> str:
+def _described(target: ForgetTarget) -> str:
+    if target.everything:
+        return "everyone"
+    if target.anonymous:
+        return "the turns of no principal"
+    if target.principal:
+        return f"principal {target.principal} (every scope it narrowed to included)"
+    return f"scope {target.scope}"
+
+
+async def forget(settings: Settings, target: ForgetTarget, *, keep_conversations: bool) -> str:
     """Forget ``target``'s memory (and conversations); what was done, in one line."""
-    target.check()
+    _check(target)
     channel = open_memory_channel(settings)
     client = command_client(settings, channel)
     try:
-        deleted = await client.forget(
-            target.scope,
-            principal=target.principal,
-            anonymous=target.anonymous,
-            everything=target.everything,
-        )
+        deleted = await client.forget(target)
     except GatewayError as exc:
         raise ForgetRefused(
             f"the memory service did not finish: {exc.message} (nothing is reported done; "
@@ -90,7 +63,7 @@ async def forget(settings: Settings, target: Target, *, keep_conversations: bool
         ) from None
     finally:
         await channel.close(None)
-    done = f"forgot {deleted:,} episode(s) of {target.described}"
+    done = f"forgot {deleted:,} episode(s) of {_described(target)}"
     owner = target.owner
     if keep_conversations or owner == "":
         return done + "; conversations kept"

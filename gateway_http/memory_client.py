@@ -32,6 +32,7 @@ from arona_grpc.service import DATABASE_UNAVAILABLE, OUTBOX_PART
 from arona_grpc.service import NOT_INDEXED as NOT_INDEXED  # a Delete's reasons, for rpc
 from arona_grpc.service import OTHER_SCOPE as OTHER_SCOPE
 from arona_grpc.servicer import ERROR_CODE_KEY, QUEUED_KEY
+from gateway_http.auth import ANONYMOUS
 from gateway_http.errors import GRPC_TO_KIND, ErrorKind, GatewayError
 from gateway_http.grpc_channel import ReplicaWatch, memory_call_metadata, replica_view
 from gateway_http.memory_stream import CallFailed, ExchangeStream, StreamPool
@@ -201,6 +202,30 @@ def storage_fault_view(
         "since": rfc3339_ms(since),
         "failed_writes": failed_writes,
     }
+
+
+@dataclass(frozen=True)
+class ForgetTarget:
+    """Whose memory a forget erases, exactly one of: one ``scope``, every scope of one
+    ``principal`` (its own and those it narrowed to), the turns of no principal
+    (``anonymous``), or ``everything``."""
+
+    scope: str = ""
+    principal: str = ""
+    anonymous: bool = False
+    everything: bool = False
+
+    @property
+    def owner(self) -> str | None:
+        """Whose conversations go with it: None for everyone's, "" for none (a scope a
+        principal narrowed to a user: the principal's conversations are not that user's)."""
+        if self.everything:
+            return None
+        if self.anonymous:
+            return ANONYMOUS
+        if self.principal:
+            return self.principal
+        return "" if "/" in self.scope else self.scope
 
 
 # A forget deletes its episodes a batch at a time, each batch erased from every index of
@@ -451,18 +476,13 @@ class MemoryClient:
             "next": reply.next or None,
         }
 
-    async def forget(
-        self,
-        scope: str = "",
-        *,
-        principal: str = "",
-        anonymous: bool = False,
-        everything: bool = False,
-    ) -> int:
-        """Erase every episode of one ``scope``, of every scope of one ``principal``, of no
-        scope (``anonymous``) or ``everything``; how many were deleted."""
+    async def forget(self, target: ForgetTarget) -> int:
+        """Erase every episode of ``target``; how many were deleted."""
         request = pb.ForgetRequest(
-            scope=scope, principal=principal, anonymous=anonymous, everything=everything
+            scope=target.scope,
+            principal=target.principal,
+            anonymous=target.anonymous,
+            everything=target.everything,
         )
         reply = await self._call(self._unary()[0].Forget, request, FORGET_TIMEOUT_S)
         return int(reply.deleted)

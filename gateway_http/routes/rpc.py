@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway_http.auth import ANONYMOUS, Principal, memory_scope
+from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError
@@ -34,6 +34,7 @@ from gateway_http.memory_client import (
     DISABLED,
     NOT_INDEXED,
     OTHER_SCOPE,
+    ForgetTarget,
     storage_fault_view,
 )
 from gateway_http.routes.rest import turn_outcome
@@ -371,34 +372,25 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         )
 
     async def memory_forget(params: ForgetParams, ctx: RpcContext) -> dict[str, Any]:
-        # Whose conversations go with the memory (None: everyone's; "": none).
-        owner: str | None
         if params.everything:
             check_others(ctx, "everyone's memory")
-            await gw.pipeline.writebacks_settled(None)
-            deleted = await gw.memory.forget(everything=True)
-            owner = None
+            target, settled = ForgetTarget(everything=True), None
         elif params.anonymous:
             check_others(ctx, "the memory of no principal")
-            await gw.pipeline.writebacks_settled("")
-            deleted = await gw.memory.forget(anonymous=True)
-            owner = ANONYMOUS
+            target, settled = ForgetTarget(anonymous=True), ""
         elif params.principal is not None:
             if params.principal != ctx.user:
                 check_others(ctx, "another principal's memory")
-            await gw.pipeline.writebacks_settled(None)
-            deleted = await gw.memory.forget(principal=params.principal)
-            owner = params.principal
+            target, settled = ForgetTarget(principal=params.principal), None
         else:
             scope = scope_for(ctx, params)
-            await gw.pipeline.writebacks_settled(scope)
-            deleted = await gw.memory.forget(scope)
-            # A principal's own scope: its conversations (not those of a user it narrowed
-            # to, which share the principal's conversations).
-            owner = "" if "/" in scope else scope
+            target, settled = ForgetTarget(scope=scope), scope
+        # This process's writebacks into what is forgotten are in memory first.
+        await gw.pipeline.writebacks_settled(settled)
+        deleted = await gw.memory.forget(target)
         conversations = 0
-        if not params.keep_conversations and owner != "":
-            conversations = await gw.conversations.forget(owner)
+        if not params.keep_conversations and target.owner != "":
+            conversations = await gw.conversations.forget(target.owner)
         return {"deleted": deleted, "conversations": conversations}
 
     async def conversations_create(

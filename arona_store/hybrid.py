@@ -226,20 +226,11 @@ def hybrid_ranked(
         return lexical_ranker.ranked_matches(lexical_ranker.matches(candidates), limit, now_key)
     cosines: dict[int, float] = {}
     index.sync(reader)
-    similar = {
-        vid: cosine
-        for cosine, vid in index.top(query_vector, depth, node_type)
-        if cosine > COSINE_FLOOR
-    }
-    if similar:
-        # Only nodes still in this snapshot (the index may hold deleted ones).
-        marks = ", ".join("?" * len(similar))
-        for vid, seq in reader.execute(
-            "SELECT v.vid, n.seq FROM vectors v JOIN nodes n ON n.id = v.node_id"
-            f" WHERE v.vid IN ({marks})",
-            list(similar),
-        ):
-            cosines[seq] = similar[vid]
+    # Only nodes still in this snapshot (the index may hold deleted ones).
+    for cosine, node_id in index.top_nodes(query_vector, depth, node_type):
+        seq = nodes.key_of(node_id)
+        if cosine > COSINE_FLOOR and seq is not None:
+            cosines[seq] = cosine
     # The similar nodes' strength, in the same walks of the indexes as the words' candidates'.
     found = lexical_ranker.matches(candidates, also=list(cosines))
     strengths = dict(found.strengths)

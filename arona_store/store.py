@@ -44,7 +44,8 @@ from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vect
 from arona_store.lexical import LexicalRanker
 from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
 from arona_store.ranking import Ranking, check_ranking
-from arona_store.retrieval.fts5 import Fts5Words, SqliteNodes
+from arona_store.retrieval.fts5 import Fts5Words
+from arona_store.retrieval.resident import ResidentNodes
 from arona_store.schema import (
     BUSY_TIMEOUT_MS,
     COUNTERS,
@@ -103,7 +104,7 @@ class MemoryStore:
         # The retrieval engines over the reader (arona_store.retrieval), and what the lexical
         # recall learns about the words (reader only).
         self._words = Fts5Words(reader)
-        self._nodes = SqliteNodes(reader)
+        self._nodes = ResidentNodes(reader)
         self._lexical = LexicalRanker(self._words, self._nodes)
         self.path = path
         # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
@@ -182,13 +183,14 @@ class MemoryStore:
             conn.close()
             raise
         store = cls(conn, reader, db_path, embedder)
-        if store._index is not None:
-            with store._read_lock:
-                store._reader.execute("BEGIN")
-                try:
+        with store._read_lock:
+            store._reader.execute("BEGIN")
+            try:
+                store._nodes.sync()
+                if store._index is not None:
                     store._index.sync(store._reader)
-                finally:
-                    store._reader.execute("COMMIT")
+            finally:
+                store._reader.execute("COMMIT")
         logger.info("memory store opened at %s (ranking: %s)", db_path, store.ranking)
         return store
 
@@ -440,6 +442,7 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
+                self._nodes.sync()
                 held, unknown = names_held(self._words, text, node_type)
                 if names_unknown(held, unknown):
                     return []  # it asks about something this memory never heard of

@@ -95,8 +95,9 @@ class VectorIndex:
         self._type_codes: dict[str, int] = {}
         self._size = 0
         self._last_vid = 0
-        # node id -> its row (the newest, should a node's vector be stored again).
+        # node id -> its row (the newest, should a node's vector be stored again), and back.
         self._rows: dict[str, int] = {}
+        self._node_ids: list[str] = []
         # The projection (dimension x REDUCED_DIMS), the projected rows, and how many rows
         # there were when it was fitted (it is fitted again each time they have doubled).
         self._basis: npt.NDArray[np.float32] | None = None
@@ -123,6 +124,7 @@ class VectorIndex:
         self._vids[start:end] = [row[0] for row in rows]
         self._types[start:end] = [self._code(row[1]) for row in rows]
         self._rows.update((row[3], start + i) for i, row in enumerate(rows))
+        self._node_ids.extend(str(row[3]) for row in rows)
         self._size = end
         self._last_vid = int(rows[-1][0])
         if end >= REDUCE_FROM and end >= 2 * self._fitted_at:
@@ -134,6 +136,17 @@ class VectorIndex:
     def top(self, query: Vector, k: int, node_type: str | None = None) -> list[tuple[float, int]]:
         """The ``k`` most similar rows as (cosine, vid), best first; only rows of
         ``node_type`` when given."""
+        return [(cosine, int(self._vids[row])) for cosine, row in self._top(query, k, node_type)]
+
+    def top_nodes(
+        self, query: Vector, k: int, node_type: str | None = None
+    ) -> list[tuple[float, str]]:
+        """:meth:`top` as (cosine, node id): the node may have been deleted since its vector
+        was read (the caller checks it against its snapshot)."""
+        return [(cosine, self._node_ids[row]) for cosine, row in self._top(query, k, node_type)]
+
+    def _top(self, query: Vector, k: int, node_type: str | None) -> list[tuple[float, int]]:
+        """The ``k`` most similar rows as (cosine, row), best first."""
         if self._size == 0 or k <= 0:
             return []
         mask: npt.NDArray[np.bool_] | None = None
@@ -168,7 +181,7 @@ class VectorIndex:
             return []
         best = np.argpartition(-scores, k - 1)[:k] if k < len(rows) else np.arange(len(rows))
         best = best[np.argsort(-scores[best], kind="stable")]
-        return [(float(scores[i]), int(self._vids[rows[i]])) for i in best]
+        return [(float(scores[i]), int(rows[i])) for i in best]
 
     def _projected(self, projected: Vector) -> Vector:
         """The product of every row's projection with the query's (``projected``): in two

@@ -15,7 +15,8 @@ store:
 Words are given as the question has them (:func:`arona_store.words.query_terms`); an engine
 folds and stems them as its index does. Keys (``seq``) are the nodes' time-ordered keys
 (:mod:`arona_store.nodes`), the same in every engine. :mod:`arona_store.retrieval.fts5` is the
-engine over the store's SQLite file.
+engine over the store's SQLite file; :mod:`arona_store.retrieval.resident` the node table held in
+memory.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class NodeTable(Protocol):
 
     def texts(self, seqs: Sequence[int]) -> dict[int, str]:
         """The text of each of ``seqs`` still stored."""
+        ...
+
+    def key_of(self, node_id: str) -> int | None:
+        """The key of the node ``node_id``; None when none is stored."""
         ...
 
     def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:

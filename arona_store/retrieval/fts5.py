@@ -181,5 +181,9 @@ class SqliteNodes:
         rows = self._reader.execute(_TEXTS_OF, (json.dumps(list(seqs)),))
         return {int(seq): str(text) for seq, text in rows}
 
+    def key_of(self, node_id: str) -> int | None:
+        row = self._reader.execute("SELECT seq FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        return None if row is None else int(row[0])
+
     def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:
         return neighbours_many(self._reader, list(seqs))

@@ -20,6 +20,7 @@ from arona_store.lexical import (
     PRUNE_MIN_NODES,
     WORD_WEIGHT,
 )
+from arona_store.retrieval.resident import ResidentNodes
 from arona_store.schema import FULL_TEXT_INDEXES
 from arona_store.scoring import (
     QUESTION_WEIGHT,
@@ -804,6 +805,52 @@ def test_each_memory_is_indexed_with_its_neighbours_of_the_same_type(tmp_path: P
         assert deleted
     finally:
         store.close()
+
+
+def test_the_node_table_a_recall_reads_follows_every_write_of_any_process(
+    tmp_path: Path,
+) -> None:
+    # The keys, ids and neighbours a recall reads from memory (ResidentNodes) are those of its
+    # snapshot after new, backdated, refreshed and deleted nodes, written by this store or by
+    # another process's (a second store on the same file), in two scopes.
+    rng = random.Random(11)
+    path = tmp_path / "resident.db"
+    ours, theirs = MemoryStore.open(path), MemoryStore.open(path)
+    reader = sqlite3.connect(path, isolation_level=None)
+    table = ResidentNodes(reader)
+    now = NOW.timestamp()
+    try:
+        ids: dict[str, tuple[str, str]] = {}
+        for step in range(80):
+            store = rng.choice([ours, theirs])
+            action = rng.random()
+            if action < 0.55 or len(ids) < 6:
+                text = f"note {step}"
+                node_type = rng.choice(["episode:a", "episode:b"])
+                when = now - rng.uniform(0, 30) * DAY if rng.random() < 0.2 else now + step
+                ids[text] = (store.add(text, node_type, when), node_type)
+            elif action < 0.85:
+                text = rng.choice(sorted(ids))
+                node_id, node_type = ids[text]
+                assert store.add(text, node_type, now + 100 + step, refresh=True) == node_id
+            else:
+                assert store.delete(ids.pop(rng.choice(sorted(ids)))[0])
+            reader.execute("BEGIN")
+            try:
+                table.sync()
+                keys = {str(i): s for s, i in reader.execute("SELECT seq, id FROM nodes")}
+                assert len(table) == len(keys), step
+                assert table.ids(list(keys.values())) == {s: i for i, s in keys.items()}, step
+                assert all(table.key_of(i) == s for i, s in keys.items()), step
+                assert table.neighbours(list(keys.values())) == neighbours_many(
+                    reader, list(keys.values())
+                ), step
+            finally:
+                reader.execute("COMMIT")
+    finally:
+        reader.close()
+        ours.close()
+        theirs.close()
 
 
 def test_a_version_4_database_gets_its_contexts_indexed(tmp_path: Path) -> None:

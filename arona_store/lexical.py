@@ -223,7 +223,9 @@ class LexicalRanker:
         :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`); ``turn`` and
         ``context`` hold the BM25 values known already (-1: not yet looked up) and are
         completed."""
-        turn.update(self._words.scores("turn", words, [s for s in seqs if turn.get(s, -1) < 0]))
+        unscored = [s for s in seqs if turn.get(s, -1) < 0]
+        turn.update(dict.fromkeys(unscored, 0.0))
+        turn.update(self._words.scores("turn", words, unscored))
         near = self.neighbours_of(seqs)
         wanted = {s for s in seqs if context.get(s, -1) < 0}
         wanted.update(j for js in near.values() for j in js if j not in context)

@@ -54,42 +54,63 @@ class ResidentNodes:
     def __len__(self) -> int:
         return len(self._id_of)
 
-    def sync(self) -> State:
-        """Catch up with the snapshot of the open read transaction (module docstring); its
-        counters."""
+    def sync(self) -> set[int] | None:
+        """Catch up with the snapshot of the open read transaction (module docstring); the keys
+        whose own text or context document changed since the last sync (those of the nodes
+        added, moved or deleted, and of their neighbours before and after), None when that
+        cannot be told (the first sync, a text changed in place)."""
         row = self._reader.execute(COUNTERS).fetchone()
         state: State = (int(row[0]), int(row[1]), int(row[2]), int(row[3]))
-        if state != self._state:
-            if self._state is None or not self._appended(self._state, state):
-                self._load()
-            self._state = state
-        return state
+        if state == self._state:
+            return set()
+        changed = None if self._state is None else self._appended(self._state, state)
+        if changed is None:
+            changed = self._load(first=self._state is None)
+        self._state = state
+        return changed
 
-    def _appended(self, known: State, state: State) -> bool:
+    def _appended(self, known: State, state: State) -> set[int] | None:
         """Read the nodes above the highest key known, if that is all that changed (no write
-        below it, no delete: the counts move by the new nodes alone); False otherwise, having
-        changed nothing."""
+        below it, no delete: the counts move by the new nodes alone), and say which keys'
+        documents changed; None otherwise, having changed nothing."""
         nodes, changes, hi, backdated = known
         if state[3] != backdated:
-            return False
+            return None
         rows = self._reader.execute(_ABOVE, (hi,)).fetchall()
         new = sum(1 for _, node_id, _ in rows if node_id not in self._key_of)
         if state[0] - nodes != new or state[1] - changes != new:
-            return False
+            return None
+        changed: set[int] = set()
         for seq, node_id, node_type in rows:
             moved = self._key_of.get(node_id)
             if moved is not None:
+                changed.add(moved)
+                changed.update(_near(self._keys[self._type_of[moved]], moved))
                 self._drop(moved)
             self._put(int(seq), str(node_id), str(node_type))
-        return True
+            changed.add(int(seq))
+            changed.update(_near(self._keys[str(node_type)], int(seq)))
+        return changed
 
-    def _load(self) -> None:
-        self._id_of.clear()
-        self._key_of.clear()
-        self._type_of.clear()
-        self._keys.clear()
+    def _load(self, *, first: bool) -> set[int] | None:
+        """Read every node again; the keys that changed (those that came or went, and their
+        neighbours before and after), None on the first load or when none did."""
+        old_types, old_keys = self._type_of, self._keys
+        self._id_of, self._key_of, self._type_of, self._keys = {}, {}, {}, {}
         for seq, node_id, node_type in self._reader.execute(_ALL):
             self._put(int(seq), str(node_id), str(node_type))
+        if first:
+            return None
+        gone = old_types.keys() - self._type_of.keys()
+        came = self._type_of.keys() - old_types.keys()
+        if not gone and not came:
+            return None  # a text changed in place, or anything else not told by the keys
+        changed = gone | came
+        for seq in gone:
+            changed.update(_near(old_keys[old_types[seq]], seq))
+        for seq in came:
+            changed.update(_near(self._keys[self._type_of[seq]], seq))
+        return changed
 
     def _put(self, seq: int, node_id: str, node_type: str) -> None:
         """Add a node whose key is above every key held."""
@@ -105,6 +126,10 @@ class ResidentNodes:
         del keys[bisect.bisect_left(keys, seq)]
         if not keys:
             del self._keys[node_type]
+
+    def type_of(self, seq: int) -> str | None:
+        """The node type of the node at ``seq``; None when none is there."""
+        return self._type_of.get(seq)
 
     def key_of(self, node_id: str) -> int | None:
         """The key of the node ``node_id``; None when none is stored."""
@@ -124,9 +149,13 @@ class ResidentNodes:
         out: dict[int, list[int]] = {}
         for seq in seqs:
             node_type = self._type_of.get(seq)
-            if node_type is None:
-                continue
-            keys = self._keys[node_type]
-            at = bisect.bisect_left(keys, seq)
-            out[seq] = keys[max(0, at - AFTER) : at][::-1] + keys[at + 1 : at + 1 + BEFORE]
+            if node_type is not None:
+                out[seq] = _near(self._keys[node_type], seq)
         return out
+
+
+def _near(keys: list[int], seq: int) -> list[int]:
+    """The neighbours of ``seq`` among ``keys`` (its node type's, ascending, holding it),
+    nearest first on each side."""
+    at = bisect.bisect_left(keys, seq)
+    return keys[max(0, at - AFTER) : at][::-1] + keys[at + 1 : at + 1 + BEFORE]

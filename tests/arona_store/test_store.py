@@ -21,6 +21,7 @@ from arona_store.lexical import (
     WORD_WEIGHT,
 )
 from arona_store.retrieval.resident import ResidentNodes
+from arona_store.retrieval.tantivy_index import WordEngine
 from arona_store.schema import FULL_TEXT_INDEXES
 from arona_store.scoring import (
     QUESTION_WEIGHT,
@@ -892,3 +893,71 @@ def test_a_deleted_memory_is_in_no_file_of_the_store(tmp_path: Path) -> None:
     finally:
         store.close()
     assert files_holding(folder, ["Glimmerquark", "73914466"]) == {}
+
+
+def _engine(store: MemoryStore) -> WordEngine:
+    engine = store._engine
+    assert engine.ready  # a small store's word index is built before it opens
+    return engine
+
+
+def test_the_word_engine_never_returns_what_the_database_no_longer_holds(
+    tmp_path: Path,
+) -> None:
+    # Candidates come from the word engine (tantivy, in memory), which takes in writes a
+    # batch at a time: until then a new memory is found, and a deleted or refreshed one is
+    # found as the database now has it, and so once the engine has them.
+    path = tmp_path / "engine.db"
+    store = MemoryStore.open(path)
+    store.add_many((f"User: note {i} about the harbour walk", "episode", NOW) for i in range(30))
+    store.close()
+    store = MemoryStore.open(path)
+    try:
+        engine = _engine(store)
+        gone = store.add("User: my locker code is quillfeather 4471", "episode", NOW)
+        kept = store.add("User: the spare key is under the quillfeather pot", "episode", NOW)
+        for settled in (False, True):
+            found = [hit.node_id for hit in store.query("quillfeather locker code", 10, NOW)]
+            assert found[:2] == [gone, kept], settled
+            assert store.delete(gone)
+            found = [hit.node_id for hit in store.query("quillfeather locker code", 10, NOW)]
+            assert gone not in found and found[0] == kept, settled
+            assert store.query("harbour walk", 40, NOW), settled
+            if not settled:
+                # The same once the engine holds the changes.
+                assert engine.wait_clean(30.0)
+                gone = store.add("User: my locker code is quillfeather 4471", "episode", NOW)
+                assert store.query("quillfeather", 10, NOW)
+                assert engine.wait_clean(30.0)
+    finally:
+        store.close()
+
+
+def test_the_word_engine_is_built_again_when_a_change_cannot_be_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another process rewrites a memory's text in place: the keys tell nothing, so the word
+    # index is built again from the database (one log line), and recalls find the new words
+    # meanwhile and after.
+    path = tmp_path / "rebuilt.db"
+    store = MemoryStore.open(path)
+    try:
+        node = store.add("User: the boat is moored at pier nine", "episode", NOW)
+        store.add_many((f"User: filler {i} of the day", "episode", NOW) for i in range(10))
+        assert store.query("boat pier", 5, NOW)  # a recall takes the writes in
+        assert _engine(store).wait_clean(30.0)
+        with closing(sqlite3.connect(path)) as other:
+            other.execute(
+                "UPDATE nodes SET text = 'User: the boat is moored at dock seven' WHERE id = ?",
+                (node,),
+            )
+            other.commit()
+        with caplog.at_level("INFO", logger="arona_store.retrieval.tantivy_index"):
+            assert [hit.node_id for hit in store.query("dock seven", 5, NOW)] == [node]
+            assert store._engine.wait_clean(30.0)
+            assert [hit.node_id for hit in store.query("dock seven", 5, NOW)] == [node]
+            assert node not in {hit.node_id for hit in store.query("pier nine", 5, NOW)}
+        built = [r.message for r in caplog.records if "word index built" in r.message]
+        assert len(built) == 1, built
+    finally:
+        store.close()

@@ -44,9 +44,10 @@ from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vect
 from arona_store.lexical import LexicalRanker
 from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
 from arona_store.ranking import Ranking, check_ranking
+from arona_store.retrieval.engine_words import EngineWords
 from arona_store.retrieval.fts5 import Fts5Words
 from arona_store.retrieval.resident import ResidentNodes
-from arona_store.retrieval.tantivy_index import EngineWords, WordEngine
+from arona_store.retrieval.tantivy_index import WordEngine
 from arona_store.schema import (
     BUSY_TIMEOUT_MS,
     COUNTERS,
@@ -109,7 +110,7 @@ class MemoryStore:
         # recall learns about the words (reader only).
         self._nodes = ResidentNodes(reader)
         self._engine = WordEngine(path)
-        self._words = EngineWords(Fts5Words(reader), self._nodes, self._engine)
+        self._words = EngineWords(Fts5Words(reader), reader, self._engine)
         self._lexical = LexicalRanker(self._words, self._nodes)
         self.path = path
         # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
@@ -452,6 +453,7 @@ class MemoryStore:
                 changed = self._nodes.sync()
                 if changed is None or changed:
                     self._engine.mark(changed)
+                self._words.begin()
                 held, unknown = names_held(self._words, text, node_type)
                 if names_unknown(held, unknown):
                     return []  # it asks about something this memory never heard of

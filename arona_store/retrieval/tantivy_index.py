@@ -26,18 +26,19 @@ the index built again.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import tantivy
 
 from arona_store.retrieval import Field
-from arona_store.retrieval.fts5 import Fts5Words
-from arona_store.retrieval.resident import ResidentNodes
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +46,99 @@ logger = logging.getLogger(__name__)
 # at most otherwise (seconds).
 REFRESH_KEYS = 256
 REFRESH_S = 1.0
+# tantivy's BM25 parameters.
+K1 = 1.2
+B = 0.75
+
+
+def _fieldnorms() -> list[int]:
+    """tantivy's document-length buckets (``fieldnorm/code.rs``): exact up to 40, then eight
+    buckets for each doubling of the step."""
+    table = list(range(41))
+    step = 2
+    while len(table) < 256:
+        for _ in range(8):
+            table.append(table[-1] + step)
+        step *= 2
+    return table[:256]
+
+
+FIELDNORMS = _fieldnorms()
+
+
+def bucketed(length: int) -> int:
+    """A document length as tantivy stores it (the bucket at or below it)."""
+    return FIELDNORMS[bisect.bisect_right(FIELDNORMS, length) - 1]
+
+
+def tantivy_idf(total: int, held: int) -> float:
+    """A word's IDF in tantivy's BM25 (Lucene's): ``ln(1 + (N - n + 0.5) / (n + 0.5))``."""
+    return math.log(1.0 + max(0.0, total - held + 0.5) / (held + 0.5)) or 1e-9
+
+
+# Two documents only the engine holds (keys no memory has; never returned: EngineWords), of a
+# made-up word, from whose scores the engine's document count and average lengths are worked
+# out (WordEngine._calibrated).
+PROBE_WORD = "qzxvkprobe"
+PROBE_TYPE = "\x00probe"
+PROBE_LENGTHS = (1, 4)
+PROBES = ((-(2**63), PROBE_WORD), (-(2**63) + 1, f"{PROBE_WORD} qzxvka qzxvkb qzxvkc"))
+PROBE_KEYS = frozenset(key for key, _ in PROBES)
+
 # How many times as many matches as a recall asks for the engine proposes (EngineWords.top).
 TIE_MARGIN = 2
 # The memory tantivy's writer may use before it writes a segment (bytes; its floor is 15 MB).
 WRITER_HEAP = 50_000_000
 
 _FIELD: dict[Field, str] = {"turn": "turn", "context": "context"}
-_NODES_OF = "SELECT seq, node_type, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
+# Newest first, as _ALL_NODES.
+_NODES_OF = (
+    "SELECT seq, node_type, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
+    " ORDER BY seq DESC"
+)
 _CONTEXTS_OF = "SELECT rowid, text FROM nodes_ctx WHERE rowid IN (SELECT value FROM json_each(?))"
 # Newest first: the first documents of a segment win its ties (WordEngine.top).
 _ALL_NODES = "SELECT seq, node_type, text FROM nodes ORDER BY seq DESC"
 _ALL_CONTEXTS = "SELECT rowid, text FROM nodes_ctx"
 
 
+# The words of a memory: runs of letters and digits (as FTS5's unicode61 and
+# arona_store.words.WORD), lower-cased, accents folded, English-stemmed (Snowball).
+TOKENIZER = "arona_words"
+
+
+def analyzer() -> tantivy.TextAnalyzer:
+    """The analyzer the index and the questions' words go through (:data:`TOKENIZER`)."""
+    return (
+        tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+        .filter(tantivy.Filter.remove_long(40))
+        .filter(tantivy.Filter.lowercase())
+        .filter(tantivy.Filter.ascii_fold())
+        .filter(tantivy.Filter.stemmer("english"))
+        .build()
+    )
+
+
 def _schema() -> tantivy.Schema:
     builder = tantivy.SchemaBuilder()
     builder.add_integer_field("seq", indexed=True, fast=True)
     builder.add_text_field("node_type", tokenizer_name="raw", index_option="basic")
-    builder.add_text_field("turn", tokenizer_name="en_stem", index_option="freq")
-    builder.add_text_field("context", tokenizer_name="en_stem", index_option="freq")
+    builder.add_text_field("turn", tokenizer_name=TOKENIZER, index_option="freq")
+    builder.add_text_field("context", tokenizer_name=TOKENIZER, index_option="freq")
     return builder.build()
+
+
+@dataclass(frozen=True)
+class WordView:
+    """What one recall reads of the engine: a searcher, the dirty keys (key -> the generation
+    they were marked in: their documents in the searcher are not the database's), and each
+    field's average length in tokens as the searcher's BM25 has it."""
+
+    searcher: tantivy.Searcher
+    dirty: Mapping[int, int]
+    # What the searcher's BM25 counts as the number of documents (WordEngine._calibrated).
+    total: int
+    average: Mapping[str, float]
 
 
 class WordEngine:
@@ -73,13 +147,10 @@ class WordEngine:
     def __init__(self, db_path: Path) -> None:
         self._db_path = db_path
         self._schema = _schema()
-        # What the index's tokenizer ("en_stem") does to a question's word.
-        self._analyzer = (
-            tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
-            .filter(tantivy.Filter.lowercase())
-            .filter(tantivy.Filter.stemmer("english"))
-            .build()
-        )
+        self.schema = self._schema
+        self.analyzer = analyzer()
+        self._total = 0
+        self._average: dict[str, float] = {}
         self._lock = threading.Lock()
         # Notified each time dirty keys are brought in (wait_clean).
         self._cleaned = threading.Condition(self._lock)
@@ -90,6 +161,7 @@ class WordEngine:
         self._generation = 0
         self._rebuild = True
         self._first_dirty = 0.0
+        self._flush = False
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -118,6 +190,8 @@ class WordEngine:
         """Wait until the index is ready and holds every document as marked so far; whether it
         does within ``timeout`` seconds."""
         with self._cleaned:
+            self._flush = True  # now, not when REFRESH_S is up
+            self._wake.set()
             return self._cleaned.wait_for(
                 lambda: self._searcher is not None and not self._dirty, timeout
             )
@@ -141,52 +215,23 @@ class WordEngine:
             if len(self._dirty) >= REFRESH_KEYS:
                 self._wake.set()
 
-    def top(
-        self, field: Field, words: Sequence[str], depth: int, node_type: str | None
-    ) -> tuple[list[int], list[int]] | None:
-        """The keys of the best ``depth`` matches of ``words`` in ``field`` (of ``node_type``
-        when given) that the index holds as the database does, and the dirty keys, which the
-        caller matches itself; None until the index is ready."""
-        terms = list(dict.fromkeys(t for word in words for t in self._analyzer.analyze(word)))
+    def view(self) -> WordView | None:
+        """The index as it is now, for one recall; None until it is ready."""
         with self._lock:
-            searcher, dirty = self._searcher, list(self._dirty)
-        if searcher is None:
-            return None
-        if not terms:
-            return [], dirty
-        schema = self._schema
-        query = tantivy.Query.boolean_query(
-            [
-                (tantivy.Occur.Should, tantivy.Query.term_query(schema, _FIELD[field], term))
-                for term in terms
-            ]
-        )
-        if node_type is not None:
-            query = tantivy.Query.boolean_query(
-                [
-                    (tantivy.Occur.Must, query),
-                    (
-                        tantivy.Occur.Must,
-                        tantivy.Query.const_score_query(
-                            tantivy.Query.term_query(schema, "node_type", node_type), 0.0
-                        ),
-                    ),
-                ]
-            )
-        skip = set(dirty)
-        hits = searcher.search(query, depth + len(skip), count=False).hits
-        keys = searcher.fast_field_values("seq", [address for _, address in hits])
-        found = [int(key) for key in keys if key is not None and int(key) not in skip]
-        return found[:depth], dirty
+            if self._searcher is None:
+                return None
+            return WordView(self._searcher, dict(self._dirty), self._total, dict(self._average))
 
     def _run(self) -> None:
         while not self._stopping:
             with self._lock:
                 rebuild = self._rebuild
                 due = bool(self._dirty) and (
-                    len(self._dirty) >= REFRESH_KEYS
+                    self._flush
+                    or len(self._dirty) >= REFRESH_KEYS
                     or time.monotonic() - self._first_dirty >= REFRESH_S
                 )
+                self._flush = False
             try:
                 if rebuild:
                     self._build()
@@ -209,7 +254,10 @@ class WordEngine:
             generation = self._generation
             self._rebuild = False
         index = tantivy.Index(self._schema)
+        index.register_tokenizer(TOKENIZER, self.analyzer)
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
+        for key, text in PROBES:
+            writer.add_document(self._document(key, PROBE_TYPE, text, text))
         with _snapshot(self._db_path) as conn:
             contexts = dict(conn.execute(_ALL_CONTEXTS).fetchall())
             count = 0
@@ -226,6 +274,7 @@ class WordEngine:
                 return  # a change it cannot name came in meanwhile: built again
             self._index = index
             self._searcher = index.searcher()
+            self._total, self._average = self._calibrated(self._searcher)
             logger.info(
                 "memory store: word index built from the database (%d memories, %.1f s)",
                 count,
@@ -255,10 +304,41 @@ class WordEngine:
         writer.wait_merging_threads()
         index.reload()
         searcher = index.searcher()
+        total, average = self._calibrated(searcher)
         with self._lock:
             if self._index is index and not self._rebuild:
                 self._searcher = searcher
+                self._total, self._average = total, average
                 self._clean(generation)
+
+    def _calibrated(self, searcher: tantivy.Searcher) -> tuple[int, dict[str, float]]:
+        """What ``searcher``'s BM25 counts as the number of documents (deleted ones included
+        until a merge drops them) and each field's average length in tokens, which tantivy
+        does not say: worked out from the scores of the two probe documents (:data:`PROBES`,
+        lengths 1 and 4, each holding the probe word once): ``1 / score = a + b * length``."""
+        average: dict[str, float] = {}
+        total = searcher.num_docs
+        for field in ("turn", "context"):
+            query = tantivy.Query.term_query(self.schema, field, PROBE_WORD)
+            hits = searcher.search(query, 2, count=False).hits
+            keys = searcher.fast_field_values("seq", [address for _, address in hits])
+            scores = {
+                int(k): float(score)
+                for (score, _), k in zip(hits, keys, strict=True)
+                if k is not None
+            }
+            (short, _), (long, _) = PROBES
+            if len(scores) < 2 or min(scores.values()) <= 0:
+                continue
+            b = (1 / scores[long] - 1 / scores[short]) / (PROBE_LENGTHS[1] - PROBE_LENGTHS[0])
+            a = 1 / scores[short] - b * PROBE_LENGTHS[0]
+            if a <= 0 or b <= 0:
+                continue
+            weight = (1 + K1 * (1 - B)) / a  # idf * (K1 + 1)
+            average[field] = K1 * B / (b * weight)
+            # idf = ln(1 + (N - 2 + 0.5) / (2 + 0.5)), the probe word being in two documents.
+            total = round(2.5 * (math.exp(weight / (K1 + 1)) - 1) + 1.5)
+        return total, average
 
     def _clean(self, generation: int) -> None:
         """Keys marked dirty up to ``generation`` are now as the index holds them (lock held)."""
@@ -291,55 +371,3 @@ class _snapshot:
             self._conn.execute("COMMIT")
         finally:
             self._conn.close()
-
-
-class EngineWords:
-    """:class:`~arona_store.retrieval.WordIndex` whose best matches of the words come from
-    the :class:`WordEngine` (FTS5's until it is ready), everything else from FTS5."""
-
-    def __init__(self, fts: Fts5Words, nodes: ResidentNodes, engine: WordEngine) -> None:
-        self._fts = fts
-        self._nodes = nodes
-        self._engine = engine
-
-    def counters(self) -> tuple[int, int]:
-        return self._fts.counters()
-
-    def count(self, field: Field, word: str) -> int:
-        return self._fts.count(field, word)
-
-    def top(
-        self,
-        field: Field,
-        words: Sequence[str],
-        depth: int,
-        node_type: str | None,
-        counts: Mapping[str, int] | None = None,
-    ) -> dict[int, float]:
-        found = (
-            None
-            if field == "pairs"
-            else self._engine.top(field, words, TIE_MARGIN * depth, node_type)
-        )
-        if found is None:
-            return self._fts.top(field, words, depth, node_type, counts)
-        keys, dirty = found
-        if node_type is not None:
-            dirty = [k for k in dirty if self._nodes.type_of(k) == node_type]
-        else:
-            dirty = [k for k in dirty if self._nodes.type_of(k) is not None]
-        # Each proposed key's BM25 in this snapshot; the best ``depth``, the newest first
-        # among equal scores as FTS5's walk keeps them (a bulk of templated memories ties
-        # often, and the engine's own order among ties is not that).
-        scored = self._fts.scores(field, words, sorted(set(keys).union(dirty)))
-        best = sorted(scored.items(), key=lambda kv: (-kv[1], -kv[0]))
-        return dict(best[:depth])
-
-    def scores(self, field: Field, words: Sequence[str], seqs: Sequence[int]) -> dict[int, float]:
-        return self._fts.scores(field, words, seqs)
-
-    def held(self, words: Sequence[str], seqs: Sequence[int]) -> dict[int, int]:
-        return self._fts.held(words, seqs)
-
-    def holds(self, word: str, node_type: str | None) -> bool:
-        return self._fts.holds(word, node_type)

@@ -32,8 +32,8 @@ from arona_store.scoring import (
     score_of,
     strength_of,
 )
-from arona_store.store import MemoryStore, NewNode, StoreError
-from arona_store.words import build_fts_query
+from arona_store.store import MemoryHit, MemoryStore, NewNode, StoreError
+from arona_store.words import build_fts_query, query_terms
 from tests.support.erasure import files_holding
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -88,6 +88,8 @@ def test_reopening_merges_every_full_text_index_and_recalls_the_same(tmp_path: P
             ]
         )
     now = time.time()
+    store.query("sailing note 帆船", 1, now)
+    assert store._engine.wait_clean(30.0)  # the word engine holds them all, as after reopening
     before = [(hit.node_id, hit.score) for hit in store.query("sailing note 帆船", 10, now)]
     store.close()
     assert all(_segments(path, index) >= 3 for index in FULL_TEXT_INDEXES)
@@ -311,14 +313,11 @@ def test_ranking_equals_a_full_ranking_of_every_match(tmp_path: Path) -> None:
         assert {"w0", "w1", "w2", "w3", "w7"} <= common
         assert not {"w40", "w45", "w55", "w59"} & common
         for query in queries:
-            expected = _full_ranking(path, query, now)
+            expected = _full_ranking(store, query, now)
             # Each index proposes its best 40: the best ten by both are among them.
             for limit in (1, 5, 10):
                 hits = store.query(query, limit, now=NOW)
-                assert [h.node_id for h in hits] == [e[2] for e in expected[:limit]], query
-                assert [h.score for h in hits] == pytest.approx(
-                    [e[0] for e in expected[:limit]], abs=1e-9
-                )
+                _assert_ranked_as(hits, expected, limit)
     finally:
         store.close()
 
@@ -345,36 +344,48 @@ def _context_common(path: Path) -> set[str]:
     return {term for term, docs in rows if docs * CONTEXT_COMMON >= total}
 
 
-def _full_ranking(path: Path, query: str, now: float) -> list[tuple[float, float, str]]:
+def _assert_ranked_as(
+    hits: list[MemoryHit], expected: list[tuple[float, float, str]], limit: int
+) -> None:
+    """``hits`` are the best ``limit`` of the full ranking ``expected``, in its order, with its
+    scores: two memories whose scores differ by less than the word engine's single-precision
+    rounding (one in a million) may come either way round."""
+    score_of = {node_id: score for score, _, node_id in expected}
+    assert [score_of.get(h.node_id) for h in hits] == pytest.approx(
+        [score for score, _, _ in expected[:limit]], rel=1e-6
+    )
+    assert [h.score for h in hits] == pytest.approx([score_of[h.node_id] for h in hits], rel=1e-6)
+
+
+def _full_ranking(store: MemoryStore, query: str, now: float) -> list[tuple[float, float, str]]:
     """Every match of ``query`` (by its words or its context) scored by the formula, best
     first: its own BM25, its context's (without the words common there), its four
-    neighbours' contexts' and the words it holds; one matched through its context only is
-    kept when half as strong as the best (the brute-force check)."""
-    expression = build_fts_query(query)
-    common = _context_common(path)
-    rare = [word for word in (expression or "").split(" OR ") if word.strip('"') not in common]
-    with closing(sqlite3.connect(path)) as check:
-        turn = dict(
-            check.execute(
-                "SELECT rowid, -bm25(nodes_fts) FROM nodes_fts WHERE nodes_fts MATCH ?",
-                (expression,),
+    neighbours' contexts' and the words it holds, each read from the store's word index for
+    every node (not only the candidates a recall finds); one matched through its context
+    only is kept when half as strong as the best (the brute-force check)."""
+    terms = query_terms(query)
+    # Both rankings from the word engine as it holds every memory (a memory written since
+    # its last commit is scored apart: the same formula, not the same bits).
+    store.query(query, 1, now=NOW)  # the writes since the last recall taken in
+    assert store._engine.wait_clean(30.0)
+    with store._read_lock:
+        store._reader.execute("BEGIN")
+        try:
+            assert not store._nodes.sync()
+            words = store._words
+            words.begin()
+            nodes = store._reader.execute(
+                "SELECT seq, id, node_type, created_at, text FROM nodes"
             ).fetchall()
-        )
-        context = {}
-        if rare:
-            context = dict(
-                check.execute(
-                    "SELECT rowid, -bm25(nodes_ctx) FROM nodes_ctx WHERE nodes_ctx MATCH ?",
-                    (" OR ".join(rare),),
-                ).fetchall()
-            )
-        nodes = check.execute("SELECT seq, id, node_type, created_at, text FROM nodes").fetchall()
-        held: dict[int, int] = {}
-        for word in (expression or "").split(" OR "):
-            for (seq,) in check.execute(
-                "SELECT rowid FROM nodes_fts WHERE nodes_fts MATCH ?", (word,)
-            ).fetchall():
-                held[seq] = held.get(seq, 0) + 1
+            every = sorted(seq for seq, *_ in nodes)
+            total = len(every)
+            assert total >= PRUNE_MIN_NODES
+            rare = [t for t in terms if words.count("context", t) * CONTEXT_COMMON < total]
+            turn = words.scores("turn", terms, every)
+            context = words.scores("context", rare, every) if rare else {}
+            held = words.held(terms, every)
+        finally:
+            store._reader.execute("COMMIT")
     by_type: dict[str, list[int]] = {}
     for seq, _, node_type, _, _ in sorted(nodes):
         by_type.setdefault(node_type, []).append(seq)
@@ -424,9 +435,9 @@ def test_ranking_stays_exact_while_the_store_changes(tmp_path: Path) -> None:
         )
         for round_ in range(12):
             for query in queries:
-                expected = _full_ranking(path, query, now)
+                expected = _full_ranking(store, query, now)
                 hits = store.query(query, 5, now=NOW)
-                assert [h.node_id for h in hits] == [e[2] for e in expected[:5]], (round_, query)
+                _assert_ranked_as(hits, expected, 5)
             change = round_ % 4
             if change == 0:  # new nodes, some long with a word many times over
                 for _ in range(30):
@@ -472,9 +483,9 @@ def test_a_node_written_after_a_word_was_measured_is_never_skipped(
         best = store.add("kiwi kiwi kiwi kiwi kiwi", "e", now - 3 * DAY)
         store.add_many(("kiwi " + "rain " * 20, "e", now - DAY + i) for i in range(5))
 
-        expected = _full_ranking(path, "kiwi", now)
+        expected = _full_ranking(store, "kiwi", now)
         assert expected[0][2] == best
-        assert [h.node_id for h in store.query("kiwi", 5, now=NOW)] == [e[2] for e in expected[:5]]
+        _assert_ranked_as(store.query("kiwi", 5, now=NOW), expected, 5)
     finally:
         store.close()
 
@@ -493,11 +504,11 @@ def test_a_rare_word_is_bounded_down_to_its_oldest_node(tmp_path: Path) -> None:
             for i in range(300)
         )
         best = store.add("kiwi kiwi kiwi rain", "e", now - 30 * DAY)
-        expected = _full_ranking(path, "kiwi rain", now)
+        expected = _full_ranking(store, "kiwi rain", now)
         assert expected[0][2] == best
         for _ in range(2):  # measured, then from the remembered measure
             hits = store.query("kiwi rain", 5, now=NOW)
-            assert [h.node_id for h in hits] == [e[2] for e in expected[:5]]
+            _assert_ranked_as(hits, expected, 5)
     finally:
         store.close()
 
@@ -724,8 +735,11 @@ def test_a_node_type_filter_ranks_its_own_nodes_with_their_unfiltered_scores(
             expected = [(h.node_id, h.score) for h in everything if h.node_type == scope][:5]
             got = store.query(query, 5, now=NOW, node_type=scope)
             assert {h.node_type for h in got} == {scope}
-            # Each filtered hit has the score it has unfiltered, and none better is left out.
-            assert [h.score for h in got] == [score for _, score in expected]
+            # Each filtered hit has the score it has unfiltered (to the word engine's single
+            # precision), and none better is left out.
+            assert [h.score for h in got] == pytest.approx(
+                [score for _, score in expected], rel=1e-6
+            )
             assert len(got) == 5
     assert store.query("tea", 5, now=NOW, node_type="episode:nobody") == []
 

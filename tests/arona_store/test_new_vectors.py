@@ -13,7 +13,7 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ BY_ITS_WORDS = "Who is allergic to peanuts?"
 DISTRACTOR = "I cooked food for my kid's birthday party."
 NURSE = "I work as a nurse at St. Mary's hospital."
 # How long a held run waits for its release at most: a failing test never leaves it hanging.
-HOLD_MAX_S = 60.0
+HOLD_MAX_S = 30.0
 STORE = "Sync.MemoryStoreRequest"
 QUERY = "Sync.MemoryQueryRequest"
 DELETE = "Sync.MemoryDeleteRequest"
@@ -92,10 +92,14 @@ async def serving(
     async with await StoreServer.start(
         db_path=path, token=TOKEN, ranking="hybrid", embedder=model
     ) as server:
-        async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
-            client = StoreClient(ws)
-            await client.handshake()
-            yield server, client
+        try:
+            async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
+                client = StoreClient(ws)
+                await client.handshake()
+                yield server, client
+        finally:
+            # A test that failed while holding the model does not hold the stop up as well.
+            model.release()
 
 
 async def busy(model: WatchedModel) -> None:
@@ -115,7 +119,7 @@ async def recalled(client: StoreClient, query: str) -> list[str]:
 
 def vector_rows(path: Path) -> dict[str, int]:
     """Each node id of the database file with a vector row: how many it has."""
-    with sqlite3.connect(path) as db:
+    with closing(sqlite3.connect(path)) as db:
         rows = db.execute("SELECT node_id, count(*) FROM vectors GROUP BY node_id").fetchall()
     return {str(node_id): int(count) for node_id, count in rows}
 

@@ -26,23 +26,29 @@ A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
 ``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
 memory is dated now; malformed or out of range, the store is refused as invalid params.
 
-With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop:
-each batch of stores is embedded on an embedding thread before its transaction (the store is
-answered once node and vector are committed; the gateway writes back after answering, so no
-chat turn waits for it; a store identical to a stored node that has a vector is not embedded
-again), a recall (a search of the words and of the vectors, its query embedded meanwhile on
-one of the store's query threads) runs on one of :data:`RECALL_THREADS` recall threads,
-answered whenever done so that a connection's recalls run side by side, and nodes stored
-without a vector (by the lexical ranking, or an older version) are embedded in the background
-on the embedding thread from start-up on, newest first, while recalls use the vectors already
-there.
+With the ``hybrid`` ranking (``arona_store/RANKING.md``) the model's work stays off the loop
+and off the write path. A store is committed and answered without a vector (a store identical
+to a stored node that has one keeps it: the refresh is not embedded again), and its node goes
+to the embedding worker: one task that hands the embedding thread every node stored since its
+last step, up to :data:`EMBED_BATCH_MAX`, embeds them there and stores their vectors in one
+transaction (a node deleted meanwhile gets none), then takes the next batch. So a store never
+waits for the model, and stores that arrive while it is busy are embedded together. Until its
+vector lands (a fraction of a second at the benchmark's load: ``bench/README.md``) a new memory
+is found by its words; the ranking counts it at its candidates' mean cosine. A recall (a search
+of the words and of the vectors, its query embedded meanwhile on one of the store's query
+threads) runs on one of :data:`RECALL_THREADS` recall threads, answered whenever done so that a
+connection's recalls run side by side. Nodes stored without a vector (by the lexical ranking,
+an older version, or a store stopped before it embedded them) are embedded in the background
+on the same embedding thread from start-up on, newest first, a batch at a time between the
+worker's, while recalls use the vectors already there. A stop finishes the worker's batch in
+hand and leaves the nodes still queued to that background fill of the next start: they are
+stored, only their vectors wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hmac
 import logging
@@ -58,7 +64,7 @@ from http import HTTPStatus
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -68,6 +74,9 @@ from arona_store.jsonrpc import Call, JsonId, RpcError
 from arona_store.nodes import StoreError, key_of
 from arona_store.ranking import Ranking, check_ranking, ranking_from_env
 from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryHit, MemoryStore, NewNode
+
+if TYPE_CHECKING:
+    from arona_store.embedding import Embedder
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +103,12 @@ STORE_COST = "stores are refused until it can be written"
 # Hybrid ranking: a recall's query is embedded while another recall holds the store's read
 # lock, so two use two cores at once (arona_store.store.QUERY_EMBEDDING_THREADS).
 RECALL_THREADS = 2
+# Hybrid ranking: the thread that embeds stored nodes, and the most nodes one step of the
+# embedding worker takes (a step is one hop to that thread, one read of the nodes still without
+# a vector and one write transaction for their vectors; the model runs once per text whatever
+# the batch, arona_store.embedding). 64 of the benchmark's episodes take about 0.3 s of CPU.
+EMBED_THREAD = "arona-store-embed"
+EMBED_BATCH_MAX = 64
 
 HANDSHAKE = "Sync.ConnectHandshake"
 QUERY = "Sync.MemoryQueryRequest"
@@ -277,6 +292,12 @@ class StoreServer:
         self._deleter: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._checkpointing: asyncio.Future[None] | None = None
+        # Hybrid ranking: nodes stored without a vector, waiting for the embedding worker (the
+        # task embedding them), and what it has embedded: texts, in how many steps.
+        self._to_embed: list[str] = []
+        self._embedding: asyncio.Task[None] | None = None
+        self._embedded = 0
+        self._embed_steps = 0
         self.port = 0
         self._greeting = jsonrpc.notification_frame(
             SERVER_VERSION, {"version": _version(), "build_info": "arona-store (sqlite)"}
@@ -297,12 +318,14 @@ class StoreServer:
         port: int = 0,
         idle_timeout_s: float = 45.0,
         ranking: Ranking | None = None,
+        embedder: Embedder | None = None,
     ) -> StoreServer:
         """Open the database at ``db_path`` and listen on ``host:port`` (0 = any free port).
 
         ``ranking`` None: as ``ARONA_STORE_RANKING`` says (:func:`ranking_from_env`: ``hybrid``
         when the semantic extra is installed). A ranking that cannot run raises
         :class:`~arona_store.ranking.RankingError` (one line) before anything is opened.
+        ``embedder``: the model of a ``hybrid`` store, one already loaded (None: loaded here).
         """
         if not token:
             raise ValueError("the memory store needs a non-empty token")
@@ -312,9 +335,7 @@ class StoreServer:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arona-store-db")
         embed_executor = recall_executor = None
         if ranking == "hybrid":
-            embed_executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="arona-store-embed"
-            )
+            embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=EMBED_THREAD)
             recall_executor = ThreadPoolExecutor(
                 max_workers=RECALL_THREADS, thread_name_prefix="arona-store-recall"
             )
@@ -323,7 +344,11 @@ class StoreServer:
             store = await loop.run_in_executor(
                 executor,
                 functools.partial(
-                    MemoryStore.open, db_path, checkpoint_on_commit=False, ranking=ranking
+                    MemoryStore.open,
+                    db_path,
+                    checkpoint_on_commit=False,
+                    ranking=ranking,
+                    embedder=embedder if ranking == "hybrid" else None,
                 ),
             )
         except BaseException:
@@ -398,6 +423,15 @@ class StoreServer:
                     await asyncio.gather(queue, return_exceptions=True)
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
+            if self._embedding is not None:
+                # It stops after the batch in hand (module docstring).
+                await asyncio.gather(self._embedding, return_exceptions=True)
+            if self._embed_steps:
+                logger.info(
+                    "memory store: embedded %d new memories in %d steps",
+                    self._embedded,
+                    self._embed_steps,
+                )
             if self._checkpointing is not None:
                 await asyncio.gather(self._checkpointing, return_exceptions=True)
             if self._filling is not None:
@@ -416,6 +450,17 @@ class StoreServer:
     async def wait_stopped(self) -> None:
         """Return once :meth:`stop` has finished."""
         await self._stopped.wait()
+
+    async def wait_embedded(self) -> None:
+        """Return once nothing waits for the model (hybrid ranking; at once otherwise): the
+        nodes of every store answered so far, and of those answered meanwhile, have their
+        vectors, and so have the nodes the start found without one; or their embedding
+        failed, or the server is stopping."""
+        while pending := [
+            task for task in (self._embedding, self._filling) if task and not task.done()
+        ]:
+            # asyncio.wait: a caller that gives up stops neither the worker nor the fill.
+            await asyncio.wait(pending)
 
     async def __aenter__(self) -> StoreServer:
         return self
@@ -631,13 +676,9 @@ class StoreServer:
                     await asyncio.wait_for(self._batch_full.wait(), WRITE_LINGER_S)
             batch = self._queued[:WRITE_BATCH_MAX]
             del self._queued[:WRITE_BATCH_MAX]
-            nodes = await self._embedded([node for node, _ in batch])
-            unembedded = self._embed_executor is not None and any(
-                node.vector is None for node in nodes
-            )
+            nodes = [node for node, _ in batch]
             try:
-                # Never embedding here, on the loop: a node the embedding thread could not
-                # embed is stored without a vector (the next start's background fill adds it).
+                # Never embedding here: the embedding worker does, once the stores are answered.
                 ids = self.store.try_add_many(nodes, refresh=True, embed=False)
                 if ids is None:
                     ids = await self._in_db(
@@ -648,10 +689,8 @@ class StoreServer:
                 continue
             self._storage.succeeded(STORE_PART)
             _answer(batch, ids)
-            if unembedded:
-                # Written without a vector: its identical stored node had one (kept by the
-                # refresh), unless that node was deleted meanwhile or embedding failed.
-                self._in_background(self._fill_missing(ids))
+            if self._embed_executor is not None:
+                self._embed_later(ids)
             self._commits += 1
             self._stores += len(batch)
             if (self._commits >= CHECKPOINT_COMMITS or self._stores >= CHECKPOINT_STORES) and (
@@ -676,34 +715,34 @@ class StoreServer:
             return RpcError(jsonrpc.INTERNAL_ERROR, f"the memory store: {exc}")
         return exc
 
-    async def _embedded(self, nodes: list[NewNode]) -> list[NewNode]:
-        """``nodes`` with their vectors (hybrid ranking), embedded on the embedding thread,
-        except those whose identical stored node has one already (a refresh keeps it: a
-        repeated episode costs no model run); as they are if that fails (the background fill
-        of a later start embeds them)."""
-        if self._embed_executor is None:
-            return nodes
-        loop = asyncio.get_running_loop()
-        try:
-            vectors = await loop.run_in_executor(
-                self._embed_executor, self.store.vectors_for, nodes
-            )
-        except Exception:
-            logger.warning("memory store: embedding stored nodes failed", exc_info=True)
-            return nodes
-        return [
-            dataclasses.replace(node, vector=vector)
-            for node, vector in zip(nodes, vectors, strict=True)
-        ]
+    def _embed_later(self, ids: list[str]) -> None:
+        """Hand the nodes ``ids``, just stored, to the embedding worker (started if idle)."""
+        self._to_embed += ids
+        if self._embedding is None or self._embedding.done():
+            self._embedding = asyncio.create_task(self._embed_queued())
 
-    async def _fill_missing(self, ids: list[str]) -> None:
-        """Embed, on the embedding thread, those nodes ``ids`` still stored without a vector."""
+    async def _embed_queued(self) -> None:
+        """The embedding worker: embed the queued nodes that still have no vector, every one
+        queued at a time up to :data:`EMBED_BATCH_MAX`, on the embedding thread, until none are
+        left or the server stops (module docstring). A node whose identical stored node had a
+        vector (kept by the refresh), or that was deleted meanwhile, costs no model run
+        (:meth:`~arona_store.store.MemoryStore.fill_missing`); a batch that fails is left to
+        the background fill of the next start."""
         assert self._embed_executor is not None
         loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._embed_executor, self.store.fill_missing, ids)
-        except Exception:
-            logger.warning("memory store: embedding stored nodes failed", exc_info=True)
+        while self._to_embed and self._stopping is None:
+            batch = list(dict.fromkeys(self._to_embed[:EMBED_BATCH_MAX]))
+            del self._to_embed[:EMBED_BATCH_MAX]
+            try:
+                embedded = await loop.run_in_executor(
+                    self._embed_executor, self.store.fill_missing, batch
+                )
+            except Exception:
+                logger.warning("memory store: embedding new memories failed", exc_info=True)
+                continue
+            if embedded:
+                self._embedded += embedded
+                self._embed_steps += 1
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in a task kept until done (awaited by :meth:`stop`)."""

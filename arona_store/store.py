@@ -64,7 +64,6 @@ from arona_store.writes import (
     NodeItem,
     begin_write,
     delete_node,
-    embedded_twins,
     erase_deleted,
     rows_of,
     unembedded_of,
@@ -293,28 +292,11 @@ class MemoryStore:
             to_blob(vector) for vector in self._embedder.embed([embedding_text(t) for t in texts])
         ]
 
-    def vectors_for(self, nodes: Sequence[NewNode]) -> list[bytes | None]:
-        """The vectors to store with ``nodes`` (hybrid store only; milliseconds a node: call it
-        from a worker thread): None for a node whose identical stored node already has one (a
-        refresh keeps it, so embedding the same text again would be wasted), the stored form
-        of its embedding otherwise. A node written with None that turns out to need a vector
-        after all (its twin was deleted meanwhile) gets it from :meth:`fill_missing`."""
-        rows, _ = rows_of(nodes)
-        with self._read_lock:
-            self._check_open()
-            self._reader.execute("BEGIN")
-            try:
-                kept = embedded_twins(self._reader, rows)
-            finally:
-                self._reader.execute("COMMIT")
-        embedded = iter(
-            self.embed([row[3] for row, has in zip(rows, kept, strict=True) if not has])
-        )
-        return [None if has else next(embedded) for has in kept]
-
     def fill_missing(self, ids: Sequence[str]) -> int:
         """Embed and store the vectors of those nodes ``ids`` that have none (hybrid store only;
-        blocks for the embedding: call it from a worker thread); how many."""
+        blocks for the embedding: call it from a worker thread); how many. A node that has one
+        (a refresh keeps its identical node's) is not embedded again; a node deleted meanwhile,
+        even while its text is embedded, gets none (:meth:`_put_vectors`)."""
         if self._embedder is None:
             return 0
         with self._read_lock:

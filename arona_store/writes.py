@@ -44,10 +44,6 @@ _TWIN = (
     " AND source_episode_id IS ? AND related_node_ids = ? AND properties = ?"
     " ORDER BY seq DESC LIMIT 1"
 )
-# Whether the stored node a new one would refresh (its newest identical node) has a vector.
-_TWIN_EMBEDDED = (
-    "SELECT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = twin.id) FROM (" + _TWIN + ") twin"
-)
 # Of some nodes (by id), those still stored without a vector, with their text.
 _UNEMBEDDED_OF = (
     "SELECT n.id, n.text FROM nodes n WHERE n.id IN ({marks})"
@@ -132,18 +128,6 @@ def write_rows(
         context.touch(conn, touched, node_type, key)
     context.refresh(conn, touched)
     return ids
-
-
-def embedded_twins(conn: sqlite3.Connection, rows: list[Row]) -> list[bool]:
-    """For each row, whether the stored node it would refresh already has a vector: a refresh
-    keeps that vector (same text), so the row need not be embedded."""
-    found: list[bool] = []
-    for _, _, node_type, text, _, source, related, properties, row_digest in rows:
-        twin = conn.execute(
-            _TWIN_EMBEDDED, (row_digest, node_type, text, source, related, properties)
-        ).fetchone()
-        found.append(bool(twin and twin[0]))
-    return found
 
 
 def unembedded_of(conn: sqlite3.Connection, ids: list[str]) -> list[tuple[str, str]]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, outage, recall_bench
+from bench import corpus, embed_lag, outage, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -85,8 +85,9 @@ DEFAULT_STORE_GATEWAYS = frozenset(
     }
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
-# recall alone inside the store process, and a store outage under load (bench.outage).
-PARTS = ("turns", "recall", "store-recall", "outage")
+# recall alone inside the store process, a new memory's wait for its vector (bench.embed_lag)
+# and a store outage under load (bench.outage).
+PARTS = ("turns", "recall", "store-recall", "embed-lag", "outage")
 PY = sys.executable
 # What `make run` gives: hybrid with the semantic extra installed, lexical without.
 DEFAULT_RANKING = ranking_from_env({})
@@ -249,6 +250,7 @@ class Run:
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     litellm_version: str | None = None
     outage: outage.OutageResult | None = None
+    embed_lag: embed_lag.LagResult | None = None
 
     def gateway_pids(self, name: str) -> list[int]:
         """The processes of the gateway (or store) ``name`` right now: the one started and
@@ -797,6 +799,9 @@ def execute(run: Run) -> None:
         run.store_recall = recall_bench.measure_sizes(
             work / "store_recall", (o.nodes, o.big_nodes), calls=40 if o.quick else 400
         )
+    if "embed-lag" in o.parts and DEFAULT_RANKING == "hybrid":
+        log("a new memory's wait for its vector")
+        run.embed_lag = embed_lag.measure(work, nodes=o.nodes, quick=o.quick)
     if "outage" in o.parts:
         log("store outage under load")
         run.outage = outage.measure(work / "outage", quick=o.quick)
@@ -1099,6 +1104,15 @@ def targets(run: Run) -> list[list[str]]:
         "mem_nousage",
         METERING_WITHIN,
     )
+    lag = run.embed_lag
+    if lag is not None and lag.lags_s:
+        add(
+            f"a new memory's vector stored ≤ {embed_lag.TARGET_S:.0f} s after its store is"
+            " answered, p99 at c=32",
+            f"{lag.lag_ms(0.99):.0f} ms (p50 {lag.lag_ms(0.5):.0f}, max {lag.lag_ms(1.0):.0f};"
+            f" {lag.missing} not landed)",
+            lag.met,
+        )
     return out
 
 
@@ -1196,6 +1210,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
     if run.store_recall:
         lines += ["", "## Recall alone in the store process, lexical and hybrid ranking", ""]
         lines += recall_bench.table_lines(run.store_recall)
+    if run.embed_lag is not None:
+        lines += ["", "## A new memory's wait for its vector (hybrid store, c=32)", ""]
+        lines += embed_lag.table_lines(run.embed_lag)
     if run.outage is not None:
         lines += ["", "## Store outage under load (SIGKILL, then started again)", ""]
         lines += outage.table_lines(run.outage)

@@ -304,15 +304,15 @@ def test_int8_products_keep_the_vectors_and_a_text_gets_one_vector_whatever_besi
 
 
 @contextlib.asynccontextmanager
-async def _hybrid_client(tmp_path: Path) -> AsyncIterator[StoreClient]:
-    """A client, handshake done, of a hybrid store server on a fresh database."""
+async def _hybrid_client(tmp_path: Path) -> AsyncIterator[tuple[StoreServer, StoreClient]]:
+    """A hybrid store server on a fresh database, and a client, handshake done."""
     async with await StoreServer.start(
         db_path=tmp_path / "s.db", token=TOKEN, ranking="hybrid"
     ) as server:
         async with connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws:
             client = StoreClient(ws)
             await client.handshake()
-            yield client
+            yield server, client
 
 
 # Filling in 302 vectors took 1.4 to 4.8 s on a 2-core box, idle or loaded.
@@ -384,7 +384,7 @@ async def test_stopping_while_older_memories_are_embedded_neither_hangs_nor_lose
 @needs_semantic
 @pytest.mark.asyncio
 async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path: Path) -> None:
-    async with _hybrid_client(tmp_path) as client:
+    async with _hybrid_client(tmp_path) as (server, client):
         stored = await client.call(
             "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
         )
@@ -395,7 +395,8 @@ async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path
             "Sync.MemoryStoreRequest", {"text": FACT, "node_type": "episode:u1"}
         )
         assert again["node_id"] == stored["node_id"]
-        # Found by meaning as soon as the store is answered.
+        # Found by meaning once its vector has landed (after the store is answered).
+        await asyncio.wait_for(server.wait_embedded(), WAIT_S)
         mine = await client.call(
             "Sync.MemoryQueryRequest",
             {"query": PARAPHRASE, "limit": 5, "node_type_filter": "episode:u1"},
@@ -418,16 +419,18 @@ async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path
 def test_a_repeated_memory_is_not_embedded_again_and_one_whose_twin_went_gets_its_vector(
     hybrid: MemoryStore,
 ) -> None:
-    hybrid.add(FACT, refresh=True)
-    # The stored fact keeps its vector through a refresh: nothing to embed for it again.
-    repeated, new = hybrid.vectors_for([NewNode(FACT), NewNode(DISTRACTOR)])
-    assert repeated is None and isinstance(new, bytes)
+    [stored] = hybrid.add_many([NewNode(FACT)], refresh=True)
+    # Written again without a vector (as the server writes), the stored fact keeps its own
+    # through the refresh: nothing to embed for it again.
+    [again] = hybrid.add_many([NewNode(FACT)], refresh=True, embed=False)
+    assert again == stored
+    assert hybrid.unembedded() == 0
+    assert hybrid.fill_missing([again]) == 0
     # Its twin deleted before the write: stored without a vector, then filled in.
-    [old_id] = [hit.node_id for hit in hybrid.query("peanuts")]
-    assert hybrid.delete(old_id)
-    [node_id] = hybrid.add_many([NewNode(FACT, vector=repeated)], refresh=True, embed=False)
+    assert hybrid.delete(stored)
+    [node_id] = hybrid.add_many([NewNode(FACT)], refresh=True, embed=False)
     assert hybrid.unembedded() == 1
-    assert hybrid.fill_missing([node_id]) == 1
+    assert hybrid.fill_missing([node_id, stored]) == 1
     assert hybrid.unembedded() == 0
     assert _texts(hybrid, PARAPHRASE)[0] == FACT
 
@@ -437,9 +440,10 @@ def test_a_repeated_memory_is_not_embedded_again_and_one_whose_twin_went_gets_it
 async def test_recalls_sent_together_on_one_connection_each_get_their_own_answer(
     tmp_path: Path,
 ) -> None:
-    async with _hybrid_client(tmp_path) as client:
+    async with _hybrid_client(tmp_path) as (server, client):
         for text in (FACT, TEA_DE, "I work as a nurse at St. Mary's hospital."):
             await client.call("Sync.MemoryStoreRequest", {"text": text})
+        await asyncio.wait_for(server.wait_embedded(), WAIT_S)
         questions = {100 + i: q for i, q in enumerate([PARAPHRASE, "What is my job?"] * 4)}
         # Sent without waiting for any answer; answered in any order, each by its id.
         for request_id, question in questions.items():

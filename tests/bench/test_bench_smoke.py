@@ -138,6 +138,15 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for row in (cpu32, cpu1):
         figures = r"\| \d+\.\d\d× \(\d+ µs vs \d+ µs\) \(rounds: \d+\.\d\d–\d+\.\d\d×\) \|"
         assert re.search(figures, row), row
+    # A new memory's wait for its vector at c=32, how many the model embedded a step, and the
+    # target's verdict.
+    assert "## A new memory's wait for its vector (hybrid store, c=32)" in table
+    [lag] = [row for row in rows if row.startswith("| store answered → vector stored")]
+    assert re.search(r"\| \d+ / \d+ / \d+ ms over [\d,]+ stores \|$", lag), lag
+    [batching] = [row for row in rows if row.startswith("| memories embedded a step")]
+    assert re.search(r"\| \d+\.\d \([\d,]+ in [\d,]+ steps\) \|$", batching), batching
+    [target] = [row for row in rows if row.startswith("| a new memory's vector stored")]
+    assert target.endswith(("| met |", "| **not met** |")), target
     # The store outage: a short one in quick mode, every answered turn stored afterwards, and
     # the replay measured against the rate episodes arrived.
     assert "## Store outage under load (SIGKILL, then started again)" in table

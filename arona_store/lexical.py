@@ -81,6 +81,11 @@ class Matches:
     # How much of the question the best match covers by its own words or its context
     # (LexicalRanker._coverage).
     coverage: float
+    # Of every node scored (the candidates and the nodes ``also``): those holding some of the
+    # question's words themselves, and those whose context document holds some (the hybrid
+    # ranking's paraphrase check, arona_store.hybrid.paraphrase_first).
+    holding: frozenset[int] = frozenset()
+    by_context: frozenset[int] = frozenset()
 
 
 class LexicalRanker:
@@ -160,13 +165,18 @@ class LexicalRanker:
         (:attr:`Matches.own`) nor the coverage."""
         strengths: dict[int, float] = {}
         own: set[int] = set()
+        holding: set[int] = set()
+        by_context: set[int] = set()
         turn, context = found.turn, found.context
         coverage_turn: dict[int, float] = {}
         coverage_context: dict[int, float] = {}
         if found.words:
             seqs = sorted(turn.keys() | context.keys())
             wanted = sorted(set(seqs).union(also or ()))
-            strengths = self._strengths(found.words, found.context_words, wanted, turn, context)
+            strengths, holding = self._strengths(
+                found.words, found.context_words, wanted, turn, context
+            )
+            by_context = {seq for seq in wanted if context.get(seq, 0.0) > 0.0}
             own = {seq for seq in seqs if turn.get(seq, 0.0) > 0.0}
             coverage_turn = {seq: turn.get(seq, 0.0) for seq in seqs}
             around = set(seqs).union(*(self._near.get(seq, []) for seq in seqs))
@@ -176,12 +186,13 @@ class LexicalRanker:
         for seq, r in found.cjk.items():
             strength = (1.0 + CONTEXT_WEIGHT) * r
             own.add(seq)
+            holding.add(seq)
             if strength > strengths.get(seq, -1.0):
                 strengths[seq] = strength
         coverage = self._coverage(
             found.terms, found.total, found.changes, coverage_turn, coverage_context
         )
-        return Matches(strengths, own, coverage)
+        return Matches(strengths, own, coverage, frozenset(holding), frozenset(by_context))
 
     def questions(self, seqs: list[int]) -> set[int]:
         """Those of ``seqs`` whose memory only asks or repeats a question
@@ -217,12 +228,12 @@ class LexicalRanker:
         seqs: list[int],
         turn: dict[int, float],
         context: dict[int, float],
-    ) -> dict[int, float]:
+    ) -> tuple[dict[int, float], set[int]]:
         """The strengths of ``seqs``: their own BM25 (for ``words``), their context's and
         their neighbours' contexts' (for ``context_words``; none: every word is common there,
-        :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`); ``turn`` and
-        ``context`` hold the BM25 values known already (-1: not yet looked up) and are
-        completed."""
+        :meth:`_context_plan`; :func:`~arona_store.scoring.strength_of`); and those of ``seqs``
+        that hold some of ``words`` themselves. ``turn`` and ``context`` hold the BM25 values
+        known already (-1: not yet looked up) and are completed."""
         unscored = [s for s in seqs if turn.get(s, -1) < 0]
         turn.update(dict.fromkeys(unscored, 0.0))
         turn.update(self._words.scores("turn", words, unscored))
@@ -236,7 +247,7 @@ class LexicalRanker:
         # handful of memories every match weighs about zero; the count of words held still
         # tells "I prefer oolong tea" from a memory that only sits next to it.
         held = self._words.held(words, seqs)
-        return {
+        strengths = {
             s: strength_of(
                 turn.get(s, 0.0),
                 context.get(s, 0.0),
@@ -245,6 +256,9 @@ class LexicalRanker:
             + WORD_WEIGHT * held.get(s, 0)
             for s in seqs
         }
+        # BM25 rounds a word in half the memories to about nothing; holding it still counts.
+        holding = {s for s in seqs if turn.get(s, 0.0) > 0.0 or held.get(s, 0) > 0}
+        return strengths, holding
 
     def neighbours_of(self, seqs: list[int]) -> dict[int, list[int]]:
         """The keys of each of ``seqs``' neighbours (:func:`~arona_store.context.neighbours`;

@@ -8,6 +8,8 @@ for the ``lexical`` and the ``hybrid`` ranking and writes them to
 ``bench/results/recall_quality.md``. Two more sets: questions that repeat a fact's rare word
 ("Who is Priya?"), which ``hybrid`` must still answer first, and Chinese and Japanese facts
 asked about with a word they share. Every node has the same age, so recency does not decide.
+The paraphrased questions are also asked of a store of the 60 facts alone, said one after
+another without their distractors ("facts alone @1": a fact's neighbours are other facts).
 
 The ``hybrid`` rows need the ``semantic`` extra; without it they are reported as not run.
 """
@@ -344,6 +346,8 @@ class Quality:
     recall_at_3: float
     rare_word_at_1: float
     cjk_at_1: float
+    # recall@1 of the paraphrased questions asked of the facts alone (no distractors).
+    alone_at_1: float
     # Median score of the fact when first, and of the best distractor shown for its question.
     fact_score: float
     distractor_score: float
@@ -354,14 +358,17 @@ def _fact_with(word: str) -> str:
     return next(fact for fact, _, _ in ITEMS if word in fact)
 
 
-def _store(path: Path, ranking: str) -> MemoryStore:
+def _store(path: Path, ranking: str, distractors: bool = True) -> MemoryStore:
+    """A fresh ``ranking`` store of the facts, each followed by its distractor, then the
+    Chinese and Japanese memories; ``distractors=False``: the facts alone."""
     store = MemoryStore.open(path, ranking="hybrid" if ranking == "hybrid" else "lexical")
     nodes: list[NewNode] = []
     for fact, _, distractor in ITEMS:
         nodes.append(NewNode(text=fact, created_at=NOW - AGE_S))
-        nodes.append(NewNode(text=distractor, created_at=NOW - AGE_S))
+        if distractors:
+            nodes.append(NewNode(text=distractor, created_at=NOW - AGE_S))
     seen: set[str] = set()
-    for fact, _, other in CJK_ITEMS:
+    for fact, _, other in CJK_ITEMS if distractors else ():
         for text in (fact, other):
             if text not in seen:
                 seen.add(text)
@@ -401,12 +408,22 @@ def evaluate(ranking: str, workdir: Path) -> Quality:
         )
     finally:
         store.close()
+    alone = _store(workdir / f"recall-quality-{ranking}-alone.db", ranking, distractors=False)
+    try:
+        alone_first = sum(
+            bool(hits) and hits[0].text == fact
+            for fact, question, _ in ITEMS
+            if (hits := alone.query(question, 1, now=NOW)) is not None
+        )
+    finally:
+        alone.close()
     return Quality(
         ranking=ranking,
         recall_at_1=first / len(ITEMS),
         recall_at_3=third / len(ITEMS),
         rare_word_at_1=rare / len(RARE_WORD),
         cjk_at_1=cjk / len(CJK_ITEMS),
+        alone_at_1=alone_first / len(ITEMS),
         fact_score=statistics.median(fact_scores) if fact_scores else 0.0,
         distractor_score=statistics.median(distractor_scores) if distractor_scores else 0.0,
         seconds=time.perf_counter() - started,
@@ -420,13 +437,15 @@ def table(results: list[Quality]) -> str:
         f" questions, {len(RARE_WORD)} rare-word questions (`python -m bench.recall_quality`).",
         "",
         "| ranking | recall@1 | recall@3 | rare word @1 | zh/ja shared word @1"
-        " | fact score (median, when first) | best distractor score (median, when shown) |",
-        "|---|---|---|---|---|---|---|",
+        " | fact score (median, when first) | best distractor score (median, when shown)"
+        " | facts alone @1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.ranking} | {r.recall_at_1:.2f} | {r.recall_at_3:.2f} | {r.rare_word_at_1:.2f}"
-            f" | {r.cjk_at_1:.2f} | {r.fact_score:.2f} | {r.distractor_score:.2f} |"
+            f" | {r.cjk_at_1:.2f} | {r.fact_score:.2f} | {r.distractor_score:.2f}"
+            f" | {r.alone_at_1:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -486,6 +486,12 @@ class MemoryStore:
             if (row := rows.get(seq)) is not None
         ]
 
+    def wait_for_words(self, timeout: float) -> bool:
+        """Wait until the word engine is built and holds every write a recall has taken in
+        (a large store builds it while it already answers); whether it did within ``timeout``
+        seconds."""
+        return self._engine.wait_clean(timeout)
+
     def unembedded(self) -> int:
         """How many nodes have no vector yet (0 for a lexical store)."""
         if self._embedder is None:

@@ -138,6 +138,19 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for row in (cpu32, cpu1):
         figures = r"\| \d+\.\d\d× \(\d+ µs vs \d+ µs\) \(rounds: \d+\.\d\d–\d+\.\d\d×\) \|"
         assert re.search(figures, row), row
+    # The store's CPU per memory turn against the model's own for that turn, the gateway's CPU
+    # per memory turn, and recall alone in the store's process at both sizes: verdicts.
+    [model] = [row for row in rows if row.startswith("| store CPU per memory turn, default")]
+    assert re.search(
+        r"\| \d+\.\d\d× \(\d+\.\d\d ms vs \d+\.\d\d ms = \d+\.\d\d question \+ \d+\.\d\d episode\)"
+        r" \| (met|\*\*not met\*\*) \|$",
+        model,
+    ), model
+    [gateway] = [row for row in rows if row.startswith("| memory turn's gateway CPU")]
+    assert re.search(r"≤ 2\.0 ms \| \d+\.\d\d ms \| (met|\*\*not met\*\*) \|$", gateway), gateway
+    [in_store] = [row for row in rows if row.startswith("| recall alone in the store's process")]
+    assert "p50 at 1,000 memories ÷ at 500 ≤ 2×" in in_store, in_store
+    assert in_store.endswith(("| met |", "| **not met** |")), in_store
     # A new memory's wait for its vector at c=32, how many the model embedded a step, and the
     # target's verdict.
     assert "## A new memory's wait for its vector (hybrid store, c=32)" in table

@@ -9,12 +9,15 @@ counted every match of every word across the whole index in each statement (abou
 recall at 100,000 memories). The character pairs of Chinese, Japanese and Korean text
 (``pairs``) stay with FTS5.
 
-The scores are tantivy's BM25 (Lucene's: ``idf = ln(1 + (N - n + 0.5) / (n + 0.5))``, k1 1.2,
-b 0.75, document lengths in tantivy's one-byte buckets). The memories whose documents the engine
-does not hold as the database does (the **dirty** keys: written, moved or deleted since its last
-commit, or neighbours of those) are read from the recall's snapshot and scored here with the
-same formula (the engine's document counts and estimated average lengths), so a memory is
-recallable the moment its write is answered and a deleted one never comes back.
+The scores are tantivy's BM25 (k1 1.2, b 0.75, document lengths in tantivy's one-byte buckets)
+with FTS5's IDF, ``ln((N - n + 0.5) / (n + 0.5))`` and at least 1e-6 (:func:`fts5_idf`): each
+word's part of tantivy's score is scaled by FTS5's IDF over tantivy's own (a boost), so a word in
+half the memories or more still weighs nothing and the ranking's weights, tuned on FTS5, hold.
+The memories whose documents the engine does not hold as the database does (the **dirty**
+keys: written, moved or deleted since its last commit, or neighbours of those) are read from
+the recall's snapshot and scored here with the same formula (the engine's average lengths), so
+a memory is recallable the moment its write is answered and a deleted one never comes back.
+Among equal scores the newest matches are kept, as FTS5's walk kept them (:meth:`EngineWords.top`).
 
 :meth:`EngineWords.begin` fixes one view of the engine for the whole recall.
 """

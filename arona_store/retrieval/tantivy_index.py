@@ -1,32 +1,35 @@
-"""The word engine that proposes a recall's candidates: tantivy, in memory, built from the database.
+"""The store's word engine: tantivy, in memory, built from the database.
 
-A recall's first step is the best matches of the question's words in each memory's own text and
-in its context document. SQLite FTS5 has no way to find the best few without scoring every
-match (``bm25()`` on each, so the store only ranked the newest 2,000): about 2.3 ms of CPU a
-recall at 10,000 memories. tantivy ranks every match with block-max WAND in about 0.2 ms.
-So :class:`WordEngine` proposes the candidates (keys only), and FTS5 still gives each of them
-its exact BM25 in the recall's own snapshot (:meth:`~arona_store.retrieval.fts5.Fts5Words.scores`):
-the scores and the ranking are unchanged, and whatever tantivy holds, a recall never returns
-anything its snapshot does not hold.
+:class:`WordEngine` holds every memory's own text (``turn``) and context document
+(``context``) in a tantivy index, with each memory's key and node type; the recall reads it
+through :class:`~arona_store.retrieval.engine_words.EngineWords`. SQLite FTS5 cannot find the
+best few matches without scoring every one (``bm25()`` on each, so the store only ranked the
+newest 2,000, and each statement calling ``bm25()`` first counts every match of every word in
+the whole index); tantivy ranks every match with block-max WAND in a fraction of a millisecond,
+whatever the store's size.
 
 The index is derived data, held in memory only (nothing of a forgotten memory is ever written
-to a file by it): :meth:`WordEngine.start` builds it from the database on a thread of its own
-(:data:`~arona_store.retrieval.tantivy_index` build time: about 0.65 s per 10,000 memories),
-and until it is ready the recall proposes its candidates with FTS5 as before.
+to a file by it): :meth:`WordEngine.start` builds it from the database (0.65 s per 10,000
+memories; before the store opens, or on the engine's thread for a large store, FTS5 answering
+meanwhile) and logs one line when it is built.
 
 Writes reach it through the node table (:class:`~arona_store.retrieval.resident.ResidentNodes`
-says which keys' documents changed at each recall's sync): those keys are **dirty**. A recall
-takes tantivy's matches minus the dirty keys, and matches the dirty keys themselves with FTS5
-(they are few and mostly the newest, where FTS5's walk starts). The engine's thread brings the
-dirty keys' documents into tantivy in one commit (a tantivy commit costs 10-15 ms of CPU, so
-not one per write) once :data:`REFRESH_KEYS` are dirty or :data:`REFRESH_S` after the first;
-then they are clean again. A change it cannot name (a memory's text rewritten in place) has
-the index built again.
+says which keys' documents changed at each recall's sync): those keys are **dirty**
+(:meth:`WordEngine.mark`), and each recall scores them from its own snapshot. The engine's
+thread brings their documents into the index in one commit (a tantivy commit costs 10-15 ms of
+CPU, so not one per write) once :data:`REFRESH_KEYS` are dirty or :data:`REFRESH_S` after the
+first; then they are clean again. A change the keys cannot tell (a memory's text rewritten in
+place) has the index built again.
+
+tantivy's Python API says neither how many documents its BM25 counts (deleted ones count until
+a merge drops them) nor the fields' average lengths; two probe documents (:data:`PROBES`) give
+both from their scores (:meth:`WordEngine._calibrated`), for the dirty memories' scores.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
 import sqlite3
@@ -258,7 +261,7 @@ class WordEngine:
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key, text in PROBES:
             writer.add_document(self._document(key, PROBE_TYPE, text, text))
-        with _snapshot(self._db_path) as conn:
+        with _Snapshot(self._db_path) as conn:
             contexts = dict(conn.execute(_ALL_CONTEXTS).fetchall())
             count = 0
             for seq, node_type, text in conn.execute(_ALL_NODES):
@@ -290,9 +293,7 @@ class WordEngine:
             index = self._index
         if index is None or not keys:
             return
-        import json
-
-        with _snapshot(self._db_path) as conn:
+        with _Snapshot(self._db_path) as conn:
             rows = conn.execute(_NODES_OF, (json.dumps(keys),)).fetchall()
             contexts = dict(conn.execute(_CONTEXTS_OF, (json.dumps(keys),)).fetchall())
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
@@ -356,7 +357,7 @@ class WordEngine:
         return document
 
 
-class _snapshot:
+class _Snapshot:
     """A read-only connection to the database with a read transaction open."""
 
     def __init__(self, path: Path) -> None:

@@ -288,7 +288,10 @@ def hybrid_ranked(
     # The lexical candidates' similarity.
     unseen = [seq for seq in strengths if seq not in cosines]
     cosines.update(_cosines_of_keys(nodes, index, query_vector, unseen))
-    if far(max(cosines.values(), default=0.0), found.coverage, personal):
+    # No candidate has its vector yet (memories just stored: they are embedded after their
+    # store is answered): those holding the question's words are found by them meanwhile.
+    unembedded = not cosines and bool(found.own)
+    if not unembedded and far(max(cosines.values(), default=0.0), found.coverage, personal):
         return []  # nothing close in meaning, few of its words (arona_store.floor)
     # A memory holding none of the question's words itself (found through its context, or by
     # meaning alone) must be close enough in meaning itself.

@@ -123,6 +123,24 @@ def test_a_paraphrase_finds_the_fact_and_scores_clearly_above_a_word_sharing_mem
 
 
 @needs_semantic
+def test_a_first_memory_is_recalled_by_its_words_before_its_vector_lands(
+    hybrid: MemoryStore,
+) -> None:
+    # A store is answered before the model embeds the memory: asked at once, the only memory
+    # of a new store is found by its words (in a store of one memory every word is in all of
+    # them, so BM25 says nothing: it is the words held that find it), and once its vector
+    # lands, by both. An unrelated question finds nothing either way.
+    fact = "User: My locker code is 4417 and my locker is the blue zebra one"
+    [node] = hybrid.add_many([NewNode(fact, created_at=NOW)], embed=False)
+    assert hybrid.unembedded() == 1
+    assert _texts(hybrid, "Which zebra locker is mine?") == [fact]
+    assert _texts(hybrid, "What is the capital of Peru?") == []
+    assert hybrid.fill_missing([node]) == 1
+    assert _texts(hybrid, "Which zebra locker is mine?") == [fact]
+    assert _texts(hybrid, "What is the capital of Peru?") == []
+
+
+@needs_semantic
 def test_a_question_repeating_a_rare_word_still_finds_its_fact_first(hybrid: MemoryStore) -> None:
     hybrid.add_many(
         [

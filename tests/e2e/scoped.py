@@ -8,6 +8,7 @@ that end-to-end tests can speak as several people on every surface.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import sqlite3
@@ -82,8 +83,10 @@ class ScopedStack:
         return gateway
 
     async def settle(self) -> None:
-        """Wait for every writeback the turns so far started (an awaited event, no sleep)."""
+        """Wait for every writeback the turns so far started, and for the store to embed what
+        they stored (it answers a store before embedding it): awaited events, no sleep."""
         await self.gateway.pipeline.drain(10.0)
+        await asyncio.wait_for(self.store.wait_embedded(), 60.0)
 
     def stored_texts(self) -> list[str]:
         """Every node text in the store's database file."""

@@ -432,9 +432,7 @@ class MemoryStore:
             # whatever is committed meanwhile.
             self._reader.execute("BEGIN")
             try:
-                changed = self._nodes.sync()
-                if changed is None or changed:
-                    self._engine.mark(changed)
+                self._engine.mark(self._nodes.sync())
                 self._words.begin()
                 held, unknown = names_held(self._words, text, node_type)
                 if names_unknown(held, unknown):

@@ -15,7 +15,8 @@ store:
 Words are given as the question has them (:func:`arona_store.words.query_terms`); an engine
 folds and stems them as its index does. Keys (``seq``) are the nodes' time-ordered keys
 (:mod:`arona_store.nodes`), the same in every engine. :mod:`arona_store.retrieval.fts5` is the
-engine over the store's SQLite file; :mod:`arona_store.retrieval.resident` the node table held in
+word index over the store's SQLite file, :mod:`arona_store.retrieval.engine_words` the word
+engine's (FTS5's until it is built), :mod:`arona_store.retrieval.resident` the node table held in
 memory.
 """
 

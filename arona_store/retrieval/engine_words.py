@@ -24,7 +24,6 @@ Among equal scores the newest matches are kept, as FTS5's walk kept them (:meth:
 
 from __future__ import annotations
 
-import json
 import math
 import sqlite3
 from collections import Counter
@@ -45,11 +44,9 @@ from arona_store.retrieval.tantivy_index import (
     WordEngine,
     WordView,
     bucketed,
+    documents_of,
     tantivy_idf,
 )
-
-_NODES_OF = "SELECT seq, node_type, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
-_CONTEXTS_OF = "SELECT rowid, text FROM nodes_ctx WHERE rowid IN (SELECT value FROM json_each(?))"
 
 
 def fts5_idf(total: int, held: int) -> float:
@@ -110,21 +107,21 @@ class EngineWords:
         stale = [k for k, g in view.dirty.items() if self._overlay.get(k, (None,))[0] != g]
         if not stale:
             return
-        listed = json.dumps(stale)
-        rows = {int(s): (str(t), str(x)) for s, t, x in self._reader.execute(_NODES_OF, (listed,))}
-        contexts = {int(s): str(x) for s, x in self._reader.execute(_CONTEXTS_OF, (listed,))}
-        for key in stale:
-            row = rows.get(key)
-            document = None
-            if row is not None:
-                fields = {"turn": row[1], "context": contexts.get(key, "")}
-                analysed = {f: self._analyzer.analyze(text) for f, text in fields.items()}
-                document = _Document(
-                    row[0],
+        # A key no memory holds any more keeps None: its engine document is left out.
+        self._overlay.update((key, (view.dirty[key], None)) for key in stale)
+        for key, node_type, text, context in documents_of(self._reader, stale):
+            analysed = {
+                "turn": self._analyzer.analyze(text),
+                "context": self._analyzer.analyze(context),
+            }
+            self._overlay[key] = (
+                view.dirty[key],
+                _Document(
+                    node_type,
                     {f: Counter(tokens) for f, tokens in analysed.items()},
                     {f: len(tokens) for f, tokens in analysed.items()},
-                )
-            self._overlay[key] = (view.dirty[key], document)
+                ),
+            )
 
     def counters(self) -> tuple[int, int]:
         return self._fts.counters()

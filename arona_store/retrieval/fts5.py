@@ -1,4 +1,4 @@
-"""The retrieval engine over the store's SQLite file: FTS5 indexes and the ``nodes`` table.
+"""The word index over the store's SQLite file: its FTS5 indexes.
 
 Three FTS5 indexes hold the fields (:mod:`arona_store.schema`): ``nodes_fts`` a memory's own
 text (``turn``), ``nodes_ctx`` its context document (``context``), ``nodes_cjk`` its character
@@ -18,7 +18,6 @@ import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 
-from arona_store.context import neighbours_many
 from arona_store.retrieval import Field
 from arona_store.schema import COUNTERS
 from arona_store.words import fts_expression
@@ -35,9 +34,6 @@ CONTEXT_SCAN_ROWS = 1000
 RARE_DOCS = 1000
 
 INDEX_OF: dict[Field, str] = {"turn": "nodes_fts", "context": "nodes_ctx", "pairs": "nodes_cjk"}
-# The ids, and the texts, of some keys (a JSON list: one statement, prepared once).
-IDS_OF = "SELECT seq, id FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
-_TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
 _HELD = "SELECT 1 FROM nodes_fts WHERE nodes_fts MATCH ? LIMIT 1"
 _HELD_OF_TYPE = (
     "SELECT 1 FROM nodes_fts JOIN nodes ON nodes.seq = nodes_fts.rowid"
@@ -161,29 +157,3 @@ def _rare(words: Mapping[str, int]) -> list[str]:
     if sum(words.values()) > MAX_SCAN_ROWS and rare and len(rare) < len(words):
         return rare
     return []
-
-
-class SqliteNodes:
-    """:class:`~arona_store.retrieval.NodeTable` over the ``nodes`` table of one connection."""
-
-    def __init__(self, reader: sqlite3.Connection) -> None:
-        self._reader = reader
-
-    def ids(self, seqs: Sequence[int]) -> dict[int, str]:
-        if not seqs:
-            return {}
-        rows = self._reader.execute(IDS_OF, (json.dumps(list(seqs)),))
-        return {int(seq): str(node_id) for seq, node_id in rows}
-
-    def texts(self, seqs: Sequence[int]) -> dict[int, str]:
-        if not seqs:
-            return {}
-        rows = self._reader.execute(_TEXTS_OF, (json.dumps(list(seqs)),))
-        return {int(seq): str(text) for seq, text in rows}
-
-    def key_of(self, node_id: str) -> int | None:
-        row = self._reader.execute("SELECT seq FROM nodes WHERE id = ?", (node_id,)).fetchone()
-        return None if row is None else int(row[0])
-
-    def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:
-        return neighbours_many(self._reader, list(seqs))

@@ -35,7 +35,7 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +100,19 @@ _NODES_OF = (
     " ORDER BY seq DESC"
 )
 _CONTEXTS_OF = "SELECT rowid, text FROM nodes_ctx WHERE rowid IN (SELECT value FROM json_each(?))"
+
+
+def documents_of(conn: sqlite3.Connection, keys: Sequence[int]) -> list[tuple[int, str, str, str]]:
+    """The memories at ``keys`` that ``conn``'s snapshot holds, as (key, node type, text,
+    context document), newest first (read transaction open)."""
+    listed = json.dumps(list(keys))
+    contexts = {int(k): str(text) for k, text in conn.execute(_CONTEXTS_OF, (listed,))}
+    return [
+        (int(seq), str(node_type), str(text), contexts.get(int(seq), ""))
+        for seq, node_type, text in conn.execute(_NODES_OF, (listed,))
+    ]
+
+
 # Newest first: the first documents of a segment win its ties (WordEngine.top).
 _ALL_NODES = "SELECT seq, node_type, text FROM nodes ORDER BY seq DESC"
 _ALL_CONTEXTS = "SELECT rowid, text FROM nodes_ctx"
@@ -199,9 +212,11 @@ class WordEngine:
                 lambda: self._searcher is not None and not self._dirty, timeout
             )
 
-    def mark(self, changed: Iterable[int] | None) -> None:
+    def mark(self, changed: Collection[int] | None) -> None:
         """The documents of the keys ``changed`` differ from the index's (None: any may; the
-        index is built again)."""
+        index is built again; none: nothing to do)."""
+        if changed is not None and not changed:
+            return
         with self._lock:
             self._generation += 1
             if changed is None:
@@ -294,13 +309,12 @@ class WordEngine:
         if index is None or not keys:
             return
         with _Snapshot(self._db_path) as conn:
-            rows = conn.execute(_NODES_OF, (json.dumps(keys),)).fetchall()
-            contexts = dict(conn.execute(_CONTEXTS_OF, (json.dumps(keys),)).fetchall())
+            documents = documents_of(conn, keys)
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key in keys:
             writer.delete_documents_by_term("seq", key)
-        for seq, node_type, text in rows:
-            writer.add_document(self._document(seq, node_type, text, contexts.get(seq, "")))
+        for seq, node_type, text, context in documents:
+            writer.add_document(self._document(seq, node_type, text, context))
         writer.commit()
         writer.wait_merging_threads()
         index.reload()

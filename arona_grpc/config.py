@@ -20,7 +20,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from arona_grpc.redact import url_password
 
 logger = logging.getLogger(__name__)
 
@@ -261,21 +262,12 @@ class Settings:
             self.metrics_token,
             self.grpc_token,
             self.database_url,
-            _url_password(self.database_url),
+            url_password(self.database_url),
             # A named entry's key (`name=key`) and the entry as written.
             *(entry.partition("=")[2] for entry in self.api_keys),
             *self.api_keys,
         )
         return tuple(v for v in values if v)
-
-
-def _url_password(url: str | None) -> str | None:
-    if not url:
-        return None
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        return None
 
 
 def _str(env: Mapping[str, str], name: str) -> str | None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arona_grpc.redact import redact_text, redact_url
+from arona_grpc.redact import redact_text, redact_url, url_password
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def unavailable(url: str, exc: BaseException, *, outage: bool = True) -> Databas
     """A :class:`DatabaseUnavailable` for ``exc``, its text free of the URL's credentials;
     ``outage``: the database went away under a running process (said once per outage), not
     a start that could not reach it (said by the start's own one line)."""
-    password = _password(url)
+    password = url_password(url)
     detail = redact_text(str(exc) or type(exc).__name__, (password,))
     error = DatabaseUnavailable(
         f"the database at {redact_url(url)} is unavailable ({type(exc).__name__}: {detail})"
@@ -336,15 +336,6 @@ def quiet_asyncpg_pool() -> None:
     pool_logger = logging.getLogger("asyncpg.pool")
     if not any(isinstance(f, _DebugOnly) for f in pool_logger.filters):
         pool_logger.addFilter(_DebugOnly())
-
-
-def _password(url: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        return None
 
 
 async def open_pool(url: str, *, migrate: bool = True, max_size: int = POOL_MAX) -> Any:

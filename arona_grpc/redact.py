@@ -30,6 +30,16 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def url_password(url: str | None) -> str | None:
+    """The password in ``url``'s credentials, if any (to mask it in free text)."""
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
 def redact_text(text: str, secrets: tuple[str | None, ...]) -> str:
     """Mask every occurrence of any non-empty secret inside free text."""
     for secret in secrets:

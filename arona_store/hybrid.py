@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import re
-import sqlite3
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
@@ -66,12 +65,12 @@ from typing import TYPE_CHECKING
 from arona_store.cjk import cjk_share
 from arona_store.floor import far
 from arona_store.lexical import LexicalRanker
-from arona_store.retrieval import NodeTable
+from arona_store.retrieval import NodeTable, VectorSearch
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
 
 if TYPE_CHECKING:
     from arona_store.embedding import Embedder
-    from arona_store.vectors import Vector, VectorIndex
+    from arona_store.vectors import Vector
 
 # The weight of meaning in the blend (module docstring), the cosine a node found by meaning
 # must exceed to be a candidate, how many candidates each signal proposes, and the share of a
@@ -202,7 +201,7 @@ def paraphrase_first(
 
 
 def _cosines_of_keys(
-    nodes: NodeTable, index: VectorIndex, query_vector: Vector, seqs: list[int]
+    nodes: NodeTable, index: VectorSearch, query_vector: Vector, seqs: list[int]
 ) -> dict[int, float]:
     """The cosine of the query with the vector of each of ``seqs`` that has one, from the
     index (synced in this read transaction: it holds every vector the snapshot has)."""
@@ -216,7 +215,7 @@ def _cosines_of_keys(
 def _with_neighbours(
     nodes: NodeTable,
     lexical_ranker: LexicalRanker,
-    index: VectorIndex,
+    index: VectorSearch,
     query_vector: Vector,
     cosines: dict[int, float],
 ) -> dict[int, float]:
@@ -252,10 +251,9 @@ def squash(value: float) -> float:
 
 
 def hybrid_ranked(
-    reader: sqlite3.Connection,
     nodes: NodeTable,
     lexical_ranker: LexicalRanker,
-    index: VectorIndex,
+    index: VectorSearch,
     terms: list[str],
     grams: list[str],
     vector_of: Callable[[], Vector | None],
@@ -265,10 +263,11 @@ def hybrid_ranked(
     personal: bool = True,
 ) -> list[tuple[float, int]]:
     """The hybrid recall as (score, seq), best first (read lock held, read transaction
-    open; module docstring). ``vector_of`` gives the query's vector (:func:`query_vector`),
-    waiting for it if need be: it is asked once the words' candidates are found, so the model
-    can embed the query on another thread meanwhile. ``personal``: whether the question
-    speaks of its writer or names someone this memory knows (:func:`~arona_store.floor.far`)."""
+    open, ``index`` caught up with it; module docstring). ``vector_of`` gives the query's
+    vector (:func:`query_vector`), waiting for it if need be: it is asked once the words'
+    candidates are found, so the model can embed the query on another thread meanwhile.
+    ``personal``: whether the question speaks of its writer or names someone this memory
+    knows (:func:`~arona_store.floor.far`)."""
     depth = max(limit, HYBRID_CANDIDATES)
     candidates = lexical_ranker.candidates(terms, grams, depth, node_type)
     query_vector = vector_of()
@@ -276,7 +275,6 @@ def hybrid_ranked(
         # Nothing the model can read (module docstring): the lexical ranking alone.
         return lexical_ranker.ranked_matches(lexical_ranker.matches(candidates), limit, now_key)
     cosines: dict[int, float] = {}
-    index.sync(reader)
     # Only nodes still in this snapshot (the index may hold deleted ones).
     for cosine, node_id in index.top_nodes(query_vector, depth, node_type):
         seq = nodes.key_of(node_id)

@@ -30,6 +30,7 @@ in 8 segments, and its hybrid recall took 20.5 ms instead of 17.2.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import threading
@@ -47,7 +48,7 @@ from arona_store.ranking import Ranking, check_ranking
 from arona_store.retrieval.engine_words import EngineWords
 from arona_store.retrieval.fts5 import Fts5Words
 from arona_store.retrieval.resident import ResidentNodes
-from arona_store.retrieval.tantivy_index import WordEngine
+from arona_store.retrieval.tantivy_index import SqliteDocuments, WordEngine, sqlite_snapshot
 from arona_store.schema import (
     BUSY_TIMEOUT_MS,
     COUNTERS,
@@ -108,8 +109,8 @@ class MemoryStore:
         # The retrieval engines over the reader (arona_store.retrieval), and what the lexical
         # recall learns about the words (reader only).
         self._nodes = ResidentNodes(reader)
-        self._engine = WordEngine(path)
-        self._words = EngineWords(Fts5Words(reader), reader, self._engine)
+        self._engine = WordEngine(functools.partial(sqlite_snapshot, path))
+        self._words = EngineWords(Fts5Words(reader), SqliteDocuments(reader), self._engine)
         self._lexical = LexicalRanker(self._words, self._nodes)
         self.path = path
         # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
@@ -440,8 +441,8 @@ class MemoryStore:
                 if self._index is None or pending is None:
                     ranked = self._lexical.ranked(terms, grams, limit, at, node_type)
                 else:
+                    self._index.sync(self._reader)
                     ranked = hybrid_ranked(
-                        self._reader,
                         self._nodes,
                         self._lexical,
                         self._index,

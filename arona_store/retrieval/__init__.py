@@ -10,7 +10,8 @@ store:
   :mod:`arona_store.context`) and its Chinese, Japanese and Korean character pairs
   (``pairs``: :mod:`arona_store.cjk`);
 - :class:`NodeTable`: the memories themselves (their ids and texts by key, and the neighbours
-  of each in its node type, which make up its context).
+  of each in its node type, which make up its context);
+- :class:`VectorSearch`: the memories nearest a question in meaning (the ``hybrid`` ranking).
 
 Words are given as the question has them (:func:`arona_store.words.query_terms`); an engine
 folds and stems them as its index does. Keys (``seq``) are the nodes' time-ordered keys
@@ -23,7 +24,10 @@ memory.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from arona_store.vectors import Vector
 
 # The indexed fields of a memory.
 Field = Literal["turn", "context", "pairs"]
@@ -87,4 +91,21 @@ class NodeTable(Protocol):
     def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:
         """The keys of each of ``seqs``' neighbours in its node type, nearest first on each
         side (:mod:`arona_store.context`); a key no node holds has none."""
+        ...
+
+
+class VectorSearch(Protocol):
+    """The stored vectors, as one recall's snapshot holds them (or more: a node the search
+    names may have been deleted since; the caller checks it against its node table)."""
+
+    def top_nodes(
+        self, query: Vector, k: int, node_type: str | None = None
+    ) -> list[tuple[float, str]]:
+        """The ``k`` nodes (of ``node_type`` only, when given) whose vectors are nearest
+        ``query``, as (cosine, node id), best first."""
+        ...
+
+    def cosines(self, query: Vector, node_ids: list[str]) -> list[float | None]:
+        """The cosine of ``query`` with the vector of each of ``node_ids`` (None for a node
+        without one)."""
         ...

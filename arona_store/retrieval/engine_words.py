@@ -25,15 +25,13 @@ Among equal scores the newest matches are kept, as FTS5's walk kept them (:meth:
 from __future__ import annotations
 
 import math
-import sqlite3
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import tantivy
 
-from arona_store.retrieval import Field
-from arona_store.retrieval.fts5 import Fts5Words
+from arona_store.retrieval import Field, WordIndex
 from arona_store.retrieval.tantivy_index import (
     K1,
     PROBE_KEYS,
@@ -41,10 +39,10 @@ from arona_store.retrieval.tantivy_index import (
     PROBES,
     TIE_MARGIN,
     B,
+    Documents,
     WordEngine,
     WordView,
     bucketed,
-    documents_of,
     tantivy_idf,
 )
 
@@ -69,9 +67,11 @@ class EngineWords:
     """:class:`~arona_store.retrieval.WordIndex` over the word engine, the dirty keys read from
     the snapshot of one connection (module docstring)."""
 
-    def __init__(self, fts: Fts5Words, reader: sqlite3.Connection, engine: WordEngine) -> None:
+    def __init__(self, fts: WordIndex, documents: Documents, engine: WordEngine) -> None:
+        """``fts``: what answers until the engine is built, and the character pairs;
+        ``documents``: the recall's snapshot, where dirty keys are read."""
         self._fts = fts
-        self._reader = reader
+        self._snapshot = documents
         self._engine = engine
         self._analyzer = engine.analyzer
         self._schema = engine.schema
@@ -109,7 +109,7 @@ class EngineWords:
             return
         # A key no memory holds any more keeps None: its engine document is left out.
         self._overlay.update((key, (view.dirty[key], None)) for key in stale)
-        for key, node_type, text, context in documents_of(self._reader, stale):
+        for key, node_type, text, context in self._snapshot.of(stale):
             analysed = {
                 "turn": self._analyzer.analyze(text),
                 "context": self._analyzer.analyze(context),

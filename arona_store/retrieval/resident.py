@@ -37,14 +37,11 @@ _TEXTS_OF = "SELECT seq, text FROM nodes WHERE seq IN (SELECT value FROM json_ea
 State = tuple[int, int, int, int]
 
 
-class ResidentNodes:
-    """:class:`~arona_store.retrieval.NodeTable` in memory, following the database through
-    one connection (the store's reader): call :meth:`sync` in each recall's read transaction
-    before anything else."""
+class KeyTable:
+    """Each node's id and type by key, and each node type's keys in order (the module
+    docstring); what follows a database is left to a subclass."""
 
-    def __init__(self, reader: sqlite3.Connection) -> None:
-        self._reader = reader
-        self._state: State | None = None
+    def __init__(self) -> None:
         self._id_of: dict[int, str] = {}
         self._key_of: dict[str, int] = {}
         self._type_of: dict[int, str] = {}
@@ -53,6 +50,56 @@ class ResidentNodes:
 
     def __len__(self) -> int:
         return len(self._id_of)
+
+    def _put(self, seq: int, node_id: str, node_type: str) -> None:
+        """Add a node at a key no node holds."""
+        self._id_of[seq] = node_id
+        self._key_of[node_id] = seq
+        self._type_of[seq] = node_type
+        keys = self._keys.setdefault(node_type, [])
+        if not keys or keys[-1] < seq:
+            keys.append(seq)  # what nearly every write is: the newest
+        else:
+            bisect.insort(keys, seq)
+
+    def _drop(self, seq: int) -> None:
+        del self._key_of[self._id_of.pop(seq)]
+        node_type = self._type_of.pop(seq)
+        keys = self._keys[node_type]
+        del keys[bisect.bisect_left(keys, seq)]
+        if not keys:
+            del self._keys[node_type]
+
+    def type_of(self, seq: int) -> str | None:
+        """The node type of the node at ``seq``; None when none is there."""
+        return self._type_of.get(seq)
+
+    def key_of(self, node_id: str) -> int | None:
+        """The key of the node ``node_id``; None when none is stored."""
+        return self._key_of.get(node_id)
+
+    def ids(self, seqs: Sequence[int]) -> dict[int, str]:
+        id_of = self._id_of
+        return {seq: id_of[seq] for seq in seqs if seq in id_of}
+
+    def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for seq in seqs:
+            node_type = self._type_of.get(seq)
+            if node_type is not None:
+                out[seq] = _near(self._keys[node_type], seq)
+        return out
+
+
+class ResidentNodes(KeyTable):
+    """:class:`~arona_store.retrieval.NodeTable` in memory, following the store's SQLite file
+    through one connection (the store's reader): call :meth:`sync` in each recall's read
+    transaction before anything else."""
+
+    def __init__(self, reader: sqlite3.Connection) -> None:
+        super().__init__()
+        self._reader = reader
+        self._state: State | None = None
 
     def sync(self) -> set[int] | None:
         """Catch up with the snapshot of the open read transaction (module docstring); the keys
@@ -112,46 +159,11 @@ class ResidentNodes:
             changed.update(_near(self._keys[self._type_of[seq]], seq))
         return changed
 
-    def _put(self, seq: int, node_id: str, node_type: str) -> None:
-        """Add a node whose key is above every key held."""
-        self._id_of[seq] = node_id
-        self._key_of[node_id] = seq
-        self._type_of[seq] = node_type
-        self._keys.setdefault(node_type, []).append(seq)
-
-    def _drop(self, seq: int) -> None:
-        del self._key_of[self._id_of.pop(seq)]
-        node_type = self._type_of.pop(seq)
-        keys = self._keys[node_type]
-        del keys[bisect.bisect_left(keys, seq)]
-        if not keys:
-            del self._keys[node_type]
-
-    def type_of(self, seq: int) -> str | None:
-        """The node type of the node at ``seq``; None when none is there."""
-        return self._type_of.get(seq)
-
-    def key_of(self, node_id: str) -> int | None:
-        """The key of the node ``node_id``; None when none is stored."""
-        return self._key_of.get(node_id)
-
-    def ids(self, seqs: Sequence[int]) -> dict[int, str]:
-        id_of = self._id_of
-        return {seq: id_of[seq] for seq in seqs if seq in id_of}
-
     def texts(self, seqs: Sequence[int]) -> dict[int, str]:
         if not seqs:
             return {}
         rows = self._reader.execute(_TEXTS_OF, (json.dumps(list(seqs)),))
         return {int(seq): str(text) for seq, text in rows}
-
-    def neighbours(self, seqs: Sequence[int]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for seq in seqs:
-            node_type = self._type_of.get(seq)
-            if node_type is not None:
-                out[seq] = _near(self._keys[node_type], seq)
-        return out
 
 
 def _near(keys: list[int], seq: int) -> list[int]:

@@ -29,15 +29,18 @@ both from their scores (:meth:`WordEngine._calibrated`), for the dirty memories'
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import math
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import tantivy
 
@@ -102,18 +105,63 @@ _NODES_OF = (
 _CONTEXTS_OF = "SELECT rowid, text FROM nodes_ctx WHERE rowid IN (SELECT value FROM json_each(?))"
 
 
-def documents_of(conn: sqlite3.Connection, keys: Sequence[int]) -> list[tuple[int, str, str, str]]:
-    """The memories at ``keys`` that ``conn``'s snapshot holds, as (key, node type, text,
-    context document), newest first (read transaction open)."""
-    listed = json.dumps(list(keys))
-    contexts = {int(k): str(text) for k, text in conn.execute(_CONTEXTS_OF, (listed,))}
-    return [
-        (int(seq), str(node_type), str(text), contexts.get(int(seq), ""))
-        for seq, node_type, text in conn.execute(_NODES_OF, (listed,))
-    ]
+# A memory as the engine indexes it: key, node type, own text, context document.
+Document = tuple[int, str, str, str]
 
 
-# Newest first: the first documents of a segment win its ties (WordEngine.top).
+class Documents(Protocol):
+    """The memories of one snapshot of the database, as the engine indexes them."""
+
+    def all(self) -> Iterable[Document]:
+        """Every memory, newest first (the first documents of a segment win its ties:
+        WordEngine.top)."""
+        ...
+
+    def of(self, keys: Sequence[int]) -> list[Document]:
+        """The memories at ``keys`` that the snapshot holds, newest first."""
+        ...
+
+
+# A new snapshot of the database each time it is entered (the engine's own connection).
+Snapshots = Callable[[], AbstractContextManager[Documents]]
+
+
+class SqliteDocuments:
+    """:class:`Documents` of the store's SQLite file, read through ``conn``'s snapshot (read
+    transaction open): each memory's text from ``nodes``, its context document from
+    ``nodes_ctx``."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def all(self) -> Iterable[Document]:
+        contexts = dict(self._conn.execute(_ALL_CONTEXTS).fetchall())
+        for seq, node_type, text in self._conn.execute(_ALL_NODES):
+            yield int(seq), str(node_type), str(text), str(contexts.get(seq, ""))
+
+    def of(self, keys: Sequence[int]) -> list[Document]:
+        listed = json.dumps(list(keys))
+        contexts = {int(k): str(text) for k, text in self._conn.execute(_CONTEXTS_OF, (listed,))}
+        return [
+            (int(seq), str(node_type), str(text), contexts.get(int(seq), ""))
+            for seq, node_type, text in self._conn.execute(_NODES_OF, (listed,))
+        ]
+
+
+@contextlib.contextmanager
+def sqlite_snapshot(path: Path) -> Iterator[Documents]:
+    """A read-only connection to the store's file with a read transaction open."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        try:
+            yield SqliteDocuments(conn)
+        finally:
+            conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 _ALL_NODES = "SELECT seq, node_type, text FROM nodes ORDER BY seq DESC"
 _ALL_CONTEXTS = "SELECT rowid, text FROM nodes_ctx"
 
@@ -160,8 +208,9 @@ class WordView:
 class WordEngine:
     """tantivy over every memory's own text and context document (module docstring)."""
 
-    def __init__(self, db_path: Path) -> None:
-        self._db_path = db_path
+    def __init__(self, snapshots: Snapshots) -> None:
+        """An engine over the database that ``snapshots`` reads."""
+        self._snapshots = snapshots
         self._schema = _schema()
         self.schema = self._schema
         self.analyzer = analyzer()
@@ -276,11 +325,10 @@ class WordEngine:
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key, text in PROBES:
             writer.add_document(self._document(key, PROBE_TYPE, text, text))
-        with _Snapshot(self._db_path) as conn:
-            contexts = dict(conn.execute(_ALL_CONTEXTS).fetchall())
+        with self._snapshots() as documents:
             count = 0
-            for seq, node_type, text in conn.execute(_ALL_NODES):
-                writer.add_document(self._document(seq, node_type, text, contexts.get(seq, "")))
+            for seq, node_type, text, context in documents.all():
+                writer.add_document(self._document(seq, node_type, text, context))
                 count += 1
                 if self._stopping:
                     return
@@ -308,8 +356,8 @@ class WordEngine:
             index = self._index
         if index is None or not keys:
             return
-        with _Snapshot(self._db_path) as conn:
-            documents = documents_of(conn, keys)
+        with self._snapshots() as snapshot:
+            documents = snapshot.of(keys)
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key in keys:
             writer.delete_documents_by_term("seq", key)
@@ -369,20 +417,3 @@ class WordEngine:
         document.add_text("turn", text)
         document.add_text("context", context)
         return document
-
-
-class _Snapshot:
-    """A read-only connection to the database with a read transaction open."""
-
-    def __init__(self, path: Path) -> None:
-        self._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-
-    def __enter__(self) -> sqlite3.Connection:
-        self._conn.execute("BEGIN")
-        return self._conn
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._conn.execute("COMMIT")
-        finally:
-            self._conn.close()

@@ -87,7 +87,7 @@ class KeyTable:
         for seq in seqs:
             node_type = self._type_of.get(seq)
             if node_type is not None:
-                out[seq] = _near(self._keys[node_type], seq)
+                out[seq] = near(self._keys[node_type], seq)
         return out
 
 
@@ -132,11 +132,11 @@ class ResidentNodes(KeyTable):
             moved = self._key_of.get(node_id)
             if moved is not None:
                 changed.add(moved)
-                changed.update(_near(self._keys[self._type_of[moved]], moved))
+                changed.update(near(self._keys[self._type_of[moved]], moved))
                 self._drop(moved)
             self._put(int(seq), str(node_id), str(node_type))
             changed.add(int(seq))
-            changed.update(_near(self._keys[str(node_type)], int(seq)))
+            changed.update(near(self._keys[str(node_type)], int(seq)))
         return changed
 
     def _load(self, *, first: bool) -> set[int] | None:
@@ -154,9 +154,9 @@ class ResidentNodes(KeyTable):
             return None  # a text changed in place, or anything else not told by the keys
         changed = gone | came
         for seq in gone:
-            changed.update(_near(old_keys[old_types[seq]], seq))
+            changed.update(near(old_keys[old_types[seq]], seq))
         for seq in came:
-            changed.update(_near(self._keys[self._type_of[seq]], seq))
+            changed.update(near(self._keys[self._type_of[seq]], seq))
         return changed
 
     def texts(self, seqs: Sequence[int]) -> dict[int, str]:
@@ -166,7 +166,7 @@ class ResidentNodes(KeyTable):
         return {int(seq): str(text) for seq, text in rows}
 
 
-def _near(keys: list[int], seq: int) -> list[int]:
+def near(keys: list[int], seq: int) -> list[int]:
     """The neighbours of ``seq`` among ``keys`` (its node type's, ascending, holding it),
     nearest first on each side."""
     at = bisect.bisect_left(keys, seq)

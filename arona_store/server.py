@@ -70,6 +70,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from arona_grpc.storage import StorageFaults, write_error
 from arona_store import jsonrpc
+from arona_store.base import StoreBase
 from arona_store.jsonrpc import Call, JsonId, RpcError
 from arona_store.nodes import StoreError, key_of
 from arona_store.ranking import Ranking, check_ranking, ranking_from_env
@@ -101,7 +102,7 @@ STORE_PART = "memory store"
 # What a store the database cannot take costs.
 STORE_COST = "stores are refused until it can be written"
 # Hybrid ranking: a recall's query is embedded while another recall holds the store's read
-# lock, so two use two cores at once (arona_store.store.QUERY_EMBEDDING_THREADS).
+# lock, so two use two cores at once (arona_store.base.QUERY_EMBEDDING_THREADS).
 RECALL_THREADS = 2
 # Hybrid ranking: the thread that embeds stored nodes, and the most nodes one step of the
 # embedding worker takes (a step is one hop to that thread, one read of the nodes still without
@@ -257,7 +258,7 @@ class StoreServer:
     def __init__(
         self,
         *,
-        store: MemoryStore,
+        store: StoreBase,
         executor: ThreadPoolExecutor,
         token: str,
         host: str,
@@ -300,7 +301,8 @@ class StoreServer:
         self._embed_steps = 0
         self.port = 0
         self._greeting = jsonrpc.notification_frame(
-            SERVER_VERSION, {"version": _version(), "build_info": "arona-store (sqlite)"}
+            SERVER_VERSION,
+            {"version": _version(), "build_info": f"arona-store ({store.backend})"},
         )
         self._methods: dict[str, _Handler] = {
             QUERY: self._query,
@@ -319,8 +321,10 @@ class StoreServer:
         idle_timeout_s: float = 45.0,
         ranking: Ranking | None = None,
         embedder: Embedder | None = None,
+        database_url: str | None = None,
     ) -> StoreServer:
-        """Open the database at ``db_path`` and listen on ``host:port`` (0 = any free port).
+        """Open the database at ``db_path`` (or the store on PostgreSQL at ``database_url``:
+        :mod:`arona_store.pg.store`) and listen on ``host:port`` (0 = any free port).
 
         ``ranking`` None: as ``ARONA_STORE_RANKING`` says (:func:`ranking_from_env`: ``hybrid``
         when the semantic extra is installed). A ranking that cannot run raises
@@ -341,16 +345,30 @@ class StoreServer:
             )
         loop = asyncio.get_running_loop()
         try:
-            store = await loop.run_in_executor(
-                executor,
-                functools.partial(
-                    MemoryStore.open,
-                    db_path,
-                    checkpoint_on_commit=False,
-                    ranking=ranking,
-                    embedder=embedder if ranking == "hybrid" else None,
-                ),
-            )
+            store: StoreBase
+            if database_url is not None:
+                from arona_store.pg.store import PgMemoryStore
+
+                store = await loop.run_in_executor(
+                    executor,
+                    functools.partial(
+                        PgMemoryStore.open,
+                        database_url,
+                        ranking=ranking,
+                        embedder=embedder if ranking == "hybrid" else None,
+                    ),
+                )
+            else:
+                store = await loop.run_in_executor(
+                    executor,
+                    functools.partial(
+                        MemoryStore.open,
+                        db_path,
+                        checkpoint_on_commit=False,
+                        ranking=ranking,
+                        embedder=embedder if ranking == "hybrid" else None,
+                    ),
+                )
         except BaseException:
             for pool in (executor, embed_executor, recall_executor):
                 if pool is not None:
@@ -706,7 +724,7 @@ class StoreServer:
         is said once per fault and refused in those words, a delete whose erasure could not
         finish says so, anything else stays "Internal error"."""
         if isinstance(exc, sqlite3.Error):
-            self._storage.failed(STORE_PART, str(self.store.path), exc, STORE_COST)
+            self._storage.failed(STORE_PART, self.store.where, exc, STORE_COST)
             return RpcError(
                 jsonrpc.INTERNAL_ERROR,
                 f"the memory store cannot write its database: {write_error(exc)}",

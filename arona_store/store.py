@@ -9,6 +9,8 @@ process are counted too.
 
 Where each part lives:
 
+- :mod:`arona_store.base`: what every backend shares (the write and recall entry points, the
+  model, the ranking over the retrieval boundary); this module is the SQLite backend;
 - :mod:`arona_store.nodes`: a node's row, its time-ordered key, :class:`StoreError`;
 - :mod:`arona_store.schema`: tables, triggers and the migrations of older databases;
 - :mod:`arona_store.writes`: the write path (keys, identical nodes refreshed);
@@ -19,7 +21,8 @@ Where each part lives:
 - :mod:`arona_store.lexical`: the lexical recall (candidates of both indexes);
 - :mod:`arona_store.hybrid`: the hybrid recall (words and sentence embeddings);
 - :mod:`arona_store.floor`: when nothing is relevant;
-- :mod:`arona_store.vectors`, :mod:`arona_store.embedding`: the vectors and the model.
+- :mod:`arona_store.vectors`, :mod:`arona_store.embedding`: the vectors and the model;
+- :mod:`arona_store.pg`: the backend on PostgreSQL.
 
 Opening a store merges each of its full-text indexes (:data:`FULL_TEXT_INDEXES`) into one
 segment (FTS5 ``optimize``, a no-op when already merged): a bulk-loaded index otherwise costs
@@ -33,17 +36,13 @@ from __future__ import annotations
 import functools
 import logging
 import sqlite3
-import threading
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from arona_store.cjk import cjk_grams
-from arona_store.floor import first_person, names_held, names_unknown
-from arona_store.hybrid import embedding_text, hybrid_ranked, query_vector, vector_model_id
-from arona_store.lexical import LexicalRanker
-from arona_store.nodes import MemoryHit, NewNode, Row, StoreError, Timestamp, epoch, now_key
+from arona_store.base import DEFAULT_LIMIT, MAX_LIMIT, StoreBase, hit
+from arona_store.hybrid import vector_model_id
+from arona_store.nodes import MemoryHit, NewNode, Row, StoreError
 from arona_store.ranking import Ranking, check_ranking
 from arona_store.retrieval.engine_words import EngineWords
 from arona_store.retrieval.fts5 import Fts5Words
@@ -57,40 +56,31 @@ from arona_store.schema import (
     prepare_schema,
     prepare_vectors,
 )
-from arona_store.words import MAX_QUERY_TERMS, query_terms
 from arona_store.writes import (
     FILL_VECTOR,
     UNEMBEDDED,
     UNEMBEDDED_COUNT,
-    NodeItem,
     begin_write,
     delete_node,
     erase_deleted,
-    rows_of,
     unembedded_of,
     write_rows,
 )
 
 if TYPE_CHECKING:
     from arona_store.embedding import Embedder
-    from arona_store.vectors import Vector, VectorIndex
+    from arona_store.vectors import VectorIndex
 
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "MemoryHit", "MemoryStore", "NewNode", "StoreError"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LIMIT = 10
-MAX_LIMIT = 100
-# Threads embedding queries (as many as recalls run at once: arona_store.server).
-QUERY_EMBEDDING_THREADS = 2
 # Up to this many memories the word index is built before the store opens, beyond it while
 # it runs (arona_store.retrieval.tantivy_index).
 INLINE_WORD_INDEX = 20_000
-# Nodes embedded per step of the background fill.
-FILL_BATCH = 32
 
 
-class MemoryStore:
+class MemoryStore(StoreBase):
     """Nodes persisted in SQLite, recalled by words, context and meaning. Thread-safe; use
     :meth:`open`."""
 
@@ -103,37 +93,27 @@ class MemoryStore:
     ) -> None:
         self._conn = conn  # writes, behind _lock
         self._reader = reader  # recalls and counts, behind _read_lock
-        self._lock = threading.Lock()
-        self._read_lock = threading.Lock()
-        self._closed = False
-        # The retrieval engines over the reader (arona_store.retrieval), and what the lexical
-        # recall learns about the words (reader only).
-        self._nodes = ResidentNodes(reader)
-        self._engine = WordEngine(functools.partial(sqlite_snapshot, path))
-        self._words = EngineWords(Fts5Words(reader), SqliteDocuments(reader), self._engine)
-        self._lexical = LexicalRanker(self._words, self._nodes)
         self.path = path
-        # Hybrid ranking only: the model and the vectors' in-memory copy (reader only).
-        self._embedder = embedder
-        self._index: VectorIndex | None = None
-        # Hybrid ranking: the threads that embed queries while their words are looked up.
-        self._query_embedding: ThreadPoolExecutor | None = None
+        self.backend = "sqlite"
+        self.where = str(path)
+        # The retrieval engines over the reader (arona_store.retrieval).
+        engine = WordEngine(functools.partial(sqlite_snapshot, path))
+        index: VectorIndex | None = None
         if embedder is not None:
             from arona_store.vectors import VectorIndex
 
-            self._index = VectorIndex(embedder.dimension)
-            self._query_embedding = ThreadPoolExecutor(
-                max_workers=QUERY_EMBEDDING_THREADS, thread_name_prefix="arona-store-query"
-            )
-        # The background fill's cursor: nodes below this key may still lack a vector.
-        self._fill_below = 2**63 - 1
+            index = VectorIndex(embedder.dimension)
+        self._resident = ResidentNodes(reader)
+        self._vectors = index  # the same, typed as this store keeps it
+        super().__init__(
+            self._resident,
+            engine,
+            EngineWords(Fts5Words(reader), SqliteDocuments(reader), engine),
+            embedder,
+            index,
+        )
         # Deleted nodes may still be in a full-text segment or the write-ahead log.
         self._erase_due = False
-
-    @property
-    def ranking(self) -> Ranking:
-        """``hybrid`` when the store embeds its nodes, ``lexical`` otherwise."""
-        return "lexical" if self._embedder is None else "hybrid"
 
     @classmethod
     def open(
@@ -192,126 +172,17 @@ class MemoryStore:
         with store._read_lock:
             store._reader.execute("BEGIN")
             try:
-                store._nodes.sync()
-                if store._index is not None:
-                    store._index.sync(store._reader)
+                store._resident.sync()
+                if store._vectors is not None:
+                    store._vectors.sync(store._reader)
             finally:
                 store._reader.execute("COMMIT")
         # A small store's word index is ready when it opens (0.65 s per 10,000 memories).
-        store._engine.start(inline=len(store._nodes) <= INLINE_WORD_INDEX)
+        store._engine.start(inline=len(store._resident) <= INLINE_WORD_INDEX)
         logger.info("memory store opened at %s (ranking: %s)", db_path, store.ranking)
         return store
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError("the memory store is closed")
-
-    def add(
-        self,
-        text: str,
-        node_type: str = "episode",
-        created_at: Timestamp | None = None,
-        *,
-        source_episode_id: str | None = None,
-        related_node_ids: Sequence[str] = (),
-        properties: Mapping[str, str] | None = None,
-        refresh: bool = False,
-    ) -> str:
-        """Persist one node and return its id (a new UUID string).
-
-        With ``refresh``, a node identical to a stored one moves that node to ``created_at``
-        instead (never back in time) and returns its id (:mod:`arona_store.writes`).
-        """
-        node = NewNode(
-            text=text,
-            node_type=node_type,
-            created_at=created_at,
-            source_episode_id=source_episode_id,
-            related_node_ids=related_node_ids,
-            properties=dict(properties or {}),
-        )
-        return self.add_many([node], refresh=refresh)[0]
-
-    def add_many(
-        self,
-        nodes: Iterable[NodeItem],
-        *,
-        refresh: bool = False,
-        embed: bool = True,
-    ) -> list[str]:
-        """Persist many nodes in one transaction (the bulk-load path); returns their ids.
-
-        Items are :class:`NewNode` or ``(text, node_type[, created_at])`` tuples. ``refresh``
-        as for :meth:`add`. A hybrid store embeds the nodes given without a vector first
-        (milliseconds each), unless ``embed`` is off: they then wait for :meth:`fill_vectors`.
-        """
-        rows, vectors = rows_of(nodes)
-        if embed:
-            vectors = self._with_vectors(rows, vectors)
-        ids = self._add_rows(rows, vectors, refresh, wait=True)
-        assert ids is not None  # a waiting call always gets to write
-        return ids
-
-    def try_add_many(
-        self,
-        nodes: Iterable[NodeItem],
-        *,
-        refresh: bool = False,
-        embed: bool = True,
-    ) -> list[str] | None:
-        """Like :meth:`add_many`, but None at once, having written nothing, if another caller
-        (a thread here, or another process) is writing; for callers that must not wait."""
-        rows, vectors = rows_of(nodes)
-        if embed:
-            vectors = self._with_vectors(rows, vectors)
-        return self._add_rows(rows, vectors, refresh, wait=False)
-
-    def _with_vectors(self, rows: list[Row], vectors: list[bytes | None]) -> list[bytes | None]:
-        """Every node's vector for a hybrid store (embedding those without), none for a
-        lexical one."""
-        if self._embedder is None:
-            return vectors
-        missing = [i for i, vector in enumerate(vectors) if vector is None]
-        if missing:
-            from arona_store.vectors import to_blob
-
-            embedded = self._embedder.embed([embedding_text(rows[i][3]) for i in missing])
-            vectors = list(vectors)
-            for i, vector in zip(missing, embedded, strict=True):
-                vectors[i] = to_blob(vector)
-        return vectors
-
-    def embed(self, texts: Sequence[str]) -> list[bytes]:
-        """The stored form of ``texts``' vectors (hybrid store only), to pass as
-        :attr:`NewNode.vector`; callers that must not spend milliseconds on a thread embed
-        with this elsewhere first."""
-        if self._embedder is None:
-            raise StoreError("a lexical store does not embed")
-        from arona_store.vectors import to_blob
-
-        return [
-            to_blob(vector) for vector in self._embedder.embed([embedding_text(t) for t in texts])
-        ]
-
-    def fill_missing(self, ids: Sequence[str]) -> int:
-        """Embed and store the vectors of those nodes ``ids`` that have none (hybrid store only;
-        blocks for the embedding: call it from a worker thread); how many. A node that has one
-        (a refresh keeps its identical node's) is not embedded again; a node deleted meanwhile,
-        even while its text is embedded, gets none (:meth:`_put_vectors`)."""
-        if self._embedder is None:
-            return 0
-        with self._read_lock:
-            self._check_open()
-            missing = unembedded_of(self._reader, list(ids))
-        if not missing:
-            return 0
-        vectors = self.embed([text for _, text in missing])
-        self._put_vectors([(vec, node[0]) for node, vec in zip(missing, vectors, strict=True)])
-        return len(missing)
-
     def _put_vectors(self, pairs: list[tuple[bytes, str]]) -> None:
-        """Store (vector, node id) pairs in one transaction; a node deleted meanwhile gets
-        none."""
         with self._lock:
             self._check_open()
             self._conn.execute("BEGIN IMMEDIATE")
@@ -353,116 +224,18 @@ class MemoryStore:
             self._check_open()
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
-    def query(
-        self,
-        text: str,
-        limit: int = DEFAULT_LIMIT,
-        now: Timestamp | None = None,
-        node_type: str | None = None,
-    ) -> list[MemoryHit]:
-        """The best ``limit`` nodes for ``text``, best first (:mod:`arona_store.lexical`,
-        :mod:`arona_store.hybrid`).
+    def _begin_read(self) -> None:
+        self._reader.execute("BEGIN")
 
-        ``node_type`` (the wire's ``node_type_filter``) keeps only nodes of exactly that type;
-        their scores are the ones they have without the filter.
-        """
-        hits = self._query(text, limit, now, node_type, wait=True)
-        assert hits is not None  # a waiting call always gets the lock
-        return hits
+    def _end_read(self) -> None:
+        self._reader.execute("COMMIT")
 
-    def try_query(
-        self,
-        text: str,
-        limit: int = DEFAULT_LIMIT,
-        now: Timestamp | None = None,
-        node_type: str | None = None,
-    ) -> list[MemoryHit] | None:
-        """Like :meth:`query`, but None at once if another caller holds the store.
-
-        For callers that must not wait behind a write (an event loop thread): they can run
-        the query elsewhere when it returns None.
-        """
-        return self._query(text, limit, now, node_type, wait=False)
-
-    def _query(
-        self,
-        text: str,
-        limit: int,
-        now: Timestamp | None,
-        node_type: str | None,
-        *,
-        wait: bool,
-    ) -> list[MemoryHit] | None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-            raise StoreError(f"limit must be an integer between 1 and {MAX_LIMIT}")
-        terms = query_terms(text)
-        if not terms:
-            return []
-        grams = cjk_grams(text)[:MAX_QUERY_TERMS]
-        at = now_key(epoch(now))
-        pending: Future[Vector | None] | None = None
-        if self._embedder is not None and self._query_embedding is not None:
-            # Embedded on another thread while the words' candidates are looked up.
-            try:
-                pending = self._query_embedding.submit(query_vector, self._embedder, text)
-            except RuntimeError:  # its threads are stopped: the store is closed
-                self._check_open()
-                raise
-        try:
-            return self._ranked_hits(text, terms, grams, limit, at, node_type, pending, wait)
-        finally:
-            if pending is not None:
-                pending.cancel()  # not needed after all (nothing to rank, or busy)
-
-    def _ranked_hits(
-        self,
-        text: str,
-        terms: list[str],
-        grams: list[str],
-        limit: int,
-        at: int,
-        node_type: str | None,
-        pending: Future[Vector | None] | None,
-        wait: bool,
-    ) -> list[MemoryHit] | None:
-        if not self._read_lock.acquire(blocking=wait):
-            return None
-        try:
-            self._check_open()
-            # One read transaction: counts, matches and nodes all come from one snapshot,
-            # whatever is committed meanwhile.
-            self._reader.execute("BEGIN")
-            try:
-                self._engine.mark(self._nodes.sync())
-                self._words.begin()
-                held, unknown = names_held(self._words, text, node_type)
-                if names_unknown(held, unknown):
-                    return []  # it asks about something this memory never heard of
-                if self._index is None or pending is None:
-                    ranked = self._lexical.ranked(terms, grams, limit, at, node_type)
-                else:
-                    self._index.sync(self._reader)
-                    ranked = hybrid_ranked(
-                        self._nodes,
-                        self._lexical,
-                        self._index,
-                        terms,
-                        grams,
-                        pending.result,
-                        limit,
-                        at,
-                        node_type,
-                        personal=held > 0 or first_person(text),
-                    )
-                return self._hits(ranked)
-            finally:
-                self._reader.execute("COMMIT")
-        finally:
-            self._read_lock.release()
+    def _catch_up(self) -> None:
+        self._engine.mark(self._resident.sync())
+        if self._vectors is not None:
+            self._vectors.sync(self._reader)
 
     def _hits(self, ranked: list[tuple[float, int]]) -> list[MemoryHit]:
-        """The nodes of ``ranked`` (score, seq) as hits, in that order (read transaction
-        open)."""
         if not ranked:
             return []
         marks = ", ".join("?" * len(ranked))
@@ -473,53 +246,17 @@ class MemoryStore:
                 [seq for _, seq in ranked],
             )
         }
-        return [
-            MemoryHit(
-                node_id=row[1],
-                node_type=row[2],
-                text=row[3],
-                score=min(1.0, max(0.0, score)),
-                created_at=row[4],
-            )
-            for score, seq in ranked
-            if (row := rows.get(seq)) is not None
-        ]
+        return [hit(score, *rows[seq][1:]) for score, seq in ranked if seq in rows]
 
-    def wait_for_words(self, timeout: float) -> bool:
-        """Wait until the word engine is built and holds every write a recall has taken in
-        (a large store builds it while it already answers); whether it did within ``timeout``
-        seconds."""
-        return self._engine.wait_clean(timeout)
+    def _unembedded_of(self, ids: list[str]) -> list[tuple[str, str]]:
+        return unembedded_of(self._reader, ids)
 
-    def unembedded(self) -> int:
-        """How many nodes have no vector yet (0 for a lexical store)."""
-        if self._embedder is None:
-            return 0
-        with self._read_lock:
-            self._check_open()
-            return int(self._reader.execute(UNEMBEDDED_COUNT).fetchone()[0])
+    def _unembedded_below(self, below: int, batch: int) -> list[tuple[int, str, str]]:
+        rows = self._reader.execute(UNEMBEDDED, (below, batch)).fetchall()
+        return [(int(seq), str(node_id), str(text)) for seq, node_id, text in rows]
 
-    def fill_vectors(self, batch: int = FILL_BATCH) -> int:
-        """Embed up to ``batch`` nodes that have no vector, newest first, and store their
-        vectors; how many (0 once every node older than the first call has one, and always
-        for a lexical store). Blocks for the embedding (milliseconds a node): call it from a
-        worker thread, again until it returns 0."""
-        if self._embedder is None:
-            return 0
-        with self._read_lock:
-            self._check_open()
-            rows = self._reader.execute(UNEMBEDDED, (self._fill_below, batch)).fetchall()
-        if not rows:
-            return 0
-        vectors = self.embed([text for _, _, text in rows])
-        self._put_vectors([(vec, row[1]) for row, vec in zip(rows, vectors, strict=True)])
-        self._fill_below = min(seq for seq, _, _ in rows)
-        return len(rows)
-
-    def delete(self, node_id: str) -> bool:
-        """Remove a node (and its index entries, and its words from its neighbours' context);
-        True if it existed. See :meth:`delete_many`."""
-        return self.delete_many([node_id])[0]
+    def _unembedded_count(self) -> int:
+        return int(self._reader.execute(UNEMBEDDED_COUNT).fetchone()[0])
 
     def delete_many(self, node_ids: Sequence[str]) -> list[bool]:
         """Remove nodes in one transaction, then erase them from the database's files; for
@@ -564,6 +301,6 @@ class MemoryStore:
         self._engine.close()
         if self._query_embedding is not None:
             self._query_embedding.shutdown(wait=False, cancel_futures=True)
-        if self._index is not None:
-            self._index.close()
+        if self._vectors is not None:
+            self._vectors.close()
         logger.info("memory store closed")

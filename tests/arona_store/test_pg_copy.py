@@ -15,6 +15,8 @@ import os
 import random
 import sqlite3
 import struct
+import subprocess
+import sys
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,6 +36,7 @@ from arona_store.pg.copy import (
 from arona_store.ranking import Ranking, semantic_available
 from arona_store.store import MemoryHit, MemoryStore, NewNode
 
+COMMAND = str(Path(sys.executable).parent / "arona-gateway")
 DIMENSION = 384
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 SCOPES = ("episode:alice", "episode:bob", "episode", "fact:alice")
@@ -349,6 +352,43 @@ def test_vectors_of_another_model_are_refused_in_one_line(
     assert _pg(store_database_url, "SELECT count(*) FROM memory_nodes") == [(0,)]
 
 
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COMMAND, "store-copy", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_the_command_copies_both_ways_and_says_what_it_did(
+    source: Path, tmp_path: Path, store_database_url: str
+) -> None:
+    there = _run(str(source.parent), store_database_url)  # the data directory will do
+    assert there.returncode == 0, there.stderr
+    lines = there.stdout.splitlines()
+    assert lines[0].startswith(f"store-copy: {MEMORIES - 1} memories (")
+    assert f"from {source} to postgresql://" in lines[0]
+    assert lines[-2].startswith(f"store-copy: copied {MEMORIES - 1} memories (")
+    assert lines[-1] == f"store-copy: the source and the destination both hold {MEMORIES - 1}"
+
+    back = tmp_path / "new" / "memory.db"
+    returned = _run(store_database_url, str(back))
+    assert returned.returncode == 0, returned.stderr
+    assert returned.stdout.splitlines()[-1] == lines[-1]
+    assert _everything(back) == _everything(source)
+
+    again = _run(store_database_url, str(back))
+    assert again.returncode == 0
+    assert "copied 0 memories (0 with vectors)" in again.stdout
+    assert f"; {MEMORIES - 1} the destination held already" in again.stdout
+
+
 def test_progress_is_a_line_every_few_seconds(source: Path, store_database_url: str) -> None:
     ticks = iter(range(0, 1000, 3))  # each look at the clock, 3 s later
     out, err = io.StringIO(), io.StringIO()
@@ -360,3 +400,54 @@ def test_progress_is_a_line_every_few_seconds(source: Path, store_database_url: 
     assert progress[0].startswith(f"store-copy: {BATCH} of {MEMORIES - 1} memories (22%), ")
     assert progress[-1].startswith(f"store-copy: {4 * BATCH} of {MEMORIES - 1} memories (")
     assert "with vectors) in " in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("a.db", "b.db"), "one of SOURCE and DEST must be a postgresql:// URL"),
+        (("postgresql://127.0.0.1/a", "postgresql://127.0.0.1/b"), "one of SOURCE and DEST"),
+        (("missing.db", "postgresql://127.0.0.1/a"), "missing.db: no embedded memory store there"),
+        (("mysql://u:pw@127.0.0.1/m", "b.db"), "not a postgresql:// URL nor a file"),
+    ],
+)
+def test_a_mistake_is_one_line(tmp_path: Path, args: tuple[str, str], said: str) -> None:
+    done = subprocess.run(
+        [COMMAND, "store-copy", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    line = _one_line_error(done)
+    assert line.startswith("arona-gateway: error: ")
+    assert said in line
+    assert "pw@" not in line
+
+
+def test_a_database_or_a_file_without_a_store_is_refused_and_left_alone(
+    tmp_path: Path, store_database_url: str
+) -> None:
+    other = tmp_path / "conversations.db"
+    with closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE conversations (id TEXT)")
+    line = _one_line_error(_run(store_database_url, str(other)))
+    assert "no memory store in this database" in line
+    assert _pg(store_database_url, "SELECT to_regclass('memory_nodes')") == [(None,)]
+    schema.migrate(store_database_url)
+    for args in ((store_database_url, str(other)), (str(other), store_database_url)):
+        line = _one_line_error(_run(*args))
+        assert f"{other}: not an embedded memory store" in line
+    assert _sqlite(other, "SELECT name FROM sqlite_master") == [("conversations",)]
+
+
+def test_an_unreachable_database_is_said_without_its_password(source: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens on it once closed
+    line = _one_line_error(_run(str(source), f"postgresql://arona:s3cret-pw@127.0.0.1:{port}/m"))
+    assert f"127.0.0.1:{port}" in line
+    assert "s3cret-pw" not in line

@@ -654,6 +654,16 @@ def _parser() -> argparse.ArgumentParser:
         "check-memory",
         help="check that the configured Philia keeps users' memories apart (exit 0 if so)",
     )
+    copy = sub.add_parser(
+        "store-copy",
+        help="copy an embedded store's memories into PostgreSQL, or back; resumable",
+    )
+    copy.add_argument(
+        "source",
+        help="a postgresql:// URL, or an embedded store's file ($ARONA_DATA_DIR/memory.db; "
+        "its directory will do)",
+    )
+    copy.add_argument("dest", help="the same: exactly one of the two is PostgreSQL")
     _import_parser(sub)
     _usage_parsers(sub)
     _forget_parser(sub)
@@ -930,6 +940,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif args.command == "migrate":
             _run(_migrate(env))
+        elif args.command == "store-copy":
+            from arona_store.pg.copy import copy_command
+
+            return copy_command(args.source, args.dest)
         elif args.command in ("usage", "budget"):
             _usage_commands(settings, args)
         elif args.command == "forget":

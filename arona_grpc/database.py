@@ -45,6 +45,8 @@ T = TypeVar("T")
 # pg_advisory_lock key for migrations ("Arona" in ASCII).
 MIGRATION_LOCK = 0x41726F6E61
 CONNECT_TIMEOUT_S = 5.0
+# What answers differently while the gateway's database is away (said with the outage).
+GATEWAY_EFFECT = "what needs it answers 503 database_unavailable"
 # A query that takes longer than this on a live connection is given up (and the turn 503s).
 COMMAND_TIMEOUT_S = 10.0
 POOL_MAX = 10
@@ -241,17 +243,20 @@ def is_unavailable(exc: BaseException) -> bool:
     return any(kind.__name__ in _UNAVAILABLE_NAMES for kind in type(exc).__mro__)
 
 
-def unavailable(url: str, exc: BaseException, *, outage: bool = True) -> DatabaseUnavailable:
+def unavailable(
+    url: str, exc: BaseException, *, outage: bool = True, effect: str = GATEWAY_EFFECT
+) -> DatabaseUnavailable:
     """A :class:`DatabaseUnavailable` for ``exc``, its text free of the URL's credentials;
-    ``outage``: the database went away under a running process (said once per outage), not
-    a start that could not reach it (said by the start's own one line)."""
+    ``outage``: the database went away under a running process (said once per outage, with
+    ``effect``: what answers differently meanwhile), not a start that could not reach it
+    (said by the start's own one line)."""
     password = url_password(url)
     detail = redact_text(str(exc) or type(exc).__name__, (password,))
     error = DatabaseUnavailable(
         f"the database at {redact_url(url)} is unavailable ({type(exc).__name__}: {detail})"
     )
     if outage:
-        OUTAGES.refused(redact_url(url), str(error))
+        OUTAGES.refused(redact_url(url), str(error), effect)
     return error
 
 
@@ -293,7 +298,7 @@ class DatabaseOutages:
     def any(self) -> bool:
         return bool(self._outages)
 
-    def refused(self, where: str, message: str) -> None:
+    def refused(self, where: str, message: str, effect: str = "") -> None:
         outage = self._outages.get(where)
         if outage is not None:
             outage.refused += 1
@@ -301,9 +306,7 @@ class DatabaseOutages:
             return
         self._outages[where] = _Outage(self._clock(), 1)
         logger.warning(
-            "%s; what needs it answers 503 database_unavailable until it is back "
-            "(said once per outage)",
-            message,
+            "%s; %s until it is back (said once per outage)", message, effect or GATEWAY_EFFECT
         )
 
     def answered(self, where: str) -> None:

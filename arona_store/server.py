@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from arona_grpc.database import DatabaseUnavailable
 from arona_grpc.storage import StorageFaults, write_error
 from arona_store import jsonrpc
 from arona_store.base import StoreBase
@@ -114,6 +115,8 @@ EMBED_BATCH_MAX = 64
 HANDSHAKE = "Sync.ConnectHandshake"
 QUERY = "Sync.MemoryQueryRequest"
 STORE = "Sync.MemoryStoreRequest"
+# What a call answers while the store's database (PostgreSQL) does not.
+DATABASE_AWAY = RpcError(jsonrpc.INTERNAL_ERROR, "the memory store's database is unavailable")
 DELETE = "Sync.MemoryDeleteRequest"
 HEARTBEAT = "Base.Heartbeat"
 HEARTBEAT_ACK = "Base.HeartbeatAck"
@@ -605,6 +608,8 @@ class StoreServer:
     def _failed(self, call: Call, exc: Exception) -> list[str]:
         if isinstance(exc, RpcError):
             return self._reply(call, exc)
+        if isinstance(exc, DatabaseUnavailable):  # said once per outage (arona_store.pg.link)
+            return self._reply(call, DATABASE_AWAY)
         logger.error("memory store method %s failed", call.method, exc_info=exc)
         return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Internal error"))
 
@@ -731,6 +736,8 @@ class StoreServer:
             )
         if isinstance(exc, StoreError):
             return RpcError(jsonrpc.INTERNAL_ERROR, f"the memory store: {exc}")
+        if isinstance(exc, DatabaseUnavailable):
+            return DATABASE_AWAY
         return exc
 
     def _embed_later(self, ids: list[str]) -> None:
@@ -755,6 +762,8 @@ class StoreServer:
                 embedded = await loop.run_in_executor(
                     self._embed_executor, self.store.fill_missing, batch
                 )
+            except DatabaseUnavailable:
+                continue  # said once per outage; found by their words, embedded at next start
             except Exception:
                 logger.warning("memory store: embedding new memories failed", exc_info=True)
                 continue
@@ -789,6 +798,8 @@ class StoreServer:
                 done,
                 time.perf_counter() - started,
             )
+        except DatabaseUnavailable:
+            pass  # said once per outage
         except Exception:
             logger.warning("memory store: embedding stored nodes failed", exc_info=True)
 
@@ -796,8 +807,8 @@ class StoreServer:
         """One WAL checkpoint (worker thread); a failure is logged, the next one retries."""
         try:
             self.store.checkpoint()
-        except sqlite3.Error as exc:
-            # A disk that takes no writes is said by the stores themselves.
+        except (sqlite3.Error, DatabaseUnavailable) as exc:
+            # A disk that takes no writes, or a database away, is said by the stores.
             logger.debug("memory store checkpoint failed: %s", exc)
         except Exception:
             logger.warning("memory store checkpoint failed", exc_info=True)

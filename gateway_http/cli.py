@@ -50,6 +50,8 @@ logger = logging.getLogger("arona_gateway")
 
 DEV_SECRETS_FILE = "dev-secrets.json"
 STORE_DB_FILE = "memory.db"
+# The store's memories in PostgreSQL with pgvector (arona_store.pg) instead of STORE_DB_FILE.
+STORE_DATABASE_ENV = "ARONA_STORE_DATABASE_URL"
 STORE_DEFAULT_PORT = 8424
 HTTP_GRACE_S = 10.0
 GRPC_GRACE_S = 5.0
@@ -341,15 +343,29 @@ def forget_live_metrics() -> None:
 
 @contextlib.asynccontextmanager
 async def embedded_store(
-    db_path: Path, token: str, host: str, port: int, ranking: Ranking
+    db_path: Path,
+    token: str,
+    host: str,
+    port: int,
+    ranking: Ranking,
+    database_url: str | None = None,
 ) -> AsyncIterator[str]:
-    """Run the embedded Philia-compatible store; yields its URL (without the token)."""
+    """Run the embedded Philia-compatible store (its memories in ``db_path``, or in the
+    PostgreSQL database at ``database_url``); yields its URL (without the token)."""
+    from arona_grpc.database import DatabaseUnavailable, SchemaRefused
     from arona_store.server import StoreServer
 
     try:
         store = await StoreServer.start(
-            db_path=db_path, token=token, host=host, port=port, ranking=ranking
+            db_path=db_path,
+            token=token,
+            host=host,
+            port=port,
+            ranking=ranking,
+            database_url=database_url,
         )
+    except (DatabaseUnavailable, SchemaRefused) as exc:
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     try:
@@ -561,9 +577,13 @@ async def _store(env: Mapping[str, str], host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     ranking = ranking_from_env(env)
-    async with embedded_store(data_dir / STORE_DB_FILE, token, host, port, ranking) as url:
+    database_url = env.get(STORE_DATABASE_ENV, "").strip() or None
+    where = redact_url(database_url) if database_url else str(data_dir / STORE_DB_FILE)
+    async with embedded_store(
+        data_dir / STORE_DB_FILE, token, host, port, ranking, database_url
+    ) as url:
         settle_gc()
-        print(f"embedded memory store on {url} (database {data_dir / STORE_DB_FILE})", flush=True)
+        print(f"embedded memory store on {url} (database {where})", flush=True)
         await stop.wait()
 
 
@@ -637,7 +657,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
-    store = sub.add_parser("store", help="run the embedded Philia-compatible store alone")
+    store = sub.add_parser(
+        "store",
+        help="run the embedded Philia-compatible store alone (its memories in PostgreSQL "
+        f"with {STORE_DATABASE_ENV})",
+    )
     store.add_argument("--host", default="127.0.0.1")
     store.add_argument("--port", type=int, default=STORE_DEFAULT_PORT)
     token = sub.add_parser("token", help="mint a JWT for the JSON-RPC surface")

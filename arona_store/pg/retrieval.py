@@ -99,9 +99,9 @@ def snapshot_reader(url: str) -> Any:
     only): a recall's, or the word engine's; end each with ``rollback()``."""
     from psycopg import IsolationLevel
 
-    from arona_store.pg.schema import connect
+    from arona_store.pg.schema import open_connection
 
-    conn = connect(url)
+    conn = open_connection(url)
     conn.isolation_level = IsolationLevel.REPEATABLE_READ
     conn.read_only = True
     return conn

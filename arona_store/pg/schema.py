@@ -91,16 +91,23 @@ NO_PGVECTOR = (
 )
 
 
+def open_connection(url: str, **options: Any) -> Any:
+    """A psycopg connection to ``url`` (autocommit off); psycopg's error if it cannot be
+    made."""
+    import psycopg
+
+    return psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, **options)
+
+
 def connect(url: str, **options: Any) -> Any:
-    """A psycopg connection to ``url`` (autocommit off), vectors adapted;
-    :class:`DatabaseUnavailable` without the URL's credentials when it cannot be made."""
+    """:func:`open_connection` at a start: :class:`DatabaseUnavailable` without the URL's
+    credentials when it cannot be made."""
     import psycopg
 
     try:
-        conn = psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, **options)
+        return open_connection(url, **options)
     except psycopg.Error as exc:
         raise _unavailable(url, exc) from None
-    return conn
 
 
 def migrate(url: str) -> list[Migration]:

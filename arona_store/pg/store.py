@@ -37,6 +37,7 @@ from arona_store.base import StoreBase, hit
 from arona_store.hybrid import vector_model_id
 from arona_store.nodes import MemoryHit, Row
 from arona_store.pg import schema
+from arona_store.pg.link import Link
 from arona_store.pg.retrieval import (
     PgDocuments,
     PgNodes,
@@ -92,7 +93,7 @@ class PgMemoryStore(StoreBase):
     """Nodes persisted in PostgreSQL, recalled by words, context and meaning. Thread-safe; use
     :meth:`open`."""
 
-    def __init__(self, url: str, writer: Any, reader: Any, embedder: Embedder | None) -> None:
+    def __init__(self, url: str, writer: Link, reader: Link, embedder: Embedder | None) -> None:
         self._writer = writer  # writes, behind _lock
         self._reader = reader  # recalls, behind _read_lock
         self.backend = "postgresql"
@@ -126,11 +127,11 @@ class PgMemoryStore(StoreBase):
                 f"the model gives {embedder.dimension}"
             )
         schema.migrate(url)
-        writer = schema.connect(url)
+        writer = Link(url, schema.open_connection)
+        reader = Link(url, snapshot_reader)
         try:
             if embedder is not None:
                 _prepare_vectors(writer, vector_model_id(embedder))
-            reader = snapshot_reader(url)
         except BaseException:
             writer.close()
             raise
@@ -153,8 +154,7 @@ class PgMemoryStore(StoreBase):
             return None
         try:
             self._check_open()
-            conn = self._writer
-            with conn.transaction():
+            with self._writer.transaction() as conn:
                 if wait:
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.WRITE_LOCK,))
                 else:
@@ -170,7 +170,7 @@ class PgMemoryStore(StoreBase):
     def _put_vectors(self, pairs: list[tuple[bytes, str]]) -> None:
         with self._lock:
             self._check_open()
-            with self._writer.transaction(), self._writer.cursor() as cursor:
+            with self._writer.transaction() as conn, conn.cursor() as cursor:
                 cursor.executemany(
                     _PUT_VECTOR, [(halfvec_text(vec), node_id) for vec, node_id in pairs]
                 )
@@ -221,8 +221,7 @@ class PgMemoryStore(StoreBase):
         write-ahead log until it is recycled (see the README on erasure)."""
         with self._lock:
             self._check_open()
-            conn = self._writer
-            with conn.transaction():
+            with self._writer.transaction() as conn:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.WRITE_LOCK,))
                 return [
                     conn.execute(
@@ -241,8 +240,8 @@ class PgMemoryStore(StoreBase):
         """Prune the change log to its last :data:`KEEP_CHANGES` changes."""
         with self._lock:
             self._check_open()
-            with self._writer.transaction():
-                self._writer.execute(
+            with self._writer.transaction() as conn:
+                conn.execute(
                     "DELETE FROM memory_changes"
                     " WHERE change <= (SELECT max(change) FROM memory_changes) - %s",
                     (KEEP_CHANGES,),
@@ -261,10 +260,10 @@ class PgMemoryStore(StoreBase):
         logger.info("memory store closed")
 
 
-def _prepare_vectors(conn: Any, model_id: str) -> None:
+def _prepare_vectors(writer: Link, model_id: str) -> None:
     """Drop the stored vectors if they come from another model than ``model_id`` (the
     background fill embeds the nodes again), and record the model."""
-    with conn.transaction():
+    with writer.transaction() as conn:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.WRITE_LOCK,))
         row = conn.execute("SELECT value FROM memory_meta WHERE key = 'vector_model'").fetchone()
         if row is not None and row[0] == model_id:

@@ -229,6 +229,7 @@ class WordEngine:
         self._flush = False
         self._wake = threading.Event()
         self._stopping = False
+        self._failing = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -304,9 +305,15 @@ class WordEngine:
                     self._build()
                 elif due:
                     self._refresh()
+                self._failing = False
             except Exception:
-                # The recall proposes its candidates with FTS5 meanwhile; try again later.
-                logger.warning("memory store: the word index could not be updated", exc_info=True)
+                # The recall proposes its candidates with FTS5 meanwhile; try again later (said
+                # once until it works again).
+                if not self._failing:
+                    logger.warning(
+                        "memory store: the word index could not be updated", exc_info=True
+                    )
+                self._failing = True
                 with self._lock:
                     self._searcher = None
                     self._rebuild = True
@@ -356,8 +363,15 @@ class WordEngine:
             index = self._index
         if index is None or not keys:
             return
-        with self._snapshots() as snapshot:
-            documents = snapshot.of(keys)
+        try:
+            with self._snapshots() as snapshot:
+                documents = snapshot.of(keys)
+        except Exception:
+            # The database is away (the store says so once): the keys stay dirty, each recall
+            # reading them from its own snapshot, and come in at a later refresh.
+            logger.debug("memory store: the word index waits for the database", exc_info=True)
+            self._wake.wait(REFRESH_S)
+            return
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key in keys:
             writer.delete_documents_by_term("seq", key)

@@ -127,12 +127,14 @@ class _Part:
 
 @dataclass
 class Store(_Part):
-    """The embedded store on a fixed port, its database in ``data_dir``."""
+    """The embedded store on a fixed port, its database in ``data_dir`` (or in PostgreSQL at
+    ``database_url``)."""
 
     data_dir: Path
     logs: Path
     port: int = field(default_factory=free_port)
     child: Child | None = None
+    database_url: str | None = None
 
     @property
     def url(self) -> str:
@@ -149,6 +151,7 @@ class Store(_Part):
                 "ARONA_MEMORY_TOKEN": TOKEN,
                 "ARONA_STORE_RANKING": "lexical",
                 "ARONA_LOG_LEVEL": "info",
+                **({"ARONA_STORE_DATABASE_URL": self.database_url} if self.database_url else {}),
             }
         )
         argv = [COMMAND, "store", "--host", "127.0.0.1", "--port", str(self.port)]

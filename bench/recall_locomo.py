@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import re
@@ -67,7 +69,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -411,9 +413,44 @@ def wait_for_vectors(db: Path) -> None:
             time.sleep(0.2)
 
 
-def start_stack(work: Path, ranking: str | None) -> tuple[Proc, str]:
-    """``arona-gateway up`` in a fresh data folder, users' memories kept apart; its gRPC
-    target."""
+def wait_for_pg_vectors(url: str) -> None:
+    """:func:`wait_for_vectors` for a store on PostgreSQL at ``url``."""
+    from arona_store.pg.schema import connect
+
+    deadline = time.monotonic() + EMBED_MAX_S
+    with connect(url, autocommit=True) as conn:
+        while True:
+            (left,) = conn.execute(
+                "SELECT count(*) FROM memory_nodes WHERE embedding IS NULL"
+            ).fetchone()
+            if left == 0:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{left} turns still without a vector after {EMBED_MAX_S:.0f} s")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    """A new database on the PostgreSQL server at ``server_url`` (dropped after); its URL."""
+    from arona_store.pg.schema import connect
+
+    name = f"locomo_{os.getpid()}_{int(time.time() * 1000)}"
+    with connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    base, _, _ = server_url.rpartition("/")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def start_stack(
+    work: Path, ranking: str | None, database_url: str | None = None
+) -> tuple[Proc, str]:
+    """``arona-gateway up`` in a fresh data folder, users' memories kept apart (in
+    PostgreSQL at ``database_url`` when given); its gRPC target."""
     env = {
         "ARONA_DATA_DIR": str(work / "data"),
         "ARONA_HTTP_PORT": "0",
@@ -423,6 +460,8 @@ def start_stack(work: Path, ranking: str | None) -> tuple[Proc, str]:
     }
     if ranking is not None:
         env["ARONA_STORE_RANKING"] = ranking
+    if database_url is not None:
+        env["ARONA_STORE_DATABASE_URL"] = database_url
     proc = Proc(
         "gateway",
         [sys.executable, "-m", "gateway_http.cli", "up"],
@@ -440,7 +479,7 @@ async def _grpc_run(
     condition: str,
     progress: bool,
     public: Sequence[str],
-    db: Path,
+    wait_embedded: Callable[[], None],
 ) -> Run:
     import grpc
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -473,7 +512,7 @@ async def _grpc_run(
         started = time.perf_counter()
         await asyncio.gather(*(write(c) for c in conversations))
         run.write_s = time.perf_counter() - started
-        await asyncio.to_thread(wait_for_vectors, db)
+        await asyncio.to_thread(wait_embedded)
         run.embed_wait_s = time.perf_counter() - started - run.write_s
         for index, conversation in enumerate(conversations):
             texts = TextMap(conversation)
@@ -531,12 +570,18 @@ def grpc_run(
     ranking: str | None,
     progress: bool,
     public: Sequence[str] = (),
+    server_url: str | None = None,
 ) -> Run:
-    with tempfile.TemporaryDirectory(prefix="arona-locomo-") as tmp:
-        proc, target = start_stack(Path(tmp), ranking)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="arona-locomo-"))
+        url = None if server_url is None else stack.enter_context(fresh_database(server_url))
+        proc, target = start_stack(Path(tmp), ranking, url)
         db = Path(tmp) / "data" / "memory.db"
+        wait = functools.partial(wait_for_vectors, db)
+        if url is not None:
+            wait = functools.partial(wait_for_pg_vectors, url)
         try:
-            return asyncio.run(_grpc_run(conversations, target, condition, progress, public, db))
+            return asyncio.run(_grpc_run(conversations, target, condition, progress, public, wait))
         finally:
             proc.stop()
 
@@ -714,6 +759,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--direct", action="store_true", help="a store in this process, no gRPC")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
+        "--store-database-url",
+        metavar="URL",
+        help="through gRPC, the store on PostgreSQL with pgvector: a server URL (a database"
+        " is made on it for each run, dropped after)",
+    )
+    parser.add_argument(
         "--buried",
         type=int,
         metavar="N",
@@ -761,9 +812,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         via = "a store in this process"
     else:
         runs = [
-            grpc_run(conversations, c, args.ranking, not args.quiet, public) for c in conditions
+            grpc_run(
+                conversations, c, args.ranking, not args.quiet, public, args.store_database_url
+            )
+            for c in conditions
         ]
-        via = "through gRPC Writeback and Recall, `arona-gateway up`"
+        via = "through gRPC Writeback and Recall, `arona-gateway up`" + (
+            ", the store on PostgreSQL (pgvector)" if args.store_database_url else ""
+        )
     text = report(runs, ranking, via, None if args.unrelated is None else args.unrelated.name)
     print(text, end="")
     if args.out is not None:

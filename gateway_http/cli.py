@@ -486,7 +486,12 @@ async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> N
             token = env.get("ARONA_MEMORY_TOKEN", "").strip() or dev["memory_token"]
             store_url = await stack.enter_async_context(
                 embedded_store(
-                    data_dir / STORE_DB_FILE, token, "127.0.0.1", 0, ranking_from_env(env)
+                    data_dir / STORE_DB_FILE,
+                    token,
+                    "127.0.0.1",
+                    0,
+                    ranking_from_env(env),
+                    env.get(STORE_DATABASE_ENV, "").strip() or None,
                 )
             )
             env["ARONA_MEMORY_URL"] = store_url

@@ -105,7 +105,7 @@ class PgMemoryStore(StoreBase):
             engine,
             EngineWords(PgWords(self._pg_nodes), PgDocuments(reader), engine),
             embedder,
-            PgVectors(reader),
+            PgVectors(reader, self._pg_nodes),
         )
         self._upkeep = threading.Lock()
 

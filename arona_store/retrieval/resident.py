@@ -70,6 +70,10 @@ class KeyTable:
         if not keys:
             del self._keys[node_type]
 
+    def count_of(self, node_type: str) -> int:
+        """How many nodes of ``node_type`` are held."""
+        return len(self._keys.get(node_type, ()))
+
     def type_of(self, seq: int) -> str | None:
         """The node type of the node at ``seq``; None when none is there."""
         return self._type_of.get(seq)

@@ -205,7 +205,9 @@ def test_a_small_scope_gets_all_of_its_nearest_vectors(store_database_url: str) 
             )
     reader = snapshot_reader(store_database_url)
     try:
-        search = PgVectors(reader)
+        nodes = PgNodes(reader)
+        nodes.sync()
+        search = PgVectors(reader, nodes)
         query = vectors[100] + 0.1 * vectors[3]
         query /= np.linalg.norm(query)
         found = search.top_nodes(query, 8, "episode:small")

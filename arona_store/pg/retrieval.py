@@ -73,8 +73,13 @@ _COSINES_OF = (
     "SELECT id, 1 - (embedding <=> %s::halfvec) FROM memory_nodes"
     " WHERE id = ANY(%s) AND embedding IS NOT NULL"
 )
-# Candidates an HNSW scan keeps (pgvector's default is 40): at least the nodes asked for.
-EF_SEARCH_MIN = 100
+# Candidates an HNSW scan keeps (pgvector's default is 40; more for a search of more than half
+# as many).
+EF_SEARCH = 100
+# What each reader connection sets once: a scope's filter is applied after the index is
+# scanned, so an iterative scan goes on until k nodes of the scope are found (bounded by
+# hnsw.max_scan_tuples).
+READER_SETTINGS = f"SET hnsw.iterative_scan = strict_order; SET hnsw.ef_search = {EF_SEARCH}"
 # A scope of up to this many memories is searched exactly, every vector compared (about a
 # millisecond for 2,000): an approximate index scan filtered to a small scope may miss some of
 # its nearest, however far it iterates.
@@ -82,8 +87,8 @@ EXACT_SCOPE = 2_000
 
 
 def vector_text(vector: Vector) -> str:
-    """A vector in pgvector's text form."""
-    return "[" + ",".join(f"{x:.7g}" for x in vector.tolist()) + "]"
+    """A vector in pgvector's text form (a Python list's is one: ``[0.5, -0.25]``)."""
+    return str(vector.tolist())
 
 
 class PgDocuments:
@@ -113,7 +118,9 @@ def snapshot_reader(url: str) -> Any:
 
     from arona_store.pg.schema import open_connection
 
-    conn = open_connection(url)
+    conn = open_connection(url, autocommit=True)
+    conn.execute(READER_SETTINGS)
+    conn.autocommit = False
     conn.isolation_level = IsolationLevel.REPEATABLE_READ
     conn.read_only = True
     return conn
@@ -237,6 +244,14 @@ class PgVectors:
     def __init__(self, reader: Any, nodes: KeyTable) -> None:
         self._reader = reader
         self._nodes = nodes
+        # The last query's text form: a recall searches and then scores with one vector.
+        self._query: Vector | None = None
+        self._query_text = ""
+
+    def _text(self, query: Vector) -> str:
+        if query is not self._query:
+            self._query, self._query_text = query, vector_text(query)
+        return self._query_text
 
     def top_nodes(
         self, query: Vector, k: int, node_type: str | None = None
@@ -245,22 +260,18 @@ class PgVectors:
             return []
         if node_type is not None and self._nodes.count_of(node_type) <= EXACT_SCOPE:
             rows = self._reader.execute(
-                _NEAREST_IN_SCOPE, {"q": vector_text(query), "k": k, "t": node_type}
+                _NEAREST_IN_SCOPE, {"q": self._text(query), "k": k, "t": node_type}
             )
             return [(float(cosine), str(node_id)) for node_id, cosine in rows]
-        # A scope's filter is applied after the index is scanned: an iterative scan goes on
-        # until k nodes of the scope are found (bounded by hnsw.max_scan_tuples).
-        self._reader.execute(
-            "SET LOCAL hnsw.iterative_scan = strict_order;"
-            f" SET LOCAL hnsw.ef_search = {max(EF_SEARCH_MIN, 2 * k)}"
-        )
+        if 2 * k > EF_SEARCH:
+            self._reader.execute(f"SET LOCAL hnsw.ef_search = {2 * k}")
         sql = _NEAREST.format(scope=" AND node_type = %(t)s" if node_type is not None else "")
-        rows = self._reader.execute(sql, {"q": vector_text(query), "k": k, "t": node_type})
+        rows = self._reader.execute(sql, {"q": self._text(query), "k": k, "t": node_type})
         return [(float(cosine), str(node_id)) for node_id, cosine in rows]
 
     def cosines(self, query: Vector, node_ids: list[str]) -> list[float | None]:
         if not node_ids:
             return []
-        rows = self._reader.execute(_COSINES_OF, (vector_text(query), node_ids))
+        rows = self._reader.execute(_COSINES_OF, (self._text(query), node_ids))
         found = {str(node_id): float(cosine) for node_id, cosine in rows}
         return [found.get(node_id) for node_id in node_ids]

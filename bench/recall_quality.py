@@ -17,14 +17,17 @@ The ``hybrid`` rows need the ``semantic`` extra; without it they are reported as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from arona_store.ranking import semantic_available
+from arona_store.base import StoreBase
+from arona_store.ranking import Ranking, semantic_available
 from arona_store.store import MemoryStore, NewNode
 
 RESULTS = Path(__file__).parent / "results" / "recall_quality.md"
@@ -358,10 +361,32 @@ def _fact_with(word: str) -> str:
     return next(fact for fact, _, _ in ITEMS if word in fact)
 
 
-def _store(path: Path, ranking: str, distractors: bool = True) -> MemoryStore:
+# Opens a fresh store: (a name for it, its ranking) -> the store.
+Opener = Callable[[str, Ranking], StoreBase]
+
+
+def sqlite_stores(workdir: Path) -> Opener:
+    """Embedded stores, each a file under ``workdir``."""
+    return lambda name, ranking: MemoryStore.open(workdir / f"{name}.db", ranking=ranking)
+
+
+def postgresql_stores(server_url: str, stack: contextlib.ExitStack) -> Opener:
+    """Stores on PostgreSQL, each in a database of its own on ``server_url`` (dropped when
+    ``stack`` closes)."""
+    from arona_store.pg.store import PgMemoryStore
+    from bench.recall_locomo import fresh_database
+
+    def open_store(name: str, ranking: Ranking) -> StoreBase:
+        url = stack.enter_context(fresh_database(server_url))
+        return PgMemoryStore.open(url, ranking=ranking)
+
+    return open_store
+
+
+def _store(opener: Opener, name: str, ranking: str, distractors: bool = True) -> StoreBase:
     """A fresh ``ranking`` store of the facts, each followed by its distractor, then the
     Chinese and Japanese memories; ``distractors=False``: the facts alone."""
-    store = MemoryStore.open(path, ranking="hybrid" if ranking == "hybrid" else "lexical")
+    store = opener(name, "hybrid" if ranking == "hybrid" else "lexical")
     nodes: list[NewNode] = []
     for fact, _, distractor in ITEMS:
         nodes.append(NewNode(text=fact, created_at=NOW - AGE_S))
@@ -377,10 +402,10 @@ def _store(path: Path, ranking: str, distractors: bool = True) -> MemoryStore:
     return store
 
 
-def evaluate(ranking: str, workdir: Path) -> Quality:
-    """Load the facts into a fresh ``ranking`` store under ``workdir`` and ask every question."""
+def evaluate(ranking: str, opener: Opener) -> Quality:
+    """Load the facts into a fresh ``ranking`` store and ask every question."""
     started = time.perf_counter()
-    store = _store(workdir / f"recall-quality-{ranking}.db", ranking)
+    store = _store(opener, f"recall-quality-{ranking}", ranking)
     try:
         first = third = 0
         fact_scores: list[float] = []
@@ -408,7 +433,7 @@ def evaluate(ranking: str, workdir: Path) -> Quality:
         )
     finally:
         store.close()
-    alone = _store(workdir / f"recall-quality-{ranking}-alone.db", ranking, distractors=False)
+    alone = _store(opener, f"recall-quality-{ranking}-alone", ranking, distractors=False)
     try:
         alone_first = sum(
             bool(hits) and hits[0].text == fact
@@ -450,25 +475,42 @@ def table(results: list[Quality]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(rankings: list[str], workdir: Path | None = None) -> list[Quality]:
-    """Evaluate each of ``rankings`` (in a temporary folder unless ``workdir`` is given)."""
-    if workdir is not None:
-        return [evaluate(r, workdir) for r in rankings]
-    with tempfile.TemporaryDirectory(prefix="arona-recall-quality-") as tmp:
-        return [evaluate(r, Path(tmp)) for r in rankings]
+def run(
+    rankings: list[str], workdir: Path | None = None, server_url: str | None = None
+) -> list[Quality]:
+    """Evaluate each of ``rankings`` (in a temporary folder unless ``workdir`` is given; on
+    the PostgreSQL server at ``server_url`` when given)."""
+    with contextlib.ExitStack() as stack:
+        if server_url is not None:
+            opener = postgresql_stores(server_url, stack)
+        else:
+            if workdir is None:
+                workdir = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix="arona-recall-quality-"))
+                )
+            opener = sqlite_stores(workdir)
+        return [evaluate(r, opener) for r in rankings]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recall_quality", description=__doc__)
     parser.add_argument("--out", type=Path, default=RESULTS, help="Markdown file to write")
+    parser.add_argument(
+        "--store-database-url",
+        metavar="URL",
+        help="the stores on PostgreSQL with pgvector: a server URL (a database is made on it"
+        " for each store, dropped after)",
+    )
     args = parser.parse_args(argv)
     rankings = ["lexical"]
     if semantic_available():
         rankings.append("hybrid")
     else:
         print("hybrid: not run (the semantic extra is not installed)", file=sys.stderr)
-    results = run(rankings)
+    results = run(rankings, server_url=args.store_database_url)
     text = table(results)
+    if args.store_database_url:
+        text += "\nEach store on PostgreSQL with pgvector (`--store-database-url`).\n"
     print(text, end="")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("# Recall quality\n\n" + text)

@@ -202,10 +202,10 @@ class PgNodes(KeyTable):
 
 
 class PgWords:
-    """What answers for the word engine before it is built, and for the character pairs of
-    Chinese, Japanese and Korean text, which the store on PostgreSQL does not index: nothing
-    matches (a recall then finds such memories by meaning only). The node count is the node
-    table's."""
+    """What answers for the word engine before it is built (the store on PostgreSQL builds it
+    before it answers, and again only after the change log was pruned past a lagging process):
+    nothing matches meanwhile (a recall finds memories by meaning only). The node count is the
+    node table's."""
 
     def __init__(self, nodes: PgNodes) -> None:
         self._nodes = nodes

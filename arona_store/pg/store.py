@@ -18,8 +18,9 @@ processes serve the same memories:
   none of them.
 
 The ranking is the embedded store's, over the same interfaces (:mod:`arona_store.base`), so the
-same memories rank the same on both backends. Not on PostgreSQL yet: the index of Chinese,
-Japanese and Korean character pairs (such memories are found by meaning and by whole words).
+same memories rank the same on both backends; the character pairs of Chinese, Japanese and
+Korean text, an FTS5 index of their own in the embedded store, are a field of the word engine
+here.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class PgMemoryStore(StoreBase):
         super().__init__(
             self._pg_nodes,
             engine,
-            EngineWords(PgWords(self._pg_nodes), PgDocuments(reader), engine),
+            EngineWords(PgWords(self._pg_nodes), PgDocuments(reader), engine, pairs=True),
             embedder,
             PgVectors(reader, self._pg_nodes),
         )

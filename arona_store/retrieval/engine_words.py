@@ -7,7 +7,8 @@ the words each holds, a word's document count. Each of these is one search of th
 (block-max WAND for the best matches), whatever the store's size; FTS5's ``bm25()`` first
 counted every match of every word across the whole index in each statement (about 14 ms a
 recall at 100,000 memories). The character pairs of Chinese, Japanese and Korean text
-(``pairs``) stay with FTS5.
+(``pairs``) stay with FTS5 in the embedded store; the engine indexes them too, and the store on
+PostgreSQL (which has no FTS5) scores them there, with the same formula.
 
 The scores are tantivy's BM25 (k1 1.2, b 0.75, document lengths in tantivy's one-byte buckets)
 with FTS5's IDF, ``ln((N - n + 0.5) / (n + 0.5))`` and at least 1e-6 (:func:`fts5_idf`): each
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import tantivy
 
+from arona_store.cjk import cjk_index_text
 from arona_store.retrieval import Field, WordIndex
 from arona_store.retrieval.tantivy_index import (
     K1,
@@ -67,10 +69,16 @@ class EngineWords:
     """:class:`~arona_store.retrieval.WordIndex` over the word engine, the dirty keys read from
     the snapshot of one connection (module docstring)."""
 
-    def __init__(self, fts: WordIndex, documents: Documents, engine: WordEngine) -> None:
-        """``fts``: what answers until the engine is built, and the character pairs;
-        ``documents``: the recall's snapshot, where dirty keys are read."""
+    def __init__(
+        self, fts: WordIndex, documents: Documents, engine: WordEngine, *, pairs: bool = False
+    ) -> None:
+        """``fts``: what answers until the engine is built, and the character pairs unless
+        ``pairs`` (then the engine's); ``documents``: the recall's snapshot, where dirty keys
+        are read."""
         self._fts = fts
+        self._fields: frozenset[Field] = frozenset(
+            ("turn", "context", "pairs") if pairs else ("turn", "context")
+        )
         self._snapshot = documents
         self._engine = engine
         self._analyzer = engine.analyzer
@@ -113,6 +121,7 @@ class EngineWords:
             analysed = {
                 "turn": self._analyzer.analyze(text),
                 "context": self._analyzer.analyze(context),
+                "pairs": (cjk_index_text(text) or "").split(),
             }
             self._overlay[key] = (
                 view.dirty[key],
@@ -128,9 +137,9 @@ class EngineWords:
 
     def count(self, field: Field, word: str) -> int:
         view = self._view
-        if view is None or field == "pairs":
+        if view is None or field not in self._fields:
             return self._fts.count(field, word)
-        tokens = self._tokens_of(word)
+        tokens = self._terms([word], field)
         if not tokens:
             return 0
         # The engine's count with the dirty memories', which it may not count yet; it counts
@@ -146,9 +155,9 @@ class EngineWords:
         counts: Mapping[str, int] | None = None,
     ) -> dict[int, float]:
         view = self._view
-        if view is None or field == "pairs":
+        if view is None or field not in self._fields:
             return self._fts.top(field, words, depth, node_type, counts)
-        terms = self._terms(words)
+        terms = self._terms(words, field)
         if not terms:
             return {}
         query = self._matching(view, field, terms)
@@ -188,9 +197,9 @@ class EngineWords:
 
     def scores(self, field: Field, words: Sequence[str], seqs: Sequence[int]) -> dict[int, float]:
         view = self._view
-        if view is None or field == "pairs":
+        if view is None or field not in self._fields:
             return self._fts.scores(field, words, seqs)
-        terms = self._terms(words)
+        terms = self._terms(words, field)
         if not terms or not seqs:
             return {}
         clean = [seq for seq in seqs if seq not in view.dirty]
@@ -362,8 +371,10 @@ class EngineWords:
             tokens = self._tokens[word] = self._analyzer.analyze(word)
         return tokens
 
-    def _terms(self, words: Sequence[str]) -> list[str]:
-        """The distinct tokens of ``words``."""
+    def _terms(self, words: Sequence[str], field: Field = "turn") -> list[str]:
+        """The distinct tokens of ``words`` in ``field`` (character pairs are their own)."""
+        if field == "pairs":
+            return list(dict.fromkeys(words))
         return list(dict.fromkeys(token for word in words for token in self._tokens_of(word)))
 
 

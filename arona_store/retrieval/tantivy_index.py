@@ -44,6 +44,7 @@ from typing import Protocol
 
 import tantivy
 
+from arona_store.cjk import cjk_index_text
 from arona_store.retrieval import Field
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,6 @@ TIE_MARGIN = 2
 # The memory tantivy's writer may use before it writes a segment (bytes; its floor is 15 MB).
 WRITER_HEAP = 50_000_000
 
-_FIELD: dict[Field, str] = {"turn": "turn", "context": "context"}
 # Newest first, as _ALL_NODES.
 _NODES_OF = (
     "SELECT seq, node_type, text FROM nodes WHERE seq IN (SELECT value FROM json_each(?))"
@@ -169,6 +169,10 @@ _ALL_CONTEXTS = "SELECT rowid, text FROM nodes_ctx"
 # The words of a memory: runs of letters and digits (as FTS5's unicode61 and
 # arona_store.words.WORD), lower-cased, accents folded, English-stemmed (Snowball).
 TOKENIZER = "arona_words"
+# The character pairs of its Chinese, Japanese and Korean text (arona_store.cjk), as they are.
+PAIRS_TOKENIZER = "arona_pairs"
+# The fields a document holds, each scored by BM25 (EngineWords).
+FIELDS: tuple[Field, ...] = ("turn", "context", "pairs")
 
 
 def analyzer() -> tantivy.TextAnalyzer:
@@ -183,12 +187,19 @@ def analyzer() -> tantivy.TextAnalyzer:
     )
 
 
+def pairs_analyzer() -> tantivy.TextAnalyzer:
+    """What the ``pairs`` field goes through (:data:`PAIRS_TOKENIZER`): the pairs are written
+    lower-cased and space-separated (:func:`arona_store.cjk.cjk_index_text`)."""
+    return tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.whitespace()).build()
+
+
 def _schema() -> tantivy.Schema:
     builder = tantivy.SchemaBuilder()
     builder.add_integer_field("seq", indexed=True, fast=True)
     builder.add_text_field("node_type", tokenizer_name="raw", index_option="basic")
     builder.add_text_field("turn", tokenizer_name=TOKENIZER, index_option="freq")
     builder.add_text_field("context", tokenizer_name=TOKENIZER, index_option="freq")
+    builder.add_text_field("pairs", tokenizer_name=PAIRS_TOKENIZER, index_option="freq")
     return builder.build()
 
 
@@ -329,9 +340,10 @@ class WordEngine:
             self._rebuild = False
         index = tantivy.Index(self._schema)
         index.register_tokenizer(TOKENIZER, self.analyzer)
+        index.register_tokenizer(PAIRS_TOKENIZER, pairs_analyzer())
         writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
         for key, text in PROBES:
-            writer.add_document(self._document(key, PROBE_TYPE, text, text))
+            writer.add_document(self._document(key, PROBE_TYPE, text, text, pairs=text))
         with self._snapshots() as documents:
             count = 0
             for seq, node_type, text, context in documents.all():
@@ -395,7 +407,7 @@ class WordEngine:
         lengths 1 and 4, each holding the probe word once): ``1 / score = a + b * length``."""
         average: dict[str, float] = {}
         total = searcher.num_docs
-        for field in ("turn", "context"):
+        for field in FIELDS:
             query = tantivy.Query.term_query(self.schema, field, PROBE_WORD)
             hits = searcher.search(query, 2, count=False).hits
             keys = searcher.fast_field_values("seq", [address for _, address in hits])
@@ -424,10 +436,13 @@ class WordEngine:
             self._first_dirty = time.monotonic()
         self._cleaned.notify_all()
 
-    def _document(self, seq: int, node_type: str, text: str, context: str) -> tantivy.Document:
+    def _document(
+        self, seq: int, node_type: str, text: str, context: str, pairs: str | None = None
+    ) -> tantivy.Document:
         document = tantivy.Document()
         document.add_integer("seq", int(seq))
         document.add_text("node_type", node_type)
         document.add_text("turn", text)
         document.add_text("context", context)
+        document.add_text("pairs", cjk_index_text(text) or "" if pairs is None else pairs)
         return document

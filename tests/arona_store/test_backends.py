@@ -148,3 +148,11 @@ def test_hybrid_finds_a_paraphrase_once_its_vector_lands(opener: Opener) -> None
     assert store.unembedded() == 0
     hits = store.query("Does my kid have any food allergy?", 3, now=NOW)
     assert hits and hits[0].node_id == ids[2]
+
+
+def test_chinese_and_japanese_are_found_by_their_character_pairs(opener: Opener) -> None:
+    store = opener("lexical")
+    tea, cat, run = "我最喜欢的茶是乌龙茶。", "私の猫の名前はタマです。", "我每天早上跑步。"
+    _load(store, [tea, cat, run, *FACTS])
+    assert [h.text for h in store.query("你喜欢什么茶？", 3, now=NOW)][:1] == [tea]
+    assert [h.text for h in store.query("猫の名前は？", 3, now=NOW)][:1] == [cat]

@@ -6,9 +6,12 @@ on a real PostgreSQL with pgvector, spoken to over the wire.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import re
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +19,18 @@ from typing import Any
 import pytest
 
 from tests.arona_store.conftest import StoreClient
-from tests.faults.processes import COMMAND, TOKEN, Store
+from tests.faults.processes import COMMAND, TOKEN, Gateway, Load, Store
 from tests.faults.test_store_kill import connected
 from tests.support.postgres import PgCluster, pg_cluster, pgvector_binaries
 
 pytestmark = pytest.mark.timeout(180)
+
+# The load of the database restart: turns a second, clients, how long the database is away,
+# and how long the outbox may take to replay (tenfold for a loaded 2-core machine).
+RATE = 30.0
+CONCURRENCY = 6
+DOWN_S = 4.0
+DRAIN_S = 120.0
 
 STORE = "Sync.MemoryStoreRequest"
 QUERY = "Sync.MemoryQueryRequest"
@@ -140,3 +150,53 @@ def test_a_database_without_pgvector_stops_the_start_with_one_line(
     assert len(errors) == 1, done.stderr
     assert errors[0].startswith("arona-gateway: error: ")
     assert "install pgvector" in errors[0]
+
+
+async def _stored_words(url: str) -> set[str]:
+    """The user side of every memory in the store's database (read from PostgreSQL)."""
+    from arona_store.pg.schema import connect
+
+    def read() -> set[str]:
+        with connect(url) as conn:
+            texts = [row[0] for row in conn.execute("SELECT text FROM memory_nodes")]
+        return {m.group(1) for text in texts if (m := re.match(r"User: (\S+)", text))}
+
+    return await asyncio.to_thread(read)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_a_database_restart_under_load_fails_no_turn_and_loses_no_answered_one(
+    tmp_path: Path, own_cluster: PgCluster
+) -> None:
+    url = own_cluster.create_database()
+    store = Store(tmp_path / "store", tmp_path / "logs", database_url=url)
+    gateway = Gateway(tmp_path / "gateway", tmp_path / "logs", store.url)
+    await store.start()
+    await gateway.start()
+    load = Load(RATE, CONCURRENCY, max_turns=int(RATE * 60))
+    load.point_at(gateway.url)
+    running = asyncio.create_task(load.run())
+    try:
+        await load.wait_answered(int(RATE), 60)
+        own_cluster.stop()
+        answered = len(load.answered)
+        await load.wait_answered(answered + int(RATE * DOWN_S), 60)  # turns go on meanwhile
+        offline_while_down = load.offline
+        own_cluster.start()
+        answered = len(load.answered)
+        await load.wait_answered(answered + int(RATE * 2), 60)
+        load.stop.set()
+        await running
+        deadline = time.monotonic() + DRAIN_S
+        missing = load.words - await _stored_words(url)
+        while missing and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # the outbox replays, the store takes them
+            missing = load.words - await _stored_words(url)
+    finally:
+        load.stop.set()
+        await gateway.stop()
+        await store.stop()
+    assert load.failed == 0
+    assert offline_while_down > 0  # turns answered without memory while it was away
+    assert not missing, f"{len(missing)} of {len(load.answered)} answered turns not stored"

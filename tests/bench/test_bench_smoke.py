@@ -64,6 +64,8 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "3c. gateway, memory enabled, with a conversation_id (SQLite)",
         "3p. gateway, memory enabled, with a conversation_id (PostgreSQL)",
         "3w. gateway, memory enabled, serve --workers 2",
+        "3s. gateway, memory enabled, the store on PostgreSQL (1 store process)",
+        "3t. gateway, memory enabled, the store on PostgreSQL (2 store processes)",
         "4. gateway, memory enabled, Philia blackholed",
         "5a. streaming direct",
         "5b. streaming via gateway, memory enabled",
@@ -82,6 +84,9 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
         if label.startswith(("3.", "3l.")):
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in store_cells)
+        elif label.startswith(("3s.", "3t.")):
+            # The store processes' CPU per turn, and their database's.
+            assert all(re.fullmatch(r"\d+ \+ \d+ PostgreSQL", c) for c in store_cells), measured
         else:
             assert store_cells == ["—", "—"], measured
     # Recall alone through gRPC: the default store and the lexical one, at both sizes.
@@ -112,6 +117,9 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for part in ("| the store's CPU per memory turn in row 3", "| the gateway's own CPU that"):
         [row] = [row for row in rows if row.startswith(part)]
         assert re.search(r"\| -?\d+\.\d\d× \(-?\d+\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
+    # What a store core and a database core serve, for each row of the store on PostgreSQL.
+    capacity = [row for row in rows if row.startswith("| capacity of the store on PostgreSQL")]
+    assert len(capacity) == 2 and all("a PostgreSQL core" in row for row in capacity), table
     # The most memory turns/s the machine's cores allow at rows 3 and 3l's CPU per turn.
     ceilings = [row for row in rows if row.startswith("| most memory turns/s this machine's")]
     assert [("row 3l's" in row) for row in ceilings] == [False, True], table

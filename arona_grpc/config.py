@@ -6,6 +6,9 @@ server useless (a bad port, a short JWT secret) raises :class:`ConfigError`
 with one line meant for the operator; a malformed optional value logs a
 warning naming the variable and keeps the default.
 
+``ARONA_MEMORY_URL`` is one URL, or several (comma-separated) of store processes serving the
+same memories (:attr:`Settings.memory_urls`; arona_grpc.stores spreads the calls over them).
+
 Memory-path robustness knobs: ``ARONA_MEMORY_BREAKER_FAILURES`` (consecutive
 Philia failures that open the breaker, default 3), ``ARONA_MEMORY_BREAKER_COOLDOWN_S``
 (how long it stays open before one probe, default 5), ``ARONA_MEMORY_RECALL_BUDGET_MS``
@@ -139,9 +142,15 @@ class Settings:
     usage_refresh_s: float = DEFAULT_USAGE_REFRESH_S
 
     @property
+    def memory_urls(self) -> tuple[str, ...]:
+        """The stores ``ARONA_MEMORY_URL`` names (comma-separated), in order, each once: one
+        Philia, or several store processes serving the same memories (arona_grpc.stores)."""
+        return _url_list(self.memory_url)
+
+    @property
     def memory_enabled(self) -> bool:
         """The gateway talks to Philia iff both the URL and the token are non-empty."""
-        return bool(self.memory_url) and bool(self.memory_token)
+        return bool(self.memory_urls) and bool(self.memory_token)
 
     @property
     def user_scoped(self) -> bool:
@@ -185,7 +194,7 @@ class Settings:
                 "every upstream, so unset ARONA_UPSTREAM_URL (and ARONA_UPSTREAM_API_KEY)"
             )
         return cls(
-            memory_url=_str(env, "ARONA_MEMORY_URL"),
+            memory_url=_memory_url(env),
             memory_token=_str(env, "ARONA_MEMORY_TOKEN"),
             memory_writeback=_strict_bool(env, "ARONA_MEMORY_WRITEBACK", True),
             memory_stream_writeback=_strict_bool(env, "ARONA_MEMORY_STREAM_WRITEBACK", False),
@@ -273,6 +282,21 @@ class Settings:
 def _str(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None
+
+
+def _url_list(value: str | None) -> tuple[str, ...]:
+    parts = (part.strip() for part in (value or "").split(","))
+    return tuple(dict.fromkeys(part for part in parts if part))
+
+
+def _memory_url(env: Mapping[str, str]) -> str | None:
+    value = _str(env, "ARONA_MEMORY_URL")
+    if value is not None:
+        named = [part for part in (p.strip() for p in value.split(",")) if part]
+        if len(named) != len(set(named)):
+            # Not echoed: a URL may carry the token.
+            logger.warning("ARONA_MEMORY_URL names a store more than once; each is used once")
+    return value
 
 
 def _path(env: Mapping[str, str], name: str) -> Path | None:

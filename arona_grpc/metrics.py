@@ -1,9 +1,11 @@
 """Prometheus metrics of the gRPC service, and the exposition pieces both layers share.
 
 Declared here (names, help, buckets), recorded where the event happens: Philia calls by
-the Philia client (:meth:`ServiceMetrics.philia_call`), replayed episodes by the replay; the
-breaker state, the outbox's depth, bytes, drops and dead letters and the Philia reconnects are
-read from the running service when scraped, so they cost nothing per turn.
+the Philia client (:meth:`ServiceMetrics.philia_call`), replayed episodes by the replay, calls
+made again on another store by the store pool (:meth:`ServiceMetrics.store_failover`); the
+breaker state, the outbox's depth, bytes, drops and dead letters, the Philia reconnects and
+which stores are up are read from the running service when scraped, so they cost nothing per
+turn.
 
 Metric objects are made per instance and registered nowhere globally, so several services
 (tests) can live in one process. :class:`OwnMetrics` is the collector of one layer: in one
@@ -123,6 +125,16 @@ class PhiliaLink(Protocol):
     def connects(self) -> int: ...
 
 
+class StoreState(Protocol):
+    """What the metrics read of one store when ``ARONA_MEMORY_URL`` names several."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def up(self) -> bool: ...
+
+
 class WatchedService(Protocol):
     """What the metrics read from the running service when scraped (``MemoryDomain``). Said
     here rather than imported, so that this module stays below the client and the service
@@ -139,6 +151,8 @@ class WatchedService(Protocol):
 
     @property
     def storage(self) -> StorageFaults: ...
+
+    def stores(self) -> Sequence[StoreState]: ...
 
 
 STORAGE_FAILING = "arona_storage_write_failing"
@@ -187,8 +201,18 @@ class ServiceMetrics:
             "Episodes the outbox replay stored in Philia (by this process).",
             registry=None,
         )
+        self._failovers = Counter(
+            "arona_memory_store_failovers",
+            "Calls to a store (query, store, delete) that failed because of the store and were "
+            "made again on another (ARONA_MEMORY_URL naming several).",
+            ("method",),
+            registry=None,
+        )
+        self._failover_children = {m: self._failovers.labels(m) for m in PHILIA_METHODS}
         self._domain: WatchedService | None = None
-        self.collector = OwnMetrics((self._calls, self._seconds, self._replayed), self._state)
+        self.collector = OwnMetrics(
+            (self._calls, self._seconds, self._replayed, self._failovers), self._state
+        )
 
     def watch(self, domain: WatchedService) -> None:
         """Report ``domain``'s breaker, outbox and Philia link when scraped."""
@@ -200,6 +224,9 @@ class ServiceMetrics:
 
     def outbox_replayed(self, count: int) -> None:
         self._replayed.inc(count)
+
+    def store_failover(self, method: str) -> None:
+        self._failover_children[method].inc()
 
     def registry(self) -> CollectorRegistry:
         """A registry holding only these metrics (the gRPC service's own listener)."""
@@ -249,6 +276,18 @@ class ServiceMetrics:
             "Connections to Philia opened after the first one (each follows a lost link).",
             value=float(max(client.connects - 1, 0) if client is not None else 0),
         )
+        stores = domain.stores()
+        if stores:
+            up = GaugeMetricFamily(
+                "arona_memory_store_up",
+                "Each store ARONA_MEMORY_URL names (when it names several): 1 while it is up, "
+                "0 while it is down; labelled by its place in the list (from 1) and its "
+                "redacted URL.",
+                labels=("store", "url"),
+            )
+            for number, store in enumerate(stores, 1):
+                up.add_metric((str(number), store.url), 1.0 if store.up else 0.0)
+            yield up
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:

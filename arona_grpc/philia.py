@@ -487,6 +487,12 @@ class PhiliaClient:
         """``Sync.MemoryDeleteRequest``: whether the node existed."""
         return await self._call(DELETE_METHOD, {"node_id": node_id}, _parse_deleted, timeout_s)
 
+    async def connect(self) -> None:
+        """Open the link now (connect and handshake, within the per-call timeout) unless one
+        is open: how a store found down is checked without making a call."""
+        if self._live_connection() is None:
+            await self._join(self._connect_attempt())
+
     async def disconnect(self) -> None:
         """Drop the current link now (abort); the next call connects afresh."""
         conn, self._conn = self._conn, None

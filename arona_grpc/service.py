@@ -16,6 +16,12 @@ Robustness, all in front of the one Philia client:
 - **Recall budget**: recall waits at most ``ARONA_MEMORY_RECALL_BUDGET_MS`` (default:
   the RPC timeout) and never longer than its caller's own deadline, so the service
   gives up no later than the chat turn does.
+- **Several stores** (:mod:`arona_grpc.stores`): when ``ARONA_MEMORY_URL`` names several
+  store processes serving the same memories, the one client is a pool that spreads the calls
+  over the stores that are up and makes a call that failed on one store once more on
+  another. The breaker and everything above see one memory that fails only when no store
+  answers; each store going down is an ``error`` event, and one coming back closes the
+  breaker and wakes the outbox replay. Status lists each store.
 - **Section cap**: the injected section is at most :data:`MAX_SECTION_CHARS`
   characters, header included. A memory longer than :data:`MAX_MEMORY_CHARS` is cut
   and ends with an ellipsis (``…``); while the section is still too long, the memory
@@ -87,6 +93,7 @@ from arona_grpc.scopes import (
 )
 from arona_grpc.sizes import compose_episode, fitted_episode, fitted_query, shortened
 from arona_grpc.storage import StorageFault, StorageFaults, write_error
+from arona_grpc.stores import MemoryLink, StoreHealth, StorePool
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +143,10 @@ _REPLAYED_MEMORY = 1024
 # How far ahead of the service's clock a writeback's occurred_at may be (the caller's clock
 # runs ahead): up to this it counts as now, beyond it the call is refused.
 MAX_FUTURE_SKEW_S = 300.0
+
+
+# What a store found back tells the breaker: a call that succeeded.
+_ANSWERED = Permit(probe=False)
 
 
 class MemoryState(enum.Enum):
@@ -207,6 +218,8 @@ class StatusSnapshot:
     recent_dead_letters: tuple[DeadLetter, ...] = ()
     # The service's files that cannot be written now (arona_grpc.storage).
     storage_faults: tuple[StorageFault, ...] = ()
+    # Each store, when ARONA_MEMORY_URL names several (arona_grpc.stores); empty for one.
+    stores: tuple[StoreHealth, ...] = ()
 
 
 class MemoryDomainError(Exception):
@@ -435,12 +448,13 @@ async def check_scope_mode(settings: Settings, index: EpisodeIndex) -> None:
 
 
 class MemoryDomain:
-    """Recall, Writeback, Delete and Status over one lazily connected Philia client."""
+    """Recall, Writeback, Delete and Status over one lazily connected Philia client (or a
+    pool of stores, when ``ARONA_MEMORY_URL`` names several)."""
 
     def __init__(
         self,
         settings: Settings,
-        client: PhiliaClient | None = None,
+        client: MemoryLink | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         index: EpisodeIndex | None = None,
@@ -457,17 +471,13 @@ class MemoryDomain:
         self._user_scoped = settings.user_scoped
         # Which of the service's files cannot be written now: said once, shown by Status.
         self.storage = StorageFaults()
-        self._client: PhiliaClient | None = None
+        self._client: MemoryLink | None = None
+        self._pool: StorePool | None = None
         self._index: EpisodeIndex | None = None
         if settings.memory_enabled:
-            assert settings.memory_url is not None and settings.memory_token is not None
+            assert settings.memory_token is not None
             # Lazy: constructing the client opens nothing.
-            self._client = client or PhiliaClient(
-                settings.memory_url,
-                settings.memory_token,
-                settings.memory_timeout_s,
-                metrics=self.metrics,
-            )
+            self._client = client or self._memory_link(settings)
             # Lazy too: the file appears with the first episode (or the first List).
             self._index = index or open_index(
                 settings.data_dir, pool, settings.database_url, storage=self.storage
@@ -500,6 +510,31 @@ class MemoryDomain:
         self._closing = False
         self._closed_event = asyncio.Event()
 
+    def _memory_link(self, settings: Settings) -> MemoryLink:
+        """The one Philia client, or a pool over the stores ``ARONA_MEMORY_URL`` names."""
+        assert settings.memory_token is not None
+        urls = settings.memory_urls
+        if len(urls) == 1:
+            return PhiliaClient(
+                urls[0], settings.memory_token, settings.memory_timeout_s, metrics=self.metrics
+            )
+        self._pool = StorePool(
+            urls,
+            settings.memory_token,
+            settings.memory_timeout_s,
+            recheck_s=settings.memory_breaker_cooldown_s,
+            metrics=self.metrics,
+            on_down=lambda message: self._record(EventKind.ERROR, message, ""),
+            on_up=self._store_back,
+        )
+        return self._pool
+
+    def _store_back(self) -> None:
+        """A store answers again (its check connected and shook hands, or a call succeeded):
+        as good a sign as a probe's, so the breaker closes and an outbox waiting out its
+        back-off goes on now."""
+        self._succeeded(_ANSWERED)
+
     @property
     def enabled(self) -> bool:
         return self._client is not None
@@ -509,9 +544,13 @@ class MemoryDomain:
         return self.enabled and self._settings.memory_writeback
 
     @property
-    def client(self) -> PhiliaClient | None:
-        """The Philia client (None when memory is not configured)."""
+    def client(self) -> MemoryLink | None:
+        """The Philia client, or the pool of stores (None when memory is not configured)."""
         return self._client
+
+    def stores(self) -> tuple[StoreHealth, ...]:
+        """Each store, when ``ARONA_MEMORY_URL`` names several; empty for one."""
+        return self._pool.health() if self._pool is not None else ()
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -917,6 +956,7 @@ class MemoryDomain:
             dead_letters=outbox.dead_letters if outbox is not None else 0,
             recent_dead_letters=outbox.recent_dead_letters if outbox is not None else (),
             storage_faults=self.storage.current(),
+            stores=self.stores(),
         )
 
     async def aclose(self, grace_s: float = 5.0) -> None:

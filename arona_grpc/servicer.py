@@ -413,6 +413,9 @@ def _status_reply(snapshot: StatusSnapshot) -> pb.StatusResponse:
         item.at.FromNanoseconds(int(dead.at * 1e6) * 1000)
     if snapshot.breaker_opened_at is not None:
         reply.breaker_opened_at.FromDatetime(snapshot.breaker_opened_at)
+    for health in snapshot.stores:
+        store = reply.stores.add(url=health.url, up=health.up, error=health.error)
+        store.since.FromDatetime(health.since)
     return reply
 
 

@@ -423,7 +423,8 @@ def _banner(
     if store_url is not None:
         lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
     else:
-        lines.append(f"  memory   {redact_url(settings.memory_url or '')}")
+        shown = ", ".join(redact_url(url) for url in settings.memory_urls)
+        lines.append(f"  memory   {shown}")
     if backends is not None:
         names = ", ".join(spec.name for spec in backends.backends)
         lines.append(f"  models   routed to {names}  ({backends.path}; ARONA_BACKENDS)")
@@ -606,18 +607,30 @@ def _token(env: Mapping[str, str], sub: str, ttl: int, admin: bool = False) -> s
 
 
 async def _check_memory(env: Mapping[str, str]) -> int:
-    """Probe the configured Philia for user isolation; 0 when it isolates, 1 otherwise."""
-    from arona_grpc.isolation import check_isolation
-    from arona_grpc.philia import PhiliaClient, PhiliaError
-
+    """Probe the configured Philia (each store, when ``ARONA_MEMORY_URL`` names several) for
+    user isolation; 0 when every one isolates, 1 otherwise."""
     settings = Settings.from_env(env)
     if not settings.memory_enabled:
         raise StartupError(
             "ARONA_MEMORY_URL and ARONA_MEMORY_TOKEN must be set: there is no Philia to check"
         )
-    assert settings.memory_url is not None and settings.memory_token is not None
-    client = PhiliaClient(settings.memory_url, settings.memory_token, settings.memory_timeout_s)
-    where = redact_url(settings.memory_url)
+    assert settings.memory_token is not None
+    # Every store is asked: the processes behind one list may run different versions (a
+    # rolling update), and one that ignores the filter would leak through the others.
+    codes = [
+        await _check_store(url, settings.memory_token, settings.memory_timeout_s)
+        for url in settings.memory_urls
+    ]
+    return max(codes)
+
+
+async def _check_store(url: str, token: str, timeout_s: float) -> int:
+    """``check-memory`` on one store: 0 when it isolates users, 1 otherwise."""
+    from arona_grpc.isolation import check_isolation
+    from arona_grpc.philia import PhiliaClient, PhiliaError
+
+    client = PhiliaClient(url, token, timeout_s)
+    where = redact_url(url)
     try:
         report = await check_isolation(client)
     except PhiliaError as exc:

@@ -170,6 +170,17 @@ def _rfc3339_ms(ts: Timestamp) -> str:
     return rfc3339_ms(ts.ToDatetime(tzinfo=UTC))
 
 
+def _store_view(store: pb.MemoryStore) -> dict[str, Any]:
+    """``{url, state, since, error}``: one store, ``state`` ``up`` or ``down``, ``error`` what
+    took it down (None while it is up)."""
+    return {
+        "url": store.url,
+        "state": "up" if store.up else "down",
+        "since": _rfc3339_ms(store.since),
+        "error": store.error or None,
+    }
+
+
 def _event_view(event: pb.Event) -> dict[str, str]:
     """``{kind, detail, at}``, plus ``scope_id`` when the event concerns a scope (a turn of
     a caller with a principal; never for the anonymous turns of an open REST)."""
@@ -512,6 +523,7 @@ class MemoryClient:
                 )
                 for f in reply.storage_faults
             ],
+            "stores": [_store_view(store) for store in reply.stores],
         }
         if any(f.part == OUTBOX_PART for f in reply.storage_faults):
             # Not a count to trust: what the outbox could not keep is lost, not counted.

@@ -237,3 +237,17 @@ def test_secret_values_name_every_configured_secret() -> None:
         "sk-team-a",
         "bare-key",
     }
+
+
+def test_several_memory_urls_in_order_each_once(caplog: pytest.LogCaptureFixture) -> None:
+    env = {
+        "ARONA_MEMORY_URL": " ws://a:1/ws , ws://b:2/ws?token=x ,, ws://a:1/ws",
+        "ARONA_MEMORY_TOKEN": "t0k3n",
+    }
+    with caplog.at_level(logging.WARNING):
+        settings = Settings.from_env(env)
+    assert settings.memory_urls == ("ws://a:1/ws", "ws://b:2/ws?token=x")
+    assert settings.memory_enabled
+    assert "names a store more than once" in caplog.text and "token=x" not in caplog.text
+    assert not Settings(memory_url=" , ", memory_token="t0k3n").memory_enabled
+    assert Settings(memory_url="ws://a:1/ws").memory_urls == ("ws://a:1/ws",)

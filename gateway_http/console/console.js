@@ -274,9 +274,31 @@
     text("outbox-dropped", s.outbox_dropped);
     text("outbox-dead-letters", s.dead_letters);
     renderStorage(s.storage_faults || []);
+    renderStores(s.stores || []);
     text("replicas", describeReplicas(s.replicas, s.answered_by));
     time("refreshed", new Date().toISOString());
     renderEvents(s.events || []);
+  }
+
+  // Each store ARONA_MEMORY_URL names, when it names several: "ws://10.0.0.7:8424/ws up since
+  // 14:02:11", or, marked, "… down since 14:03:00: cannot connect …"; "—" for one store (the
+  // breaker above is its state).
+  function renderStores(stores) {
+    if (!stores.length) {
+      text("stores", null);
+      return;
+    }
+    const parts = document.createDocumentFragment();
+    stores.forEach((st, i) => {
+      if (i) parts.appendChild(document.createElement("br"));
+      const line = document.createElement("span");
+      if (st.state !== "up") line.className = "storage-bad";
+      line.appendChild(document.createTextNode(st.url + " " + st.state + " since "));
+      line.appendChild(timeNode(st.since));
+      if (st.error) line.appendChild(document.createTextNode(": " + st.error));
+      parts.appendChild(line);
+    });
+    $("stores").replaceChildren(parts);
   }
 
   // "all writable", or each file that cannot be written: "outbox (outbox.db): database or disk

@@ -213,15 +213,17 @@ async def scoped_stack(
     scope: str = "user",
     echo: bool = False,
     grpc_replicas: int = 1,
+    more_stores: tuple[str, ...] = (),
     **overrides: Any,
 ) -> AsyncIterator[ScopedStack]:
     """Every part started on 127.0.0.1; ``echo`` uses the built-in echo model upstream;
-    ``grpc_replicas`` gRPC services (on one database, ``database_url``) serve the HTTP layer."""
+    ``grpc_replicas`` gRPC services (on one database, ``database_url``) serve the HTTP layer;
+    ``more_stores``: store URLs listed in ``ARONA_MEMORY_URL`` after the embedded store's."""
     store = await StoreServer.start(db_path=data_dir / "memory.db", token=STORE_TOKEN)
     try:
         async with FakeUpstream.start() as upstream:
             fields: dict[str, Any] = {
-                "memory_url": store.url,
+                "memory_url": ",".join((store.url, *more_stores)),
                 "memory_token": STORE_TOKEN,
                 "memory_scope": scope,
                 "grpc_port": 0,

@@ -97,3 +97,20 @@ async def test_without_a_configured_philia_it_says_so_in_one_line(tmp_path: Path
         "arona-gateway: error: ARONA_MEMORY_URL and ARONA_MEMORY_TOKEN must be set: "
         "there is no Philia to check"
     ]
+
+
+async def test_each_of_several_stores_is_checked(tmp_path: Path) -> None:
+    store = await StoreServer.start(db_path=tmp_path / "memory.db", token=TOKEN)
+    try:
+        async with FilterBlindPhilia(token=TOKEN) as blind:
+            code, out = await check_memory(
+                tmp_path, ARONA_MEMORY_URL=f"{store.url},{blind.url}", ARONA_MEMORY_TOKEN=TOKEN
+            )
+        # One store that leaks is enough to fail: turns go to every store in the list.
+        assert code == 1, out
+        assert f"{store.url} isolates users" in out
+        assert f"{blind.url} does NOT isolate users" in out
+        assert TOKEN not in out
+        assert store.store.count() == 0
+    finally:
+        await store.stop()

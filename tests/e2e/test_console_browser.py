@@ -26,8 +26,9 @@ from playwright.async_api import BrowserContext, Page, Route, expect
 
 from arona_grpc.server import GrpcServer
 from gateway_http.auth import mint_token
-from tests.e2e.scoped import HEADER, JWT_SECRET, ScopedStack, jwt, scoped_stack
+from tests.e2e.scoped import HEADER, JWT_SECRET, STORE_TOKEN, ScopedStack, jwt, scoped_stack
 from tests.support.browser import artifact_dir, chromium
+from tests.support.raw_philia import closed_port
 
 # Up to 12 s a test on a loaded 2-core box.
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -182,6 +183,8 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         await expect(page.locator("#scope-mode")).to_have_text("user")
         await expect(page.locator("#outbox-depth")).to_have_text("0")
         await expect(page.locator("#outbox-dead-letters")).to_have_text("0")
+        # One store: the breaker above is its state, no list.
+        await expect(page.locator("#stores")).to_have_text("—")
         # The one replica the HTTP layer reaches, with its Exchange streams.
         await expect(page.locator("#replicas")).to_have_text(
             re.compile(re.escape(stack.settings.grpc_target or "") + r" \([12]/2 streams\)$")
@@ -454,6 +457,29 @@ async def test_the_console_signs_in_while_the_memory_service_is_down(tmp_path: P
         )
         await expect(page.get_by_role("alert")).to_contain_text("Token refused")
         await expect(page.locator("#console")).to_be_hidden()
+
+
+async def test_the_memory_stores_and_the_one_that_is_down(tmp_path: Path) -> None:
+    gone = f"ws://127.0.0.1:{closed_port()}/ws"
+    async with (
+        scoped_stack(tmp_path, more_stores=(gone,)) as stack,
+        chromium() as browser,
+    ):
+        # Calls alternate between the stores: the first sent to the one with nothing
+        # listening is made again on the other, and that store is down from then on.
+        for _ in range(2):
+            assert (await stack.say("rpc", ALICE, FACT)).memory != "offline"
+        context = await browser.new_context()
+        watched = await open_console(stack, context, artifact_dir("console"))
+        page = watched.page
+        await sign_in(page, ADMIN)
+        stores = page.locator("#stores")
+        await expect(stores).to_contain_text(f"{stack.store.url} up since ")
+        await expect(stores).to_contain_text(f"{gone} down since ")
+        await expect(stores).to_contain_text(f"cannot connect to Philia at {gone}")
+        assert STORE_TOKEN not in (await stores.text_content() or "")
+        await watched.shot("12-memory-stores")
+        watched.assert_clean(ADMIN)
 
 
 async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$arona/memory/v1/memory_service.proto\x12\x0f\x61rona.memory.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x06Memory\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x11\n\tnode_type\x18\x03 \x01(\t\"<\n\rRecallRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05scope\x18\x03 \x01(\t\"y\n\x0eRecallResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.arona.memory.v1.MemoryState\x12)\n\x08memories\x18\x02 \x03(\x0b\x32\x17.arona.memory.v1.Memory\x12\x0f\n\x07section\x18\x03 \x01(\t\"\x87\x01\n\x10WritebackRequest\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\tassistant\x18\x02 \x01(\t\x12\r\n\x05scope\x18\x03 \x01(\t\x12\x12\n\nepisode_id\x18\x04 \x01(\t\x12/\n\x0boccurred_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x11WritebackResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"/\n\rDeleteRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\"1\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rStatusRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"{\n\x05\x45vent\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.arona.memory.v1.EventKind\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"\xbe\x03\n\x0eStatusResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.arona.memory.v1.Event\x12.\n\x07\x62reaker\x18\x04 \x01(\x0e\x32\x1d.arona.memory.v1.BreakerState\x12\x35\n\x11\x62reaker_opened_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0coutbox_depth\x18\x06 \x01(\r\x12\x16\n\x0eoutbox_dropped\x18\x07 \x01(\x04\x12.\n\nscope_mode\x18\x08 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\x12\x14\n\x0coutbox_bytes\x18\t \x01(\x04\x12\x14\n\x0c\x64\x65\x61\x64_letters\x18\n \x01(\x04\x12\x38\n\x13recent_dead_letters\x18\x0b \x03(\x0b\x32\x1b.arona.memory.v1.DeadLetter\x12\x35\n\x0estorage_faults\x18\x0c \x03(\x0b\x32\x1d.arona.memory.v1.StorageFault\"}\n\x0cStorageFault\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\r\n\x05where\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rfailed_writes\x18\x05 \x01(\x04\"e\n\nDeadLetter\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63hars\x18\x03 \x01(\x04\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"`\n\x0bListRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06\x62\x65\x66ore\x18\x03 \x01(\t\x12\x11\n\tanonymous\x18\x04 \x01(\x08\x12\x10\n\x08\x63ontains\x18\x05 \x01(\t\"S\n\x07\x45pisode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07preview\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x0cListResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.arona.memory.v1.Episode\x12\x0c\n\x04next\x18\x02 \x01(\t\"X\n\rForgetRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\x12\x11\n\tanonymous\x18\x03 \x01(\x08\x12\x12\n\neverything\x18\x04 \x01(\x08\"!\n\x0e\x46orgetResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"G\n\x0f\x45xchangeRequest\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.arona.memory.v1.Call\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\xaf\x01\n\x04\x43\x61ll\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x30\n\x06recall\x18\x04 \x01(\x0b\x32\x1e.arona.memory.v1.RecallRequestH\x00\x12\x36\n\twriteback\x18\x05 \x01(\x0b\x32!.arona.memory.v1.WritebackRequestH\x00\x42\t\n\x07request\"s\n\x10\x45xchangeResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.arona.memory.v1.Reply\x12%\n\x05hello\x18\x02 \x01(\x0b\x32\x16.arona.memory.v1.Hello\x12\x0f\n\x07goodbye\x18\x03 \x01(\x08\"[\n\x05Hello\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12.\n\nscope_mode\x18\x03 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\"\xb6\x01\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x06recall\x18\x02 \x01(\x0b\x32\x1f.arona.memory.v1.RecallResponseH\x00\x12\x37\n\twriteback\x18\x03 \x01(\x0b\x32\".arona.memory.v1.WritebackResponseH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.arona.memory.v1.CallErrorH\x00\x42\x08\n\x06result\"N\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x0e\n\x06queued\x18\x04 \x01(\x08*z\n\x0bMemoryState\x12\x1c\n\x18MEMORY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_STATE_ENABLED\x10\x01\x12\x19\n\x15MEMORY_STATE_DISABLED\x10\x02\x12\x18\n\x14MEMORY_STATE_OFFLINE\x10\x03*\x85\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_RECALL\x10\x01\x12\x18\n\x14\x45VENT_KIND_WRITEBACK\x10\x02\x12\x15\n\x11\x45VENT_KIND_DELETE\x10\x03\x12\x14\n\x10\x45VENT_KIND_ERROR\x10\x04*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*S\n\tScopeMode\x12\x1a\n\x16SCOPE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCOPE_MODE_SHARED\x10\x01\x12\x13\n\x0fSCOPE_MODE_USER\x10\x02\x32\xa9\x04\n\rMemoryService\x12I\n\x06Recall\x12\x1e.arona.memory.v1.RecallRequest\x1a\x1f.arona.memory.v1.RecallResponse\x12R\n\tWriteback\x12!.arona.memory.v1.WritebackRequest\x1a\".arona.memory.v1.WritebackResponse\x12I\n\x06\x44\x65lete\x12\x1e.arona.memory.v1.DeleteRequest\x1a\x1f.arona.memory.v1.DeleteResponse\x12I\n\x06Status\x12\x1e.arona.memory.v1.StatusRequest\x1a\x1f.arona.memory.v1.StatusResponse\x12\x43\n\x04List\x12\x1c.arona.memory.v1.ListRequest\x1a\x1d.arona.memory.v1.ListResponse\x12I\n\x06\x46orget\x12\x1e.arona.memory.v1.ForgetRequest\x1a\x1f.arona.memory.v1.ForgetResponse\x12S\n\x08\x45xchange\x12 .arona.memory.v1.ExchangeRequest\x1a!.arona.memory.v1.ExchangeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$arona/memory/v1/memory_service.proto\x12\x0f\x61rona.memory.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x06Memory\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x11\n\tnode_type\x18\x03 \x01(\t\"<\n\rRecallRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05scope\x18\x03 \x01(\t\"y\n\x0eRecallResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.arona.memory.v1.MemoryState\x12)\n\x08memories\x18\x02 \x03(\x0b\x32\x17.arona.memory.v1.Memory\x12\x0f\n\x07section\x18\x03 \x01(\t\"\x87\x01\n\x10WritebackRequest\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\tassistant\x18\x02 \x01(\t\x12\r\n\x05scope\x18\x03 \x01(\t\x12\x12\n\nepisode_id\x18\x04 \x01(\t\x12/\n\x0boccurred_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x11WritebackResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"/\n\rDeleteRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\"1\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rStatusRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"{\n\x05\x45vent\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.arona.memory.v1.EventKind\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"\xec\x03\n\x0eStatusResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.arona.memory.v1.Event\x12.\n\x07\x62reaker\x18\x04 \x01(\x0e\x32\x1d.arona.memory.v1.BreakerState\x12\x35\n\x11\x62reaker_opened_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0coutbox_depth\x18\x06 \x01(\r\x12\x16\n\x0eoutbox_dropped\x18\x07 \x01(\x04\x12.\n\nscope_mode\x18\x08 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\x12\x14\n\x0coutbox_bytes\x18\t \x01(\x04\x12\x14\n\x0c\x64\x65\x61\x64_letters\x18\n \x01(\x04\x12\x38\n\x13recent_dead_letters\x18\x0b \x03(\x0b\x32\x1b.arona.memory.v1.DeadLetter\x12\x35\n\x0estorage_faults\x18\x0c \x03(\x0b\x32\x1d.arona.memory.v1.StorageFault\x12,\n\x06stores\x18\r \x03(\x0b\x32\x1c.arona.memory.v1.MemoryStore\"`\n\x0bMemoryStore\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12)\n\x05since\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"}\n\x0cStorageFault\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\r\n\x05where\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rfailed_writes\x18\x05 \x01(\x04\"e\n\nDeadLetter\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63hars\x18\x03 \x01(\x04\x12\x10\n\x08scope_id\x18\x04 \x01(\t\"`\n\x0bListRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0e\n\x06\x62\x65\x66ore\x18\x03 \x01(\t\x12\x11\n\tanonymous\x18\x04 \x01(\x08\x12\x10\n\x08\x63ontains\x18\x05 \x01(\t\"S\n\x07\x45pisode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07preview\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"H\n\x0cListResponse\x12*\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x18.arona.memory.v1.Episode\x12\x0c\n\x04next\x18\x02 \x01(\t\"X\n\rForgetRequest\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\x12\x11\n\tanonymous\x18\x03 \x01(\x08\x12\x12\n\neverything\x18\x04 \x01(\x08\"!\n\x0e\x46orgetResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"G\n\x0f\x45xchangeRequest\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.arona.memory.v1.Call\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"\xaf\x01\n\x04\x43\x61ll\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x30\n\x06recall\x18\x04 \x01(\x0b\x32\x1e.arona.memory.v1.RecallRequestH\x00\x12\x36\n\twriteback\x18\x05 \x01(\x0b\x32!.arona.memory.v1.WritebackRequestH\x00\x42\t\n\x07request\"s\n\x10\x45xchangeResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.arona.memory.v1.Reply\x12%\n\x05hello\x18\x02 \x01(\x0b\x32\x16.arona.memory.v1.Hello\x12\x0f\n\x07goodbye\x18\x03 \x01(\x08\"[\n\x05Hello\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\twriteback\x18\x02 \x01(\x08\x12.\n\nscope_mode\x18\x03 \x01(\x0e\x32\x1a.arona.memory.v1.ScopeMode\"\xb6\x01\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x06recall\x18\x02 \x01(\x0b\x32\x1f.arona.memory.v1.RecallResponseH\x00\x12\x37\n\twriteback\x18\x03 \x01(\x0b\x32\".arona.memory.v1.WritebackResponseH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.arona.memory.v1.CallErrorH\x00\x42\x08\n\x06result\"N\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x0e\n\x06queued\x18\x04 \x01(\x08*z\n\x0bMemoryState\x12\x1c\n\x18MEMORY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_STATE_ENABLED\x10\x01\x12\x19\n\x15MEMORY_STATE_DISABLED\x10\x02\x12\x18\n\x14MEMORY_STATE_OFFLINE\x10\x03*\x85\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_RECALL\x10\x01\x12\x18\n\x14\x45VENT_KIND_WRITEBACK\x10\x02\x12\x15\n\x11\x45VENT_KIND_DELETE\x10\x03\x12\x14\n\x10\x45VENT_KIND_ERROR\x10\x04*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*S\n\tScopeMode\x12\x1a\n\x16SCOPE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCOPE_MODE_SHARED\x10\x01\x12\x13\n\x0fSCOPE_MODE_USER\x10\x02\x32\xa9\x04\n\rMemoryService\x12I\n\x06Recall\x12\x1e.arona.memory.v1.RecallRequest\x1a\x1f.arona.memory.v1.RecallResponse\x12R\n\tWriteback\x12!.arona.memory.v1.WritebackRequest\x1a\".arona.memory.v1.WritebackResponse\x12I\n\x06\x44\x65lete\x12\x1e.arona.memory.v1.DeleteRequest\x1a\x1f.arona.memory.v1.DeleteResponse\x12I\n\x06Status\x12\x1e.arona.memory.v1.StatusRequest\x1a\x1f.arona.memory.v1.StatusResponse\x12\x43\n\x04List\x12\x1c.arona.memory.v1.ListRequest\x1a\x1d.arona.memory.v1.ListResponse\x12I\n\x06\x46orget\x12\x1e.arona.memory.v1.ForgetRequest\x1a\x1f.arona.memory.v1.ForgetResponse\x12S\n\x08\x45xchange\x12 .arona.memory.v1.ExchangeRequest\x1a!.arona.memory.v1.ExchangeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arona.memory.v1.memory_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYSTATE']._serialized_start=2569
-  _globals['_MEMORYSTATE']._serialized_end=2691
-  _globals['_EVENTKIND']._serialized_start=2694
-  _globals['_EVENTKIND']._serialized_end=2827
-  _globals['_BREAKERSTATE']._serialized_start=2829
-  _globals['_BREAKERSTATE']._serialized_end=2953
-  _globals['_SCOPEMODE']._serialized_start=2955
-  _globals['_SCOPEMODE']._serialized_end=3038
+  _globals['_MEMORYSTATE']._serialized_start=2713
+  _globals['_MEMORYSTATE']._serialized_end=2835
+  _globals['_EVENTKIND']._serialized_start=2838
+  _globals['_EVENTKIND']._serialized_end=2971
+  _globals['_BREAKERSTATE']._serialized_start=2973
+  _globals['_BREAKERSTATE']._serialized_end=3097
+  _globals['_SCOPEMODE']._serialized_start=3099
+  _globals['_SCOPEMODE']._serialized_end=3182
   _globals['_MEMORY']._serialized_start=90
   _globals['_MEMORY']._serialized_end=146
   _globals['_RECALLREQUEST']._serialized_start=148
@@ -59,33 +59,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENT']._serialized_start=657
   _globals['_EVENT']._serialized_end=780
   _globals['_STATUSRESPONSE']._serialized_start=783
-  _globals['_STATUSRESPONSE']._serialized_end=1229
-  _globals['_STORAGEFAULT']._serialized_start=1231
-  _globals['_STORAGEFAULT']._serialized_end=1356
-  _globals['_DEADLETTER']._serialized_start=1358
-  _globals['_DEADLETTER']._serialized_end=1459
-  _globals['_LISTREQUEST']._serialized_start=1461
-  _globals['_LISTREQUEST']._serialized_end=1557
-  _globals['_EPISODE']._serialized_start=1559
-  _globals['_EPISODE']._serialized_end=1642
-  _globals['_LISTRESPONSE']._serialized_start=1644
-  _globals['_LISTRESPONSE']._serialized_end=1716
-  _globals['_FORGETREQUEST']._serialized_start=1718
-  _globals['_FORGETREQUEST']._serialized_end=1806
-  _globals['_FORGETRESPONSE']._serialized_start=1808
-  _globals['_FORGETRESPONSE']._serialized_end=1841
-  _globals['_EXCHANGEREQUEST']._serialized_start=1843
-  _globals['_EXCHANGEREQUEST']._serialized_end=1914
-  _globals['_CALL']._serialized_start=1917
-  _globals['_CALL']._serialized_end=2092
-  _globals['_EXCHANGERESPONSE']._serialized_start=2094
-  _globals['_EXCHANGERESPONSE']._serialized_end=2209
-  _globals['_HELLO']._serialized_start=2211
-  _globals['_HELLO']._serialized_end=2302
-  _globals['_REPLY']._serialized_start=2305
-  _globals['_REPLY']._serialized_end=2487
-  _globals['_CALLERROR']._serialized_start=2489
-  _globals['_CALLERROR']._serialized_end=2567
-  _globals['_MEMORYSERVICE']._serialized_start=3041
-  _globals['_MEMORYSERVICE']._serialized_end=3594
+  _globals['_STATUSRESPONSE']._serialized_end=1275
+  _globals['_MEMORYSTORE']._serialized_start=1277
+  _globals['_MEMORYSTORE']._serialized_end=1373
+  _globals['_STORAGEFAULT']._serialized_start=1375
+  _globals['_STORAGEFAULT']._serialized_end=1500
+  _globals['_DEADLETTER']._serialized_start=1502
+  _globals['_DEADLETTER']._serialized_end=1603
+  _globals['_LISTREQUEST']._serialized_start=1605
+  _globals['_LISTREQUEST']._serialized_end=1701
+  _globals['_EPISODE']._serialized_start=1703
+  _globals['_EPISODE']._serialized_end=1786
+  _globals['_LISTRESPONSE']._serialized_start=1788
+  _globals['_LISTRESPONSE']._serialized_end=1860
+  _globals['_FORGETREQUEST']._serialized_start=1862
+  _globals['_FORGETREQUEST']._serialized_end=1950
+  _globals['_FORGETRESPONSE']._serialized_start=1952
+  _globals['_FORGETRESPONSE']._serialized_end=1985
+  _globals['_EXCHANGEREQUEST']._serialized_start=1987
+  _globals['_EXCHANGEREQUEST']._serialized_end=2058
+  _globals['_CALL']._serialized_start=2061
+  _globals['_CALL']._serialized_end=2236
+  _globals['_EXCHANGERESPONSE']._serialized_start=2238
+  _globals['_EXCHANGERESPONSE']._serialized_end=2353
+  _globals['_HELLO']._serialized_start=2355
+  _globals['_HELLO']._serialized_end=2446
+  _globals['_REPLY']._serialized_start=2449
+  _globals['_REPLY']._serialized_end=2631
+  _globals['_CALLERROR']._serialized_start=2633
+  _globals['_CALLERROR']._serialized_end=2711
+  _globals['_MEMORYSERVICE']._serialized_start=3185
+  _globals['_MEMORYSERVICE']._serialized_end=3738
 # @@protoc_insertion_point(module_scope)

@@ -390,6 +390,7 @@ class StatusResponse(_message.Message):
     DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     RECENT_DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     STORAGE_FAULTS_FIELD_NUMBER: _builtins.int
+    STORES_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     writeback: _builtins.bool
     breaker: Global___BreakerState.ValueType
@@ -424,6 +425,13 @@ class StatusResponse(_message.Message):
         the outbox is among them, outbox_depth counts only what it kept before.
         """
 
+    @_builtins.property
+    def stores(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryStore]:
+        """Each store ARONA_MEMORY_URL names, in its order, when it names several
+        (store processes serving the same memories); empty for one, whose state
+        the breaker tells.
+        """
+
     def __init__(
         self,
         *,
@@ -439,14 +447,51 @@ class StatusResponse(_message.Message):
         dead_letters: _builtins.int = ...,
         recent_dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
         storage_faults: _abc.Iterable[Global___StorageFault] | None = ...,
+        stores: _abc.Iterable[Global___MemoryStore] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["breaker_opened_at", b"breaker_opened_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "dead_letters", b"dead_letters", "enabled", b"enabled", "events", b"events", "outbox_bytes", b"outbox_bytes", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "recent_dead_letters", b"recent_dead_letters", "scope_mode", b"scope_mode", "storage_faults", b"storage_faults", "writeback", b"writeback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["breaker", b"breaker", "breaker_opened_at", b"breaker_opened_at", "dead_letters", b"dead_letters", "enabled", b"enabled", "events", b"events", "outbox_bytes", b"outbox_bytes", "outbox_depth", b"outbox_depth", "outbox_dropped", b"outbox_dropped", "recent_dead_letters", b"recent_dead_letters", "scope_mode", b"scope_mode", "storage_faults", b"storage_faults", "stores", b"stores", "writeback", b"writeback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class MemoryStore(_message.Message):
+    """MemoryStore is one of the stores the service spreads its memory calls over."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    UP_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """Its URL as configured, the token and any password masked."""
+    up: _builtins.bool
+    """Whether it takes calls: false from a call it failed until it answers again."""
+    error: _builtins.str
+    """While it is down: the error that took it down (never a secret)."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """When it went up or down (the service's start for a store never down)."""
+
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        up: _builtins.bool = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "since", b"since", "up", b"up", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryStore: _TypeAlias = MemoryStore  # noqa: Y015
 
 @_typing.final
 class StorageFault(_message.Message):

@@ -1,5 +1,6 @@
-"""The gateway given several store URLs: two embedded stores on ONE SQLite file, both real
-servers on 127.0.0.1, behind the real gRPC service and the real app under uvicorn.
+"""The gateway given several store URLs: two stores serving the same memories, on each backend
+(ONE SQLite file; one PostgreSQL database with pgvector), both real servers on 127.0.0.1,
+behind the real gRPC service and the real app under uvicorn.
 
 A memory written through either store is recalled through the other; with one store stopped
 in the middle of turns every turn still recalls (``X-Arona-Memory: enabled``), every turn's
@@ -28,17 +29,23 @@ TURNS = 8
 
 
 class Stores:
-    """Two embedded stores on one database file, each stopped and started again at will (on
-    the port it had, so the gateway finds it where its URL says)."""
+    """Two stores on one database (a file, or PostgreSQL at ``database_url``), each stopped
+    and started again at will (on the port it had, so the gateway finds it where its URL
+    says)."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, database_url: str | None = None) -> None:
         self.db = db
+        self.database_url = database_url
         self.servers: list[StoreServer | None] = [None, None]
         self.ports = [0, 0]
 
     async def start(self, i: int) -> StoreServer:
         server = await StoreServer.start(
-            db_path=self.db, token=PHILIA_TOKEN, ranking="lexical", port=self.ports[i]
+            db_path=self.db,
+            token=PHILIA_TOKEN,
+            ranking="lexical",
+            port=self.ports[i],
+            database_url=self.database_url,
         )
         self.servers[i], self.ports[i] = server, server.port
         return server
@@ -56,9 +63,20 @@ class Stores:
         return f"{self.url(0)},{self.url(1)}"
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest) -> str | None:
+    """Each test on both backends: None (one SQLite file) or a PostgreSQL database."""
+    if request.param == "sqlite":
+        return None
+    url: str = request.getfixturevalue("store_database_url")
+    return url
+
+
 @contextlib.asynccontextmanager
-async def two_stores_and_a_gateway(tmp_path: Path) -> AsyncIterator[tuple[Stores, Stack]]:
-    stores = Stores(tmp_path / "memory.db")
+async def two_stores_and_a_gateway(
+    tmp_path: Path, database_url: str | None
+) -> AsyncIterator[tuple[Stores, Stack]]:
+    stores = Stores(tmp_path / "memory.db", database_url)
     try:
         for i in (0, 1):
             await stores.start(i)
@@ -104,9 +122,9 @@ async def until_state(stack: Stack, wanted: list[tuple[str, str]], within_s: flo
 
 
 async def test_memories_written_through_either_store_are_recalled_through_each(
-    tmp_path: Path,
+    tmp_path: Path, database_url: str | None
 ) -> None:
-    async with two_stores_and_a_gateway(tmp_path) as (stores, stack):
+    async with two_stores_and_a_gateway(tmp_path, database_url) as (stores, stack):
         codes = [f"zq{i}k" for i in range(4)]
         for code in codes:
             memory, _ = await ask(stack, f"Remember that my locker code is {code}")
@@ -127,9 +145,9 @@ async def test_memories_written_through_either_store_are_recalled_through_each(
 
 
 async def test_a_store_stopped_under_turns_loses_nothing_then_offline_then_back(
-    tmp_path: Path,
+    tmp_path: Path, database_url: str | None
 ) -> None:
-    async with two_stores_and_a_gateway(tmp_path) as (stores, stack):
+    async with two_stores_and_a_gateway(tmp_path, database_url) as (stores, stack):
         memory, _ = await ask(stack, "Remember: I prefer oolong tea")
         await stack.drain_writebacks()
         assert await store_states(stack) == [

@@ -152,7 +152,7 @@ def test_a_database_without_pgvector_stops_the_start_with_one_line(
     assert "install pgvector" in errors[0]
 
 
-async def _stored_words(url: str) -> set[str]:
+async def stored_words(url: str) -> set[str]:
     """The user side of every memory in the store's database (read from PostgreSQL)."""
     from arona_store.pg.schema import connect
 
@@ -189,10 +189,10 @@ async def test_a_database_restart_under_load_fails_no_turn_and_loses_no_answered
         load.stop.set()
         await running
         deadline = time.monotonic() + DRAIN_S
-        missing = load.words - await _stored_words(url)
+        missing = load.words - await stored_words(url)
         while missing and time.monotonic() < deadline:
             await asyncio.sleep(0.5)  # the outbox replays, the store takes them
-            missing = load.words - await _stored_words(url)
+            missing = load.words - await stored_words(url)
     finally:
         load.stop.set()
         await gateway.stop()

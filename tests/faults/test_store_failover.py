@@ -1,7 +1,9 @@
 """One of two store processes SIGKILLed under load: memory stays enabled, no answered turn lost.
 
-Real processes on loopback: two embedded stores (``arona-gateway store``) on one data directory,
-so one SQLite file, and the gateway (``arona-gateway serve``, the echo model) given both URLs.
+Real processes on loopback: two store processes (``arona-gateway store``) serving the same
+memories, on each backend: on one data directory (one SQLite file), and on one PostgreSQL
+database with pgvector; and the gateway (``arona-gateway serve``, the echo model) given both
+URLs.
 Chat turns arrive at :data:`RATE` a second from :data:`CONCURRENCY` clients; the first store is
 killed with SIGKILL in the middle of them. No turn may answer ``offline`` (the other store
 serves every recall, and the calls the kill cut are made again there), every turn answered 200
@@ -11,6 +13,7 @@ must be in the database afterwards, and ``memory.status`` must name the killed s
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -30,11 +33,28 @@ JWT_SECRET = "a-jwt-secret-for-the-failover-test-0123456789"
 DRAIN_S = 60.0
 
 
+async def _stored(store: Store, words: set[str]) -> set[str]:
+    """Those of ``words`` still missing from ``store``'s memories after :data:`DRAIN_S`."""
+    if store.database_url is None:
+        return await wait_stored(store.db, words, DRAIN_S)
+    from tests.faults.test_pg_store import stored_words
+
+    deadline = time.monotonic() + DRAIN_S
+    missing = words - await stored_words(store.database_url)
+    while missing and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)  # another process: its database is read again
+        missing = words - await stored_words(store.database_url)
+    return missing
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_a_store_killed_under_load_keeps_memory_enabled_and_loses_nothing(
-    tmp_path: Path,
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
     logs = tmp_path / "logs"
-    one, two = Store(tmp_path / "store", logs), Store(tmp_path / "store", logs)
+    url = request.getfixturevalue("store_database_url") if backend == "postgres" else None
+    one = Store(tmp_path / "store", logs, database_url=url)
+    two = Store(tmp_path / "store", logs, database_url=url)
     gateway = Gateway(
         tmp_path / "gateway",
         logs,
@@ -56,7 +76,7 @@ async def test_a_store_killed_under_load_keeps_memory_enabled_and_loses_nothing(
         await running
         assert load.failed == 0
         assert load.offline == 0, f"{load.offline} of {len(load.answered)} turns were offline"
-        missing = await wait_stored(two.db, load.words, DRAIN_S)
+        missing = await _stored(two, load.words)
         assert not missing, f"{len(missing)} of {len(load.answered)} answered turns not stored"
 
         async with httpx.AsyncClient(timeout=30) as client:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, embed_lag, outage, recall_bench
+from bench import corpus, embed_lag, outage, pg_scale, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -88,8 +88,9 @@ DEFAULT_STORE_GATEWAYS = frozenset(
 )
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
 # recall alone inside the store process, a new memory's wait for its vector (bench.embed_lag)
-# and a store outage under load (bench.outage).
-PARTS = ("turns", "recall", "store-recall", "embed-lag", "outage")
+# a store outage under load (bench.outage) and the store on PostgreSQL at 100,000 and
+# 1,000,000 memories (bench.pg_scale).
+PARTS = ("turns", "recall", "store-recall", "embed-lag", "outage", "pg-scale")
 PY = sys.executable
 # What `make run` gives: hybrid with the semantic extra installed, lexical without.
 DEFAULT_RANKING = ranking_from_env({})
@@ -275,6 +276,8 @@ class Run:
     model_cpu: tuple[float, float] | None = None
     # Servers the run did not start as a Proc (a PostgreSQL cluster), by name: their root pid.
     servers: dict[str, int] = field(default_factory=dict)
+    # The store on PostgreSQL loaded and recalled at two sizes (bench.pg_scale).
+    pg_scale: list[tuple[pg_scale.Loaded, pg_scale.Measured]] = field(default_factory=list)
 
     def gateway_pids(self, names: str) -> list[int]:
         """The processes of the gateways (or stores, or servers) ``names`` (comma-separated)
@@ -888,6 +891,14 @@ def execute(run: Run) -> None:
     if "outage" in o.parts:
         log("store outage under load")
         run.outage = outage.measure(work / "outage", quick=o.quick)
+    if "pg-scale" in o.parts and DEFAULT_RANKING == "hybrid":
+        sizes = (2_000, 10_000) if o.quick else (pg_scale.SMALL, pg_scale.LARGE)
+        log(f"the store on PostgreSQL at {sizes[0]:,} and {sizes[1]:,} memories")
+        try:
+            with pg_scale.server(None) as server_url:
+                run.pg_scale = pg_scale.run(server_url, sizes, 40 if o.quick else pg_scale.CALLS)
+        except (SystemExit, Exception) as exc:
+            run.notes.append(f"The store on PostgreSQL at scale not measured: {exc}")
 
 
 # Reporting
@@ -1044,6 +1055,23 @@ def targets(run: Run) -> list[list[str]]:
             value,
             None,
         )
+    if len(run.pg_scale) == 2:
+        (_, small), (_, large) = run.pg_scale
+        if small.p50_ms > 0:
+            growth = large.p50_ms / small.p50_ms
+            add(
+                f"the store on PostgreSQL: recall p50 at {large.memories:,} memories ≤"
+                f" {RECALL_GROWTH:g} × at {small.memories:,} (c=1, in the store's process)",
+                f"{growth:.2f}× ({large.p50_ms:.1f} / {small.p50_ms:.1f} ms)",
+                growth <= RECALL_GROWTH,
+            )
+        if large.scope_recall is not None:
+            add(
+                f"the store on PostgreSQL: a scope of {pg_scale.SCOPE_SIZE} among"
+                f" {large.memories:,} memories gets all of its own 10 nearest",
+                f"{large.scope_recall:.3f} of them",
+                large.scope_recall >= 1.0,
+            )
     for key, row in (("mem_pgstore", "3s"), ("mem_pgstore2", "3t")):
         if not have(key, concurrency=32):
             continue
@@ -1355,6 +1383,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
     if run.outage is not None:
         lines += ["", "## Store outage under load (SIGKILL, then started again)", ""]
         lines += outage.table_lines(run.outage)
+    if run.pg_scale:
+        lines += ["", "## The store on PostgreSQL at scale (`bench.pg_scale`)", ""]
+        lines += pg_scale.table(run.pg_scale).rstrip("\n").split("\n")
     lines += ["", "## Targets (ratios from this run)", ""]
     lines += _table(["target", "this run", "verdict"], targets(run))
     if run.notes:

@@ -117,6 +117,11 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     for part in ("| the store's CPU per memory turn in row 3", "| the gateway's own CPU that"):
         [row] = [row for row in rows if row.startswith(part)]
         assert re.search(r"\| -?\d+\.\d\d× \(-?\d+\.\d{3} ms vs \d\.\d{3} ms\) \| — \|$", row), row
+    # The store on PostgreSQL at two sizes: recall's growth, and a small scope's own nearest.
+    [growth_pg] = [row for row in rows if row.startswith("| the store on PostgreSQL: recall p50")]
+    assert re.search(r"\| [\d.]+× \(", growth_pg), growth_pg
+    [scope] = [row for row in rows if row.startswith("| the store on PostgreSQL: a scope of 50")]
+    assert "| 1.000 of them | met |" in scope, scope
     # What a store core and a database core serve, for each row of the store on PostgreSQL.
     capacity = [row for row in rows if row.startswith("| capacity of the store on PostgreSQL")]
     assert len(capacity) == 2 and all("a PostgreSQL core" in row for row in capacity), table

@@ -225,8 +225,24 @@ async def _store_recall(up: Up, words: Iterable[str]) -> list[str]:
 async def test_a_forgotten_word_is_found_nowhere(
     tmp_path: Path, backend: str | None, stop: str
 ) -> None:
+    await _forgotten_nowhere(tmp_path, backend, stop)
+
+
+async def test_a_forgotten_word_is_found_nowhere_with_the_store_on_postgresql(
+    tmp_path: Path, store_database_url: str
+) -> None:
+    await _forgotten_nowhere(tmp_path, None, "sigkill", store_database_url)
+
+
+async def _forgotten_nowhere(
+    tmp_path: Path, backend: str | None, stop: str, store_url: str | None = None
+) -> None:
+    """Alice's words told on every surface, then forgotten: found nowhere (module docstring);
+    ``store_url``: the store keeps its memories in that PostgreSQL database."""
     data_dir = tmp_path / "data"
     env = _env(data_dir, backend)
+    if store_url is not None:
+        env["ARONA_STORE_DATABASE_URL"] = store_url
     words = list(WORDS.values())
     logs: list[str] = []
     async with httpx.AsyncClient(timeout=60) as client:
@@ -240,7 +256,12 @@ async def test_a_forgotten_word_is_found_nowhere(
             if backend is None:
                 # In the store, the index and the conversations (or their logs) for now.
                 held = {name.split(".")[0] for name in files_holding(data_dir, words)}
-                assert held >= {"memory", "episodes", "conversations"}
+                in_files = {"episodes", "conversations"} | (
+                    {"memory"} if store_url is None else set()
+                )
+                assert held >= in_files
+            if store_url is not None:
+                assert set(await tables_holding(store_url, words)) == {"memory_nodes"}
 
             forgotten = await _rpc(client, up, ALICE, "memory.forget")
             assert forgotten == {"deleted": 5, "conversations": 1}
@@ -262,6 +283,8 @@ async def test_a_forgotten_word_is_found_nowhere(
             assert _holding(" ".join(recalled), [*words, KEPT]) == [KEPT]
             if backend is not None:
                 assert await tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+            if store_url is not None:
+                assert await tables_holding(store_url, [*words, KEPT]) == {"memory_nodes": [KEPT]}
             assert files_holding(data_dir, words) == {}
         logs += up.stderr
 
@@ -280,6 +303,8 @@ async def test_a_forgotten_word_is_found_nowhere(
     assert files_holding(data_dir, words) == {}
     if backend is not None:
         assert await tables_holding(backend, [*words, KEPT]) == {"episodes": [KEPT]}
+    if store_url is not None:
+        assert await tables_holding(store_url, [*words, KEPT]) == {"memory_nodes": [KEPT]}
     # Nor did the logs ever carry them.
     assert _holding("\n".join(logs), [*words, KEPT]) == []
 

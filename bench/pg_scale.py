@@ -217,6 +217,8 @@ def server(url: str | None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def database(server_url: str, name: str) -> Iterator[str]:
+    """The database ``name`` on the PostgreSQL server at ``server_url``, made empty now and
+    dropped after; its URL."""
     from arona_store.pg.schema import connect
 
     with connect(server_url, autocommit=True) as conn:

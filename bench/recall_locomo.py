@@ -433,17 +433,10 @@ def wait_for_pg_vectors(url: str) -> None:
 @contextlib.contextmanager
 def fresh_database(server_url: str) -> Iterator[str]:
     """A new database on the PostgreSQL server at ``server_url`` (dropped after); its URL."""
-    from arona_store.pg.schema import connect
+    from bench.pg_scale import database
 
-    name = f"locomo_{os.getpid()}_{int(time.time() * 1000)}"
-    with connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    base, _, _ = server_url.rpartition("/")
-    try:
-        yield f"{base}/{name}"
-    finally:
-        with connect(server_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with database(server_url, f"locomo_{os.getpid()}_{int(time.time() * 1000)}") as url:
+        yield url
 
 
 def start_stack(

@@ -25,7 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -102,13 +102,49 @@ def _environment(cluster: PgCluster, tools: Path) -> dict[str, str]:
     return env
 
 
-def _report(workdir: Path, out: str, err: str) -> str:
+def _report(workdir: Path, out: str, err: str, logs: Sequence[str] = LOGS) -> str:
     parts = [f"--- stdout\n{out}", f"--- stderr\n{err}"]
-    for name in LOGS:
+    for name in logs:
         log = workdir / name
         if log.exists():
             parts.append(f"--- {name} (end)\n" + "\n".join(log.read_text().splitlines()[-40:]))
     return "\n".join(parts)
+
+
+def run_recipe(
+    script: Path, env: dict[str, str], workdir: Path, logs: Sequence[str]
+) -> tuple[str, str, str]:
+    """Run ``script`` in bash (``-e -u -o pipefail``) in a process group of its own in
+    ``workdir``: its output, and a report of it with the end of each of ``logs``. Fails the
+    test unless it exits 0 within :data:`RECIPE_TIMEOUT_S` having stopped all it started;
+    whatever it left running is killed either way."""
+    process = subprocess.Popen(
+        ["bash", "-e", "-u", "-o", "pipefail", str(script)],
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        try:
+            out, err = process.communicate(timeout=RECIPE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            out, err = process.communicate()
+            pytest.fail(
+                f"the recipe did not finish in {RECIPE_TIMEOUT_S} s\n"
+                + _report(workdir, out, err, logs)
+            )
+        report = _report(workdir, out, err, logs)
+        assert process.returncode == 0, f"the recipe failed (exit {process.returncode})\n{report}"
+        # Its last step stopped everything it started.
+        assert not _group_alive(process.pid), f"the recipe left processes running\n{report}"
+    finally:
+        _kill_group(process.pid)
+    return out, err, report
 
 
 def _kill_group(pgid: int) -> None:
@@ -157,31 +193,7 @@ def test_the_recipe_runs_as_written_and_a_turn_on_one_replica_is_recalled_on_the
     script.write_text(recipe())
     env = _environment(cluster, tools)
 
-    process = subprocess.Popen(
-        ["bash", "-e", "-u", "-o", "pipefail", str(script)],
-        cwd=workdir,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        try:
-            out, err = process.communicate(timeout=RECIPE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
-            out, err = process.communicate()
-            pytest.fail(
-                f"the recipe did not finish in {RECIPE_TIMEOUT_S} s\n" + _report(workdir, out, err)
-            )
-        report = _report(workdir, out, err)
-        assert process.returncode == 0, f"the recipe failed (exit {process.returncode})\n{report}"
-        # Its last step stopped everything it started.
-        assert not _group_alive(process.pid), f"the recipe left processes running\n{report}"
-    finally:
-        _kill_group(process.pid)
+    out, err, report = run_recipe(script, env, workdir, LOGS)
 
     # migrate created the schema in the database step 1 created, with the role's password.
     assert ": applied migration 1: " in out, report

@@ -11,27 +11,18 @@ real (scram-sha-256 over TCP for every role but the ``postgres`` superuser), wit
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_postgres_recipe import (
-    PG_HBA,
-    SUDO,
-    _chat_replies,
-    _free_port,
-    _group_alive,
-    _kill_group,
-)
+from tests.e2e.test_postgres_recipe import PG_HBA, SUDO, _chat_replies, _free_port, run_recipe
 from tests.support.postgres import PgCluster, pgvector_binaries, unavailable
 from tests.support.readme import fenced_blocks, region
 
 pytestmark = pytest.mark.timeout(480)
 
-RECIPE_TIMEOUT_S = 300
 LOGS = ("store-a.log", "store-b.log", "gateway.log")
 
 
@@ -54,15 +45,6 @@ def cluster() -> Iterator[PgCluster]:
         yield cluster
     finally:
         cluster.remove()
-
-
-def _report(workdir: Path, out: str, err: str) -> str:
-    parts = [f"--- stdout\n{out}", f"--- stderr\n{err}"]
-    for name in LOGS:
-        log = workdir / name
-        if log.exists():
-            parts.append(f"--- {name} (end)\n" + "\n".join(log.read_text().splitlines()[-40:]))
-    return "\n".join(parts)
 
 
 def test_the_recipe_runs_as_written_and_memory_outlives_a_store_process(
@@ -95,30 +77,7 @@ def test_the_recipe_runs_as_written_and_memory_outlives_a_store_process(
         ARONA_HTTP_PORT=str(_free_port()),
         ARONA_GRPC_PORT=str(_free_port()),
     )
-    process = subprocess.Popen(
-        ["bash", "-e", "-u", "-o", "pipefail", str(script)],
-        cwd=workdir,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        try:
-            out, err = process.communicate(timeout=RECIPE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
-            out, err = process.communicate()
-            pytest.fail(
-                f"the recipe did not finish in {RECIPE_TIMEOUT_S} s\n" + _report(workdir, out, err)
-            )
-        report = _report(workdir, out, err)
-        assert process.returncode == 0, f"the recipe failed (exit {process.returncode})\n{report}"
-        assert not _group_alive(process.pid), f"the recipe left processes running\n{report}"
-    finally:
-        _kill_group(process.pid)
+    out, err, report = run_recipe(script, env, workdir, LOGS)
 
     replies = _chat_replies(out)
     told = replies.get("Echo: I prefer oolong tea")

@@ -26,7 +26,6 @@ here.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,7 +107,6 @@ class PgMemoryStore(StoreBase):
             embedder,
             PgVectors(reader, self._pg_nodes),
         )
-        self._upkeep = threading.Lock()
 
     @classmethod
     def open(

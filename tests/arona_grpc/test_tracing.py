@@ -1,0 +1,145 @@
+"""What the standard ``OTEL_*`` variables turn on, and what they do not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from arona_grpc import tracing
+from arona_grpc.tracing import TracingSettings, build_provider
+
+ENDPOINT = "http://127.0.0.1:4318"
+
+
+def test_without_an_endpoint_nothing_is_installed_and_spans_cost_nothing() -> None:
+    assert TracingSettings.from_env({}).endpoint is None
+    with tracing.started({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"}, "x"):
+        assert not tracing.active()
+        with tracing.Tracer("t").span("turn") as span:
+            # The API's invalid span: nothing is recorded, nothing is carried.
+            assert not span.is_recording()
+            carrier: dict[str, str] = {}
+            tracing.inject(carrier)
+            assert carrier == {}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OTEL_SDK_DISABLED": "true"},
+        {"OTEL_SDK_DISABLED": "TRUE"},
+        {"OTEL_TRACES_EXPORTER": "none"},
+    ],
+)
+def test_an_endpoint_is_ignored_when_the_sdk_is_disabled(env: dict[str, str]) -> None:
+    settings = TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **env})
+    assert settings.endpoint is None
+    assert settings.refused is None
+
+
+def test_the_base_endpoint_gets_the_traces_path_and_the_traces_endpoint_is_taken_as_it_is() -> None:
+    base = TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT + "/"})
+    assert base.endpoint == ENDPOINT + "/v1/traces"
+    assert base.sampler == "parentbased_always_on"
+    own = TracingSettings.from_env(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT,
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://collector.example/otlp/traces",
+        }
+    )
+    assert own.endpoint == "https://collector.example/otlp/traces"
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc is not supported: traces are exported over "
+            "OTLP/HTTP (http/protobuf, a collector's port 4318): no traces are exported",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json",
+            },
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json is not supported",
+        ),
+        (
+            {"OTEL_TRACES_EXPORTER": "zipkin"},
+            "OTEL_TRACES_EXPORTER=zipkin is not supported (only otlp, or none)",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "sometimes"},
+            "OTEL_TRACES_SAMPLER=sometimes is not one of always_on, always_off, traceidratio, "
+            "parentbased_always_on, parentbased_always_off, parentbased_traceidratio",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"},
+            "OTEL_TRACES_SAMPLER_ARG=2 must be a ratio from 0 to 1",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"},
+            "OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL",
+        ),
+    ],
+)
+def test_a_setting_that_cannot_be_honoured_turns_tracing_off_with_one_warning(
+    env: dict[str, str], said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.WARNING, logger="arona_grpc.tracing"),
+        tracing.started({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **env}, "svc"),
+    ):
+        assert not tracing.active()
+    [record] = caplog.records
+    assert said in record.getMessage()
+
+
+def test_the_sampler_and_its_ratio() -> None:
+    settings = TracingSettings.from_env(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT,
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": "0.25",
+        }
+    )
+    assert (settings.sampler, settings.sampler_arg) == ("parentbased_traceidratio", 0.25)
+    provider = build_provider(settings, "svc")
+    try:
+        assert "TraceIdRatioBased{0.25}" in provider.sampler.get_description()
+    finally:
+        provider.shutdown()
+
+
+def test_the_service_is_named_by_the_command_unless_the_variables_name_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT})
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    provider = build_provider(settings, tracing.STORE_SERVICE)
+    assert provider.resource.attributes["service.name"] == "arona-memory-store"
+    provider.shutdown()
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "memory-eu-1")
+    provider = build_provider(settings, tracing.STORE_SERVICE)
+    assert provider.resource.attributes["service.name"] == "memory-eu-1"
+    provider.shutdown()
+
+
+def test_the_endpoint_is_logged_without_its_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    endpoint = "http://user:pa55word@127.0.0.1:9/v1/traces?token=t0ken"
+    with (
+        caplog.at_level(logging.INFO, logger="arona_grpc.tracing"),
+        tracing.started({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}, "svc"),
+    ):
+        assert tracing.active()
+    assert not tracing.active()
+    [line] = [r.getMessage() for r in caplog.records if "exporting traces" in r.getMessage()]
+    assert line == (
+        "exporting traces to http://***@127.0.0.1:9/v1/traces?token=*** "
+        "(OTLP/HTTP, sampler parentbased_always_on)"
+    )

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from arona_grpc import tracing
 from arona_grpc.config import Settings
 from arona_grpc.database import DatabaseUnavailable, open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
@@ -62,6 +63,9 @@ from gateway_http.views import database_unavailable
 logger = logging.getLogger(__name__)
 
 WRITEBACK_GRACE_S = 5.0
+TRACER = tracing.Tracer("gateway_http")
+# The server span of a REST chat turn (the HTTP semantic conventions' "{method} {route}").
+CHAT_SPAN = f"POST {rest.CHAT_COMPLETIONS_PATH}"
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -127,19 +131,40 @@ class GatewayApp(FastAPI):
     ) -> None:
         scope["app"] = self
         request = Request(scope, receive, send)
-        try:
-            response = await rest.chat_completions(request)
-        except GatewayError as exc:
-            response = _error_response(exc)
-        except DatabaseUnavailable:
-            response = _error_response(database_unavailable())
-        except rest.ClientGone:
-            # Nobody is left to answer.
-            return
-        except Exception:
-            response = _internal_error(request)
-        _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
-        await response(scope, receive, send)
+        # The turn's server span (the framework's instrumentation never sees this route): it
+        # continues the client's traceparent, and lasts until the last byte of a stream.
+        parent = (
+            tracing.extract(tracing.headers_carrier(scope["headers"])) if tracing.active() else None
+        )
+        with TRACER.span(
+            CHAT_SPAN,
+            kind=tracing.SERVER,
+            parent=parent,
+            attributes={
+                "http.request.method": "POST",
+                "http.route": rest.CHAT_COMPLETIONS_PATH,
+                "url.path": rest.CHAT_COMPLETIONS_PATH,
+                "url.scheme": scope.get("scheme", "http"),
+                "arona.request_id": request_id,
+            },
+        ) as span:
+            try:
+                response = await rest.chat_completions(request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except DatabaseUnavailable:
+                response = _error_response(database_unavailable())
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                tracing.failed(span, "cancelled")
+                return
+            except Exception:
+                response = _internal_error(request)
+            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, str(response.status_code))
+            await response(scope, receive, send)
 
 
 def _added_headers(request_id: str, *, rest: bool) -> list[tuple[bytes, bytes]]:

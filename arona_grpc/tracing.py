@@ -27,11 +27,13 @@ never its message (an upstream's error may quote the prompt).
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
@@ -74,6 +76,10 @@ CLIENT = SpanKind.CLIENT
 INTERNAL = SpanKind.INTERNAL
 
 Attributes = Mapping[str, AttributeValue]
+
+# The handshake capability of a memory store whose requests' params may carry the caller's
+# ``traceparent`` and ``tracestate`` (the embedded store, which continues the trace).
+TRACE_CONTEXT = "trace_context"
 
 # W3C Trace Context only: what every hop carries, whatever OTEL_PROPAGATORS names.
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -301,6 +307,8 @@ class _NoSpan:
 
 
 _NO_SPAN = _NoSpan()
+# For a caller that traces some of its calls and not others.
+NO_SPAN: contextlib.AbstractContextManager[Span] = _NO_SPAN
 
 
 class _Current:
@@ -420,15 +428,66 @@ def inject(carrier: MutableMapping[str, str]) -> None:
         _PROPAGATOR.inject(carrier)
 
 
-def extract(carrier: Mapping[str, str]) -> otel_context.Context | None:
-    """The remote parent in ``carrier`` (lower-case keys), or None (tracing off, or no valid
-    ``traceparent``: then a span starts a trace of its own)."""
-    if _STATE.provider is None or TRACEPARENT not in carrier:
+def extract(carrier: Mapping[str, Any]) -> otel_context.Context | None:
+    """The remote parent in ``carrier`` (lower-case keys; values that are not strings are
+    ignored), or None (tracing off, or no valid ``traceparent``: then a span starts a trace
+    of its own)."""
+    if _STATE.provider is None:
         return None
-    parent = _PROPAGATOR.extract(carrier)
+    traceparent = carrier.get(TRACEPARENT)
+    if not isinstance(traceparent, str):
+        return None
+    headers = {TRACEPARENT: traceparent}
+    tracestate = carrier.get(TRACESTATE)
+    if isinstance(tracestate, str):
+        headers[TRACESTATE] = tracestate
+    parent = _PROPAGATOR.extract(headers)
     if not trace.get_current_span(parent).get_span_context().is_valid:
         return None
     return parent
+
+
+def context_of(carrier: Mapping[str, Any]) -> otel_context.Context | None:
+    """:func:`extract` when tracing is on; the caller need not build ``carrier`` otherwise."""
+    return extract(carrier) if _STATE.provider is not None else None
+
+
+def current_span() -> Span:
+    """The span current here (the API's invalid span when none is)."""
+    return trace.get_current_span()
+
+
+@contextlib.contextmanager
+def within(parent: otel_context.Context | None) -> Iterator[None]:
+    """``parent`` (an extracted remote context) current in the block; nothing when None."""
+    if parent is None:
+        yield
+        return
+    token = otel_context.attach(parent)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+_R = TypeVar("_R")
+
+
+def carried(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """``fn`` to run on another thread with this context (and so this span) current there;
+    ``fn`` itself when tracing is off."""
+    if _STATE.provider is None:
+        return fn
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
+def untraced_context() -> contextvars.Context:
+    """A copy of the current context with no span current: for a background task started
+    from a request (a replay), whose spans start traces of their own instead of joining it."""
+    context = contextvars.copy_context()
+    if _STATE.provider is not None:
+        context.run(otel_context.attach, otel_context.Context())
+    return context
 
 
 def link_to_current() -> Sequence[Link]:
@@ -439,7 +498,7 @@ def link_to_current() -> Sequence[Link]:
     return (Link(context),) if context.is_valid else ()
 
 
-def headers_carrier(headers: Sequence[tuple[Any, Any]]) -> dict[str, str]:
+def headers_carrier(headers: Iterable[tuple[Any, Any]]) -> dict[str, str]:
     """The trace context headers of an ASGI header list or of gRPC metadata."""
     carrier: dict[str, str] = {}
     for key, value in headers:

@@ -6,8 +6,9 @@ client, the conversation database and the usage meter, and closes them on shutdo
 after giving pending writebacks a short grace period.
 
 Every HTTP request gets its request id in :class:`GatewayApp` (returned as
-``X-Request-Id``), and ``GET /metrics`` serves the Prometheus exposition of
-:mod:`gateway_http.metrics` (unless ``ARONA_METRICS=false``).
+``X-Request-Id``), every REST chat turn its server span there (arona_grpc.tracing), and
+``GET /metrics`` serves the Prometheus exposition of :mod:`gateway_http.metrics` (unless
+``ARONA_METRICS=false``).
 """
 
 from __future__ import annotations

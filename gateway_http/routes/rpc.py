@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from arona_grpc import tracing
+from arona_grpc.logs import REQUEST_ID
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
@@ -56,6 +58,8 @@ P = TypeVar("P", bound=BaseModel)
 # Why memory.delete deleted nothing in user mode, as a caller who is not an admin hears it:
 # the id is not one of theirs (another's, or nobody's).
 NOT_YOURS = "not_yours"
+CHAT_SEND = "chat.send"
+TRACER = tracing.Tracer("gateway_http")
 
 
 class _Params(BaseModel):
@@ -234,6 +238,20 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return requested
 
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
+        # The turn's server span: over HTTP the child of the request's traceparent (the
+        # transport made it current), over a WebSocket a trace of its own per call.
+        with TRACER.span(
+            CHAT_SEND,
+            kind=tracing.SERVER,
+            attributes={
+                "rpc.system": "jsonrpc",
+                "rpc.method": CHAT_SEND,
+                "arona.request_id": REQUEST_ID.get() or "",
+            },
+        ):
+            return await _chat_send(params, ctx)
+
+    async def _chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
         started = time.perf_counter()
         surface = "rpc" if ctx.notify is None else "rpc_ws"
         pipeline = gw.pipeline
@@ -445,7 +463,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
 
     handlers: dict[str, Callable[[Any, RpcContext], Awaitable[Any]]] = {
-        "chat.send": chat_send,
+        CHAT_SEND: chat_send,
         "memory.status": memory_status,
         "memory.recall": memory_recall,
         "memory.delete": memory_delete,

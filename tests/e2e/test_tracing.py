@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 
 from arona_store.server import StoreServer
-from tests.e2e.stack import PHILIA_TOKEN, Stack, running_stack
-from tests.e2e.test_routing import routed_stack
+from tests.e2e.stack import JWT_SECRET, PHILIA_TOKEN, Stack, running_stack
+from tests.e2e.test_routing import KEY_A, KEY_B, routed_stack
 from tests.support.fake_upstream import Fail
 from tests.support.otlp_receiver import (
     OtlpReceiver,
@@ -46,6 +46,7 @@ QUESTION = "Which tea do I prefer?"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+GRPC_TOKEN = "grpc-service-token-0123456789"
 
 # What a memory turn is made of, each span with its kind.
 RECALL_TREE = """\
@@ -255,6 +256,52 @@ async def test_a_fallback_shows_both_attempts(tmp_path: Path, receiver: OtlpRece
     assert answered.attributes["arona.upstream.outcome"] == "answered"
     assert root.attributes["arona.backend"] == "b"
     assert root.attributes["arona.upstream.attempts"] == 2
+
+
+async def test_the_export_holds_no_user_text_no_memory_and_no_secret(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    async with traced_here(receiver), memory_stack(tmp_path, grpc_token=GRPC_TOKEN) as stack:
+        await remembered(stack)
+        for surface in ("rest", "sse", "rpc", "rpc_ws"):
+            asked = await stack.turn(surface, [{"role": "user", "content": QUESTION}])
+            assert (asked.status, asked.memory) == (200, "enabled"), surface
+        await stack.drain_writebacks()
+        await exported()
+        jwt = stack.jwt
+
+    assert len(turn_roots(receiver.spans)) == 5
+    # The store's part of each turn is in the export searched below.
+    assert len(named(receiver.spans, "memory.retrieve")) == 5
+    export = b"".join(receiver.bodies)
+    for secret in (
+        # What the user said, what the store remembers of it, and the answer.
+        "oolong",
+        "prefer",
+        "reply to",
+        # The memory token (on the store's upgrade URL and in its handshake), the gRPC
+        # service's token, the JWT and its secret.
+        PHILIA_TOKEN,
+        "token=",
+        GRPC_TOKEN,
+        jwt,
+        JWT_SECRET,
+    ):
+        assert secret.encode() not in export, secret
+
+
+async def test_a_backends_api_key_never_reaches_the_export(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    async with traced_here(receiver), routed_stack(tmp_path) as routed:
+        routed.a.script(Fail(503, "a is overloaded"))
+        assert (await routed.chat("rest", "gpt-4o")).status == 200
+        assert (await routed.chat("rest", "claude-3-haiku")).status == 200
+        await exported()
+    export = b"".join(receiver.bodies)
+    assert len(turn_roots(receiver.spans)) == 2
+    for secret in (KEY_A, KEY_B, "overloaded"):
+        assert secret.encode() not in export, secret
 
 
 async def test_without_tracing_nothing_is_sent_and_no_traceparent_goes_upstream(

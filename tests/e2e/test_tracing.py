@@ -200,6 +200,23 @@ async def test_every_chat_surface_makes_the_same_trace(
         assert attempt.attributes["gen_ai.usage.output_tokens"] == 7
 
 
+async def test_on_unary_grpc_calls_the_trace_crosses_the_same_way(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    # ARONA_GRPC_STREAMS=0: the recall and the writeback are unary calls, the trace context
+    # their metadata (as an internal service calling Recall would send it).
+    async with traced_here(receiver), memory_stack(tmp_path, grpc_streams=0) as stack:
+        await remembered(stack)
+        asked = await stack.turn("rest", [{"role": "user", "content": QUESTION}])
+        assert (asked.status, asked.memory) == (200, "enabled")
+        await stack.drain_writebacks()
+        await exported()
+    turn = named(receiver.spans, CHAT_SPAN)[-1]
+    assert receiver.tree(turn.trace_id, show=with_kind) == "\n".join(
+        [CHAT_SPAN + " [server]", RECALL_TREE, "  chat fake-model [client]", WRITEBACK_TREE]
+    )
+
+
 @pytest.mark.parametrize("surface", ["rest", "sse", "rpc"])
 async def test_an_incoming_traceparent_is_continued_and_carried_upstream(
     stack: Stack, receiver: OtlpReceiver, surface: str

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -68,8 +69,8 @@ SAMPLERS = (
 )
 DEFAULT_SAMPLER = "parentbased_always_on"
 # How long the last spans may take to leave when the process stops (the exporter's own
-# timeout, OTEL_EXPORTER_OTLP_TIMEOUT, bounds each request within it).
-SHUTDOWN_TIMEOUT_MS = 10_000
+# timeout, OTEL_EXPORTER_OTLP_TIMEOUT, 10 s by default, bounds each request within it).
+SHUTDOWN_TIMEOUT_S = 10.0
 
 SERVER = SpanKind.SERVER
 CLIENT = SpanKind.CLIENT
@@ -236,7 +237,8 @@ def build_provider(settings: TracingSettings, service_name: str) -> TracerProvid
         sampler = samplers.ParentBasedTraceIdRatio(ratio)
     else:
         sampler = samplers.ParentBased(samplers.ALWAYS_ON)
-    provider = TracerProvider(sampler=sampler, resource=resource)
+    # Stopped by started() (or whoever installed it), not at the interpreter's exit.
+    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
     return provider
 
@@ -253,7 +255,7 @@ def _version() -> str:
 @contextlib.contextmanager
 def started(env: Mapping[str, str], service_name: str) -> Iterator[None]:
     """Trace this process while the block runs, when the variables ask for it; the spans
-    still queued are sent when it ends (within :data:`SHUTDOWN_TIMEOUT_MS`)."""
+    still queued are sent when it ends (within :data:`SHUTDOWN_TIMEOUT_S`)."""
     settings = TracingSettings.from_env(env)
     if settings.refused is not None:
         logger.warning("%s", settings.refused)
@@ -276,17 +278,27 @@ def started(env: Mapping[str, str], service_name: str) -> Iterator[None]:
         shutdown(provider)
 
 
-def shutdown(provider: TracerProvider) -> None:
-    """Send what is queued and stop exporting, within :data:`SHUTDOWN_TIMEOUT_MS`."""
-    provider.force_flush(SHUTDOWN_TIMEOUT_MS)
-    provider.shutdown()
+def shutdown(provider: TracerProvider, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Send what is queued and stop exporting; a collector that does not take it within
+    ``timeout_s`` does not hold up the stop (the rest is dropped, said in one line)."""
+    # The SDK's own stop waits up to 30 s for its worker, and each batch up to the exporter's
+    # timeout: bounded here, on a thread that the interpreter does not wait for.
+    stopping = threading.Thread(target=provider.shutdown, name="trace-shutdown", daemon=True)
+    stopping.start()
+    stopping.join(timeout_s)
+    if stopping.is_alive():
+        logger.warning(
+            "the last spans were not all exported within %g s (the collector did not take "
+            "them); the rest are dropped",
+            timeout_s,
+        )
 
 
-def flush(timeout_ms: int = SHUTDOWN_TIMEOUT_MS) -> bool:
+def flush() -> bool:
     """Export every span ended so far (blocks; never from an event loop that serves the
     collector); whether it all went."""
     provider = _STATE.provider
-    return provider.force_flush(timeout_ms) if provider is not None else True
+    return provider.force_flush() if provider is not None else True
 
 
 class _NoSpan:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import time
 
 import pytest
 
@@ -143,3 +145,30 @@ def test_the_endpoint_is_logged_without_its_credentials(
         "exporting traces to http://***@127.0.0.1:9/v1/traces?token=*** "
         "(OTLP/HTTP, sampler parentbased_always_on)"
     )
+
+
+def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Listening, never accepting: the export's request waits for an answer that never comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        provider = build_provider(
+            TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": url}), "x"
+        )
+        tracing.install(provider)
+        try:
+            with tracing.Tracer("t").span("turn") as span:
+                assert span.is_recording()
+        finally:
+            tracing.install(None)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="arona_grpc.tracing"):
+            tracing.shutdown(provider, timeout_s=0.5)
+        assert time.monotonic() - started < 2.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "the last spans were not all exported within 0.5 s (the collector did not take them); "
+        "the rest are dropped"
+    ]

@@ -551,6 +551,8 @@ class PhiliaClient:
         parse: Callable[[Any], T],
         timeout_s: float | None,
     ) -> T:
+        if not tracing.active():
+            return await self._call_once(method, params, parse, timeout_s)
         with TRACER.span(method, kind=tracing.CLIENT, attributes=self._traced(method)):
             return await self._call_once(method, params, parse, timeout_s)
 

@@ -218,6 +218,8 @@ def _metadata_parent(context: Context) -> otel_context.Context | None:
 def _served(method: str, parent: otel_context.Context | None) -> AbstractContextManager[Span]:
     """The server span of one Recall or Writeback, unary or on an Exchange stream: the child
     of the caller's span when the call carries its trace context."""
+    if not tracing.active():
+        return tracing.NO_SPAN
     return TRACER.span(
         f"{SERVICE_NAME}/{method}",
         kind=tracing.SERVER,

@@ -319,8 +319,10 @@ class _NoSpan:
 
 
 _NO_SPAN = _NoSpan()
-# For a caller that traces some of its calls and not others.
+# For a caller that traces some of its calls and not others: no span for a block, and the
+# span that records nothing.
 NO_SPAN: contextlib.AbstractContextManager[Span] = _NO_SPAN
+INVALID_SPAN: Span = trace.INVALID_SPAN
 
 
 class _Current:
@@ -465,7 +467,9 @@ def context_of(carrier: Mapping[str, Any]) -> otel_context.Context | None:
 
 
 def current_span() -> Span:
-    """The span current here (the API's invalid span when none is)."""
+    """The span current here (the API's invalid span when none is, or tracing is off)."""
+    if _STATE.provider is None:
+        return trace.INVALID_SPAN
     return trace.get_current_span()
 
 

@@ -227,7 +227,7 @@ def _served(call: Call) -> AbstractContextManager[Span]:
     """The server span of a query, store or delete: the child of the caller's span when its
     params carry a ``traceparent`` (see the handshake's capabilities). Ended before the reply
     is sent, so a caller that has its answer finds the span ended."""
-    if call.method not in _TRACED:
+    if call.method not in _TRACED or not tracing.active():
         return tracing.NO_SPAN
     return TRACER.span(
         call.method,

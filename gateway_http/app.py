@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
 import grpc
@@ -24,6 +24,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -133,22 +134,8 @@ class GatewayApp(FastAPI):
         scope["app"] = self
         request = Request(scope, receive, send)
         # The turn's server span (the framework's instrumentation never sees this route): it
-        # continues the client's traceparent, and lasts until the last byte of a stream.
-        parent = (
-            tracing.extract(tracing.headers_carrier(scope["headers"])) if tracing.active() else None
-        )
-        with TRACER.span(
-            CHAT_SPAN,
-            kind=tracing.SERVER,
-            parent=parent,
-            attributes={
-                "http.request.method": "POST",
-                "http.route": rest.CHAT_COMPLETIONS_PATH,
-                "url.path": rest.CHAT_COMPLETIONS_PATH,
-                "url.scheme": scope.get("scheme", "http"),
-                "arona.request_id": request_id,
-            },
-        ) as span:
+        # lasts until the last byte of a stream.
+        with _turn_span(scope, request_id) as span:
             try:
                 response = await rest.chat_completions(request)
             except GatewayError as exc:
@@ -166,6 +153,24 @@ class GatewayApp(FastAPI):
             if response.status_code >= 500:
                 tracing.failed(span, str(response.status_code))
             await response(scope, receive, send)
+
+
+def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """A REST chat turn's server span, continuing the client's ``traceparent``."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        CHAT_SPAN,
+        kind=tracing.SERVER,
+        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": rest.CHAT_COMPLETIONS_PATH,
+            "url.path": rest.CHAT_COMPLETIONS_PATH,
+            "url.scheme": scope.get("scheme", "http"),
+            "arona.request_id": request_id,
+        },
+    )
 
 
 def _added_headers(request_id: str, *, rest: bool) -> list[tuple[bytes, bytes]]:

@@ -12,9 +12,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
+from opentelemetry.trace import Span
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -213,6 +215,22 @@ def _translated(
     return run
 
 
+def _chat_send_span() -> AbstractContextManager[Span]:
+    """A ``chat.send`` turn's server span: over HTTP the child of the request's traceparent
+    (the transport made it current), over a WebSocket a trace of its own per call."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        CHAT_SEND,
+        kind=tracing.SERVER,
+        attributes={
+            "rpc.system": "jsonrpc",
+            "rpc.method": CHAT_SEND,
+            "arona.request_id": REQUEST_ID.get() or "",
+        },
+    )
+
+
 def _not_allowed(what: str) -> GatewayError:
     return GatewayError(
         ErrorKind.NOT_ALLOWED, f"Not allowed: {what} needs an admin token", "admin_required"
@@ -238,17 +256,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return requested
 
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
-        # The turn's server span: over HTTP the child of the request's traceparent (the
-        # transport made it current), over a WebSocket a trace of its own per call.
-        with TRACER.span(
-            CHAT_SEND,
-            kind=tracing.SERVER,
-            attributes={
-                "rpc.system": "jsonrpc",
-                "rpc.method": CHAT_SEND,
-                "arona.request_id": REQUEST_ID.get() or "",
-            },
-        ):
+        with _chat_send_span():
             return await _chat_send(params, ctx)
 
     async def _chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,9 +223,7 @@ class Router:
             attempt = _attempt(target, body)
             attempts.append(attempt)
             # Current while the request goes out, so that it carries the attempt's traceparent.
-            with TRACER.span(
-                _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
-            ) as span:
+            with _attempt_span(attempt, body, index) as span:
                 try:
                     completion = await target.backend.complete(target.body(body))
                 except UpstreamError as exc:
@@ -257,9 +256,7 @@ class Router:
             chunks = target.backend.stream(target.body(body))
             # Lasts as long as the stream; current only while the request goes out (the first
             # chunk), since a generator's caller runs between its chunks.
-            span = TRACER.start(
-                _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
-            )
+            span = _started_attempt(attempt, body, index)
             reasons: list[str] = []
             try:
                 try:
@@ -353,6 +350,26 @@ def attempt_outcome(attempt: Attempt) -> str:
         if attempt.status >= 400:
             return "status_4xx"
     return "other"
+
+
+def _attempt_span(
+    attempt: Attempt, body: dict[str, Any], index: int
+) -> AbstractContextManager[Span]:
+    """An attempt's span, current for a block (the whole reply's wait)."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
+    )
+
+
+def _started_attempt(attempt: Attempt, body: dict[str, Any], index: int) -> Span:
+    """An attempt's span that the caller ends (a stream's, which outlives any block)."""
+    if not tracing.active():
+        return tracing.INVALID_SPAN
+    return TRACER.start(
+        _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
+    )
 
 
 def _span_name(attempt: Attempt) -> str:

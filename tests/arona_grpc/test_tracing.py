@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
@@ -148,16 +149,18 @@ def test_the_endpoint_is_logged_without_its_credentials(
 
 
 def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Each export request gives up after 1 s: the stop below, cut at 0.5 s, leaves it behind,
+    # and the test waits for it before the port goes (no export may reach another test).
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     # Listening, never accepting: the export's request waits for an answer that never comes.
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        provider = build_provider(
-            TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": url}), "x"
-        )
+        settings = TracingSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": url})
+        provider = build_provider(settings, "x")
         tracing.install(provider)
         try:
             with tracing.Tracer("t").span("turn") as span:
@@ -168,7 +171,11 @@ def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
         with caplog.at_level(logging.WARNING, logger="arona_grpc.tracing"):
             tracing.shutdown(provider, timeout_s=0.5)
         assert time.monotonic() - started < 2.0
-    assert [r.getMessage() for r in caplog.records] == [
+        for left in [t for t in threading.enumerate() if t.name == "trace-shutdown"]:
+            left.join(10)
+            assert not left.is_alive()
+    said = [r.getMessage() for r in caplog.records if r.name == "arona_grpc.tracing"]
+    assert said == [
         "the last spans were not all exported within 0.5 s (the collector did not take them); "
         "the rest are dropped"
     ]

@@ -6,11 +6,17 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from arona_grpc import tracing
+from arona_grpc.philia import PhiliaClient
 from arona_grpc.tracing import TracingSettings, build_provider
+from tests.support.fake_philia import HANDSHAKE, QUERY, STORE, FakePhilia, Step
 
 ENDPOINT = "http://127.0.0.1:4318"
 
@@ -179,3 +185,69 @@ def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
         "the last spans were not all exported within 0.5 s (the collector did not take them); "
         "the rest are dropped"
     ]
+
+
+@pytest.fixture
+def recorded() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process, its spans kept in memory."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.install(None)
+        provider.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_philia_is_sent_only_the_params_of_the_wire_protocol(
+    recorded: InMemorySpanExporter,
+) -> None:
+    async with FakePhilia(token="t0k3n") as fake:
+        client = PhiliaClient(fake.url, "t0k3n", timeout_s=5.0)
+        try:
+            with tracing.Tracer("t").span("turn"):
+                await client.query("tea", 5)
+                await client.store("I prefer oolong tea")
+        finally:
+            await client.aclose()
+        [query] = fake.frames_of(QUERY)
+        [store] = fake.frames_of(STORE)
+    # Its handshake lists no trace_context capability: nothing it might refuse.
+    assert query["params"] == {"query": "tea", "limit": 5}
+    assert store["params"] == {"text": "I prefer oolong tea", "node_type": "episode"}
+    # The calls are spans all the same, named by method and by where the store listens.
+    calls = [s for s in recorded.get_finished_spans() if s.name.startswith("Sync.")]
+    assert [(s.name, s.kind.name) for s in calls] == [(QUERY, "CLIENT"), (STORE, "CLIENT")]
+    assert calls[0].attributes == {
+        "rpc.system": "jsonrpc",
+        "rpc.method": QUERY,
+        "server.address": "127.0.0.1",
+        "server.port": fake.port,
+    }
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_takes_trace_context_gets_the_calls_traceparent(
+    recorded: InMemorySpanExporter,
+) -> None:
+    says_so = {"ok": True, "error": None, "session_id": "s-1", "reconnect": False}
+    async with FakePhilia(token="t0k3n") as fake:
+        fake.script(HANDSHAKE, Step(result={**says_so, "capabilities": ["trace_context"]}))
+        client = PhiliaClient(fake.url, "t0k3n", timeout_s=5.0)
+        try:
+            with tracing.Tracer("t").span("turn"):
+                await client.query("tea", 5)
+        finally:
+            await client.aclose()
+        [query] = fake.frames_of(QUERY)
+    [call] = [s for s in recorded.get_finished_spans() if s.name == QUERY]
+    context = call.get_span_context()
+    ids = f"{context.trace_id:032x}-{context.span_id:016x}"
+    assert query["params"] == {
+        "query": "tea",
+        "limit": 5,
+        "traceparent": f"00-{ids}-{context.trace_flags:02x}",
+    }

@@ -326,7 +326,8 @@ INVALID_SPAN: Span = trace.INVALID_SPAN
 
 
 class _Current:
-    """A span made current for a block, ended after it (unless ``end`` is false).
+    """A span made current for a block, ended after it (unless ``end`` is false: then its
+    owner ends it, and judges how it went).
 
     An exception marks it ERROR with ``error.type`` (its class name) and no message: a message
     may quote what the user said.
@@ -350,9 +351,9 @@ class _Current:
         tb: TracebackType | None,
     ) -> None:
         otel_context.detach(self._token)  # type: ignore[arg-type]
-        if exc is not None:
-            failed(self._span, type(exc).__name__)
         if self._end:
+            if exc is not None:
+                failed(self._span, type(exc).__name__)
             self._span.end()
 
 
@@ -367,7 +368,8 @@ def failed(span: Span, error_type: str) -> None:
 
 
 def current(span: Span) -> contextlib.AbstractContextManager[Span]:
-    """Make a span started with :meth:`Tracer.start` current for a block (it is not ended)."""
+    """Make a span started with :meth:`Tracer.start` current for a block (it is neither ended
+    nor marked by an exception: its owner does both)."""
     if not span.is_recording() and not span.get_span_context().is_valid:
         return _NO_SPAN
     return _Current(span, end=False)

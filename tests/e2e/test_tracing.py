@@ -248,10 +248,13 @@ async def test_a_traceparent_that_is_not_one_starts_a_trace_of_its_own(
     assert turn.trace_id != CLIENT_TRACE
 
 
-async def test_a_fallback_shows_both_attempts(tmp_path: Path, receiver: OtlpReceiver) -> None:
+@pytest.mark.parametrize("surface", ["rest", "sse"])
+async def test_a_fallback_shows_both_attempts(
+    tmp_path: Path, receiver: OtlpReceiver, surface: str
+) -> None:
     async with traced_here(receiver), routed_stack(tmp_path) as routed:
         routed.a.script(Fail(503, "a is overloaded"))
-        turn = await routed.chat("rest", "gpt-4o")
+        turn = await routed.chat(surface, "gpt-4o")
         assert turn.status == 200
         await routed.stack.drain_writebacks()
         await exported()

@@ -398,8 +398,17 @@ class MemoryClient:
         service was unreachable or failed otherwise, and the turn must be sent again. A failed
         call is logged (the service's own message says whether its outbox kept the episode).
         """
-        with TRACER.span(WRITEBACK_SPAN, kind=tracing.CLIENT, attributes=_WRITEBACK_RPC):
-            return await self._writeback(user, assistant, scope, episode_id, occurred_at)
+        # The child of the span it was sent under, and linked to it: a turn's, which ends
+        # without waiting for it (a journal replay's has none).
+        with TRACER.span(
+            WRITEBACK_SPAN,
+            kind=tracing.CLIENT,
+            attributes=_WRITEBACK_RPC,
+            links=tracing.link_to_current(),
+        ) as span:
+            taken = await self._writeback(user, assistant, scope, episode_id, occurred_at)
+            span.set_attribute("arona.writeback.taken", taken)
+            return taken
 
     async def _writeback(
         self, user: str, assistant: str, scope: str, episode_id: str, occurred_at: float | None

@@ -22,7 +22,7 @@ injected, the recall's time, when the upstream call started, answered and
 ended, and every backend attempt (:class:`PreparedTurn`); each surface reports how its
 turn ended through :meth:`TurnPipeline.finished`, which also describes the turn on its server
 span (opened by the surface: REST in gateway_http.app, ``chat.send`` in routes.rpc). The
-writeback's span is a child of that span and links to it: it ends after the answer.
+writeback's task starts under that span, so its call is in the turn's trace.
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ from gateway_http.views import conversation_errors
 logger = logging.getLogger(__name__)
 
 RECALL_LIMIT = 5
-TRACER = tracing.Tracer("gateway_http")
-# The span of a turn's writeback: it ends after the answer, so it is linked to the turn's.
-WRITEBACK_SPAN = "memory.writeback"
 # The longest a caller's memory.list (or forget) waits for the writebacks of its own turns
 # still on their way, so it sees what it just said.
 WRITEBACK_SETTLE_S = 5.0
@@ -379,21 +376,18 @@ class TurnPipeline:
     ) -> None:
         if entry is not None:
             self._sending.add(entry.id)
-        # In the turn's trace (this task started under its span), and linked to the turn's
-        # span: it ends after the answer, which does not wait for it.
-        with TRACER.span(WRITEBACK_SPAN, links=tracing.link_to_current()) as span:
-            try:
-                # Its failures are logged by the memory client.
-                taken = await self._memory.writeback(
-                    user, assistant, scope, entry.episode_id if entry is not None else ""
-                )
-            except Exception:
-                logger.exception("writeback failed")
-                taken = False
-            finally:
-                if entry is not None:
-                    self._sending.discard(entry.id)
-            span.set_attribute("arona.writeback.taken", taken)
+        try:
+            # Its failures are logged by the memory client. In the turn's trace: this task
+            # started under the turn's span.
+            taken = await self._memory.writeback(
+                user, assistant, scope, entry.episode_id if entry is not None else ""
+            )
+        except Exception:
+            logger.exception("writeback failed")
+            taken = False
+        finally:
+            if entry is not None:
+                self._sending.discard(entry.id)
         if entry is None:
             return
         if not taken:

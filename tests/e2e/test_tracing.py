@@ -57,11 +57,10 @@ RECALL_TREE = """\
           memory.retrieve [internal]
           memory.rank [internal]"""
 WRITEBACK_TREE = """\
-  memory.writeback [internal]
-    arona.memory.v1.MemoryService/Writeback [client]
-      arona.memory.v1.MemoryService/Writeback [server]
-        Sync.MemoryStoreRequest [client]
-          Sync.MemoryStoreRequest [server]"""
+  arona.memory.v1.MemoryService/Writeback [client]
+    arona.memory.v1.MemoryService/Writeback [server]
+      Sync.MemoryStoreRequest [client]
+        Sync.MemoryStoreRequest [server]"""
 
 
 def with_kind(span: ReceivedSpan) -> str:
@@ -165,9 +164,10 @@ async def test_a_rest_turn_is_one_trace_from_the_gateway_to_the_store_and_the_up
     assert recall_server.scope == "arona_grpc"
     assert recall_server.attributes["arona.memory.state"] == "enabled"
     # The writeback ends after the answer: a child of the turn that also links to it.
-    [writeback] = named(spans, "memory.writeback")
+    [writeback] = [s for s in named(spans, WRITEBACK) if s.kind == "client"]
     assert writeback.links == ((second.trace_id, second.span_id),)
     assert writeback.end_ns > second.end_ns
+    assert writeback.attributes["arona.writeback.taken"] is True
     assert not any(s.failed for s in spans)
 
 

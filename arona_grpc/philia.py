@@ -31,6 +31,11 @@ benchmark's memory turn it cost the gateway's event loop about 0.05 ms less than
 allows, such as an escaped lone surrogate), text frames are read as bytes, and request
 ids come from a counter: all of that is paid on every call.
 
+Each call is a client span (arona_grpc.tracing). A peer whose handshake result lists
+:data:`TRACE_CONTEXT` among its ``capabilities`` (the embedded store) also gets the caller's
+``traceparent`` in each request's params and continues the trace; the wire protocol does not
+say that a Philia takes params it does not know, so any other gets exactly the params above.
+
 The token travels on the upgrade URL and in the handshake, so nothing here ever
 prints it: URLs go through :func:`~arona_grpc.redact.redact_url` and free text through
 :func:`~arona_grpc.redact.redact_text`; aiohttp logs neither request lines nor frames.
@@ -52,7 +57,9 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 import aiohttp
 import orjson
 import yarl
+from opentelemetry.util.types import AttributeValue
 
+from arona_grpc import tracing
 from arona_grpc.metrics import PhiliaMetrics
 from arona_grpc.redact import redact_text, redact_url
 
@@ -96,6 +103,8 @@ _METRIC_METHODS = {
 
 # The store property carrying when an episode happened; absent means now.
 OCCURRED_AT = "occurred_at"
+TRACE_CONTEXT = tracing.TRACE_CONTEXT
+TRACER = tracing.Tracer("arona_grpc")
 
 
 def occurred_at_text(seconds: float) -> str:
@@ -200,6 +209,9 @@ class _Connection:
         self._loop = asyncio.get_running_loop()
         # Loop time of the last frame sent: the heartbeat goes out after a quiet spell.
         self.last_sent_at = self._loop.time()
+        # The peer said in its handshake that a request's params may carry the caller's
+        # traceparent (TRACE_CONTEXT among its capabilities).
+        self.trace_context = False
         self.reader = self._loop.create_task(self._read())
         self.beater: asyncio.Task[None] | None = None
         if heartbeat_s is not None:
@@ -210,12 +222,23 @@ class _Connection:
         """Open on both sides: not aborted, and the peer has not begun a close."""
         return not self.closed and not self.ws.closed
 
-    async def request(self, method: str, params: Mapping[str, Any]) -> Any:
-        """Send one request and return its ``result``; raise on an error reply."""
+    async def request(
+        self, method: str, params: Mapping[str, Any], trace: Mapping[str, str] | None = None
+    ) -> Any:
+        """Send one request and return its ``result``; raise on an error reply.
+
+        ``trace`` (the caller's ``traceparent``, for a peer that said it takes one) joins the
+        params unless the frame would then be over the budget.
+        """
         if self.closed:
             raise PhiliaUnavailable("the Philia connection is closed")
         request_id = str(next(self._ids))
-        data = _encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        frame = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+        data = b""
+        if trace:
+            data = _encode({**frame, "params": {**params, **trace}})
+        if not data or len(data) > MAX_REQUEST_BYTES:
+            data = _encode(frame)
         if len(data) > MAX_REQUEST_BYTES:
             raise PhiliaTooLarge(
                 f"{method}: a request of {len(data):,} bytes is over Philia's frame budget "
@@ -421,6 +444,11 @@ class PhiliaClient:
         self._metrics = metrics
         self.connects = 0
         """Connections opened (handshake done) since the client was made."""
+        try:
+            parts = urlsplit(url)
+            self._host, self._port = parts.hostname or "", parts.port
+        except ValueError:
+            self._host, self._port = "", None
 
     @property
     def redacted_url(self) -> str:
@@ -523,6 +551,28 @@ class PhiliaClient:
         parse: Callable[[Any], T],
         timeout_s: float | None,
     ) -> T:
+        if not tracing.active():
+            return await self._call_once(method, params, parse, timeout_s)
+        with TRACER.span(method, kind=tracing.CLIENT, attributes=self._traced(method)):
+            return await self._call_once(method, params, parse, timeout_s)
+
+    def _traced(self, method: str) -> dict[str, AttributeValue]:
+        """A call's span attributes: the method and where the store listens (never its URL,
+        which carries the token)."""
+        attributes: dict[str, AttributeValue] = {"rpc.system": "jsonrpc", "rpc.method": method}
+        if self._host:
+            attributes["server.address"] = self._host
+        if self._port is not None:
+            attributes["server.port"] = self._port
+        return attributes
+
+    async def _call_once(
+        self,
+        method: str,
+        params: Mapping[str, Any],
+        parse: Callable[[Any], T],
+        timeout_s: float | None,
+    ) -> T:
         deadline_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         conn: _Connection | None = None
         attempt: asyncio.Task[_Connection] | None = None
@@ -537,7 +587,7 @@ class PhiliaClient:
                     attempt = self._connect_attempt()
                     conn = await self._join(attempt)
                 sent_at = loop.time()
-                result = await conn.request(method, params)
+                result = await conn.request(method, params, _trace_params(conn))
             parsed = parse(result)
             if self._metrics is not None:
                 self._metrics.philia_call(
@@ -642,6 +692,7 @@ class PhiliaClient:
                     },
                 )
                 _check_handshake(result, self.redact)
+                conn.trace_context = _takes_trace_context(result)
         except BaseException as exc:
             if conn is not None:
                 conn.abort(PhiliaUnavailable("connect failed"))
@@ -706,6 +757,24 @@ def _check_handshake(result: Any, redact: Callable[[str], str]) -> None:
         error = result.get("error")
         detail = redact(error)[:_MAX_QUOTED] if isinstance(error, str) and error else "no reason"
         raise PhiliaUnavailable(f"Philia refused the handshake: {detail}")
+
+
+def _takes_trace_context(result: dict[str, Any]) -> bool:
+    """Whether a handshake's result lists :data:`TRACE_CONTEXT` among its capabilities (the
+    embedded store does; the wire protocol does not say a Philia takes params it does not
+    know, so none is sent one unless it says so)."""
+    capabilities = result.get("capabilities")
+    return isinstance(capabilities, list) and TRACE_CONTEXT in capabilities
+
+
+def _trace_params(conn: _Connection) -> dict[str, str] | None:
+    """The current span's ``traceparent`` (and ``tracestate``) as params, for a peer that
+    takes them; None otherwise (and whenever tracing is off)."""
+    if not conn.trace_context or not tracing.active():
+        return None
+    carrier: dict[str, str] = {}
+    tracing.inject(carrier)
+    return carrier
 
 
 def _parse_memories(result: Any, limit: int) -> list[PhiliaMemory]:

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from arona_grpc import tracing
 from arona_grpc.breaker import BreakerState, CircuitBreaker, Permit
 from arona_grpc.config import SCOPE_SHARED, ConfigError, Settings
 from arona_grpc.episodes import (
@@ -1077,7 +1078,10 @@ class MemoryDomain:
         if self._closing or self._client is None or self._outbox is None:
             return
         if self._replay_task is None or self._replay_task.done():
-            task = asyncio.get_running_loop().create_task(self._replay(), name="outbox-replay")
+            # Kicked by some call that succeeded, but none of that call's work.
+            task = asyncio.get_running_loop().create_task(
+                self._replay(), name="outbox-replay", context=tracing.untraced_context()
+            )
             self._replay_task = task
 
     async def _replay(self) -> None:

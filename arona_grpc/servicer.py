@@ -4,6 +4,10 @@ Every RPC ends any failure through :func:`_abort`, so no exception escapes as
 ``UNKNOWN``: domain errors get the status code of :data:`STATUS_CODES` (the one
 table) and their own, secret-free message; anything else is ``INTERNAL`` with a
 generic message while the traceback goes to the log.
+
+Each Recall and Writeback, unary or on an ``Exchange`` stream, is a server span
+(arona_grpc.tracing) in the caller's trace: its ``traceparent`` comes as metadata on a unary
+call and in the ``trace_context`` of a stream's call.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import NoReturn
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span
 
+from arona_grpc import tracing
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.batching import BatchWriter
@@ -38,6 +46,10 @@ from arona_grpc.service import (
 )
 
 logger = logging.getLogger(__name__)
+TRACER = tracing.Tracer("arona_grpc")
+SERVICE_NAME = "arona.memory.v1.MemoryService"
+RECALL = "Recall"
+WRITEBACK = "Writeback"
 
 Context = grpc.aio.ServicerContext[object, object]
 
@@ -103,13 +115,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Recall(self, request: pb.RecallRequest, context: Context) -> pb.RecallResponse:
         try:
             _adopt_request_id(context)
-            # The caller's deadline bounds the recall too: the service never outlasts it.
-            outcome = await self._domain.recall(
-                request.query,
-                request.limit,
-                scope=request.scope,
-                deadline_s=context.time_remaining(),
-            )
+            with _served(RECALL, _metadata_parent(context)) as span:
+                # The caller's deadline bounds the recall too: the service never outlasts it.
+                outcome = await self._domain.recall(
+                    request.query,
+                    request.limit,
+                    scope=request.scope,
+                    deadline_s=context.time_remaining(),
+                )
+                _traced_recall(span, outcome)
             reply = pb.RecallResponse()
             _fill_recall(reply, outcome)
             return reply
@@ -121,13 +135,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     ) -> pb.WritebackResponse:
         try:
             _adopt_request_id(context)
-            outcome = await self._domain.writeback(
-                request.user,
-                request.assistant,
-                request.scope,
-                request.episode_id,
-                _occurred_at(request),
-            )
+            with _served(WRITEBACK, _metadata_parent(context)) as span:
+                outcome = await self._domain.writeback(
+                    request.user,
+                    request.assistant,
+                    request.scope,
+                    request.episode_id,
+                    _occurred_at(request),
+                )
+                span.set_attribute("arona.writeback.stored", outcome.stored)
             logger.debug("Writeback: %s", outcome.node_id if outcome.stored else "not stored")
             return pb.WritebackResponse(stored=outcome.stored, node_id=outcome.node_id)
         except Exception as exc:
@@ -190,6 +206,32 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             await exchange.run(request_iterator)
         finally:
             self._exchanges.discard(exchange)
+
+
+def _metadata_parent(context: Context) -> otel_context.Context | None:
+    """The caller's trace context, from a unary call's metadata (None when tracing is off)."""
+    if not tracing.active():
+        return None
+    return tracing.extract(tracing.headers_carrier(context.invocation_metadata() or ()))
+
+
+def _served(method: str, parent: otel_context.Context | None) -> AbstractContextManager[Span]:
+    """The server span of one Recall or Writeback, unary or on an Exchange stream: the child
+    of the caller's span when the call carries its trace context."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        f"{SERVICE_NAME}/{method}",
+        kind=tracing.SERVER,
+        parent=parent,
+        attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
+    )
+
+
+def _traced_recall(span: Span, outcome: RecallOutcome) -> None:
+    if span.is_recording():
+        span.set_attribute("arona.memory.state", outcome.state.value)
+        span.set_attribute("arona.memory.count", len(outcome.memories))
 
 
 def _adopt_request_id(context: Context) -> None:
@@ -330,18 +372,22 @@ class _Exchange:
                     REQUEST_ID.set(request_id)
             if kind == "recall":
                 request = call.recall
-                outcome = await self._domain.recall(
-                    request.query,
-                    request.limit,
-                    scope=request.scope,
-                    deadline_s=call.timeout_ms / 1000.0 if call.timeout_ms else None,
-                )
+                with _served(RECALL, tracing.context_of(call.trace_context)) as span:
+                    outcome = await self._domain.recall(
+                        request.query,
+                        request.limit,
+                        scope=request.scope,
+                        deadline_s=call.timeout_ms / 1000.0 if call.timeout_ms else None,
+                    )
+                    _traced_recall(span, outcome)
                 _fill_recall(self._out.replies.add(id=call.id).recall, outcome)
             elif kind == "writeback":
                 wb = call.writeback
-                done = await self._domain.writeback(
-                    wb.user, wb.assistant, wb.scope, wb.episode_id, _occurred_at(wb)
-                )
+                with _served(WRITEBACK, tracing.context_of(call.trace_context)) as span:
+                    done = await self._domain.writeback(
+                        wb.user, wb.assistant, wb.scope, wb.episode_id, _occurred_at(wb)
+                    )
+                    span.set_attribute("arona.writeback.stored", done.stored)
                 logger.debug("Writeback: %s", done.node_id if done.stored else "not stored")
                 reply = self._out.replies.add(id=call.id).writeback
                 reply.stored = done.stored

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 from arona_store.cjk import cjk_share
 from arona_store.floor import far
-from arona_store.lexical import LexicalRanker
+from arona_store.lexical import RANK_SPAN, RETRIEVE_SPAN, TRACER, LexicalRanker, Matches
 from arona_store.retrieval import NodeTable, VectorSearch
 from arona_store.scoring import QUESTION_WEIGHT, recency_factor
 
@@ -269,23 +269,48 @@ def hybrid_ranked(
     ``personal``: whether the question speaks of its writer or names someone this memory
     knows (:func:`~arona_store.floor.far`)."""
     depth = max(limit, HYBRID_CANDIDATES)
-    candidates = lexical_ranker.candidates(terms, grams, depth, node_type)
-    query_vector = vector_of()
-    if query_vector is None:
-        # Nothing the model can read (module docstring): the lexical ranking alone.
-        return lexical_ranker.ranked_matches(lexical_ranker.matches(candidates), limit, now_key)
-    cosines: dict[int, float] = {}
-    # Only nodes still in this snapshot (the index may hold deleted ones).
-    for cosine, node_id in index.top_nodes(query_vector, depth, node_type):
-        seq = nodes.key_of(node_id)
-        if cosine > COSINE_FLOOR and seq is not None:
-            cosines[seq] = cosine
-    # The similar nodes' strength, in the same walks of the indexes as the words' candidates'.
-    found = lexical_ranker.matches(candidates, also=list(cosines))
+    with TRACER.span(RETRIEVE_SPAN, attributes={"arona.store.ranking": "hybrid"}) as span:
+        candidates = lexical_ranker.candidates(terms, grams, depth, node_type)
+        query_vector = vector_of()
+        cosines: dict[int, float] = {}
+        if query_vector is None:
+            found = lexical_ranker.matches(candidates)
+        else:
+            # Only nodes still in this snapshot (the index may hold deleted ones).
+            for cosine, node_id in index.top_nodes(query_vector, depth, node_type):
+                seq = nodes.key_of(node_id)
+                if cosine > COSINE_FLOOR and seq is not None:
+                    cosines[seq] = cosine
+            # The similar nodes' strength, in the same walks of the indexes as the words'
+            # candidates'.
+            found = lexical_ranker.matches(candidates, also=list(cosines))
+            # The lexical candidates' similarity.
+            unseen = [seq for seq in found.strengths if seq not in cosines]
+            cosines.update(_cosines_of_keys(nodes, index, query_vector, unseen))
+        span.set_attribute("arona.store.candidates", len(found.strengths))
+    with TRACER.span(RANK_SPAN):
+        if query_vector is None:
+            # Nothing the model can read (module docstring): the lexical ranking alone.
+            return lexical_ranker.ranked_matches(found, limit, now_key)
+        return _ranked(
+            nodes, lexical_ranker, index, query_vector, found, cosines, limit, now_key, personal
+        )
+
+
+def _ranked(
+    nodes: NodeTable,
+    lexical_ranker: LexicalRanker,
+    index: VectorSearch,
+    query_vector: Vector,
+    found: Matches,
+    cosines: dict[int, float],
+    limit: int,
+    now_key: int,
+    personal: bool,
+) -> list[tuple[float, int]]:
+    """The hybrid ranking of the candidates ``found`` and their ``cosines`` (module
+    docstring), best first."""
     strengths = dict(found.strengths)
-    # The lexical candidates' similarity.
-    unseen = [seq for seq in strengths if seq not in cosines]
-    cosines.update(_cosines_of_keys(nodes, index, query_vector, unseen))
     # No candidate has its vector yet (memories just stored: they are embedded after their
     # store is answered): those holding the question's words are found by them meanwhile.
     unembedded = not cosines and bool(found.own)

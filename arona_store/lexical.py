@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from arona_grpc import tracing
 from arona_store.retrieval import Field, NodeTable, WordIndex
 from arona_store.scoring import (
     CONTEXT_WEIGHT,
@@ -50,6 +51,11 @@ CONTEXT_ONLY_SHARE = 0.5
 CANDIDATES = 40
 # Node ids whose memory is known to ask (or not) a question (LexicalRanker.questions).
 QUESTION_CACHE_SIZE = 50_000
+# A recall's two steps as spans, whichever ranking: finding the candidates (words, context,
+# and for the hybrid ranking the nearest vectors and the candidates' own), then scoring them.
+TRACER = tracing.Tracer("arona_store")
+RETRIEVE_SPAN = "memory.retrieve"
+RANK_SPAN = "memory.rank"
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,11 @@ class LexicalRanker:
     ) -> list[tuple[float, int]]:
         """The lexical recall as (score, seq), best first (read lock held, read transaction
         open)."""
-        found = self.matches(self.candidates(terms, grams, max(limit, CANDIDATES), node_type))
-        return self.ranked_matches(found, limit, now_key)
+        with TRACER.span(RETRIEVE_SPAN, attributes={"arona.store.ranking": "lexical"}) as span:
+            found = self.matches(self.candidates(terms, grams, max(limit, CANDIDATES), node_type))
+            span.set_attribute("arona.store.candidates", len(found.strengths))
+        with TRACER.span(RANK_SPAN):
+            return self.ranked_matches(found, limit, now_key)
 
     def ranked_matches(self, found: Matches, limit: int, now_key: int) -> list[tuple[float, int]]:
         """The lexical recall of the matches ``found`` as (score, seq), best first."""

@@ -22,6 +22,9 @@ that thread instead. Deletes run on that thread: each is answered once the node 
 from every index, segment and log (``MemoryStore.delete_many``, a fraction of a second), and
 the deletes that arrive meanwhile are erased together next.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
+The handshake's result lists the ``trace_context`` capability: a query, store or delete whose
+params carry a ``traceparent`` is a server span in the caller's trace, a recall's retrieval and
+ranking its children (arona_grpc.tracing), ended before the reply goes out.
 A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
 ``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
 memory is dated now; malformed or out of range, the store is refused as invalid params.
@@ -58,6 +61,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from http import HTTPStatus
@@ -67,7 +71,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
+from opentelemetry.trace import Span
 
+from arona_grpc import tracing
 from arona_grpc.database import DatabaseUnavailable
 from arona_grpc.storage import StorageFaults, write_error
 from arona_store import jsonrpc
@@ -125,6 +131,9 @@ SERVER_VERSION = "Sync.ServerVersion"
 OCCURRED_AT = "occurred_at"
 
 _T = TypeVar("_T")
+TRACER = tracing.Tracer("arona_store")
+# The methods whose calls get a span: those the gateway makes.
+_TRACED = frozenset({QUERY, STORE, DELETE})
 _Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # Methods answered in the background, out of order: those that wait for the write queue.
 _IN_BACKGROUND = frozenset({STORE, DELETE})
@@ -212,6 +221,26 @@ class _IdleWatch:
         self._closing = asyncio.create_task(
             self._ws.close(code=IDLE_CLOSE_CODE, message=b"idle timeout")
         )
+
+
+def _served(call: Call) -> AbstractContextManager[Span]:
+    """The server span of a query, store or delete: the child of the caller's span when its
+    params carry a ``traceparent`` (see the handshake's capabilities). Ended before the reply
+    is sent, so a caller that has its answer finds the span ended."""
+    if call.method not in _TRACED or not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        call.method,
+        kind=tracing.SERVER,
+        parent=tracing.context_of(call.params),
+        attributes={"rpc.system": "jsonrpc", "rpc.method": call.method},
+    )
+
+
+def _traced_hits(hits: Sequence[MemoryHit]) -> None:
+    span = tracing.current_span()
+    if span.is_recording():
+        span.set_attribute("arona.store.hits", len(hits))
 
 
 def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
@@ -523,8 +552,9 @@ class StoreServer:
                     replies = answer
                 elif answer[0].method == QUERY and self._recall_executor is None:
                     # Answered at once unless another thread holds the reader.
-                    now = self._query_now(answer[0])
-                    replies = now if now is not None else await self._run(*answer)
+                    with _served(answer[0]):
+                        now = self._query_now(answer[0])
+                        replies = now if now is not None else await self._run(*answer)
                 elif answer[0].method in _IN_BACKGROUND or answer[0].method == QUERY:
                     # Answered whenever done, so the frames behind it are read meanwhile:
                     # one client's concurrent stores then share a transaction, its recalls
@@ -548,7 +578,8 @@ class StoreServer:
         return ws
 
     async def _answer_later(self, ws: web.WebSocketResponse, call: Call, handler: _Handler) -> None:
-        replies = await self._run(call, handler)
+        with _served(call):
+            replies = await self._run(call, handler)
         try:
             for reply in replies:
                 await ws.send_str(reply)
@@ -590,6 +621,7 @@ class StoreServer:
             async with asyncio.timeout(HANDLER_TIMEOUT_S):
                 result = await handler(call.params)
         except TimeoutError:
+            tracing.failed(tracing.current_span(), "timeout")
             logger.warning("memory store method %s timed out", call.method)
             return self._reply(call, RpcError(jsonrpc.INTERNAL_ERROR, "Request timed out"))
         except Exception as exc:
@@ -603,9 +635,13 @@ class StoreServer:
             hits = self.store.try_query(query, limit, node_type=node_type)
         except Exception as exc:
             return self._failed(call, exc)
-        return None if hits is None else self._reply(call, _query_result(query, hits))
+        if hits is None:
+            return None
+        _traced_hits(hits)
+        return self._reply(call, _query_result(query, hits))
 
     def _failed(self, call: Call, exc: Exception) -> list[str]:
+        tracing.failed(tracing.current_span(), type(exc).__name__)
         if isinstance(exc, RpcError):
             return self._reply(call, exc)
         if isinstance(exc, DatabaseUnavailable):  # said once per outage (arona_store.pg.link)
@@ -631,11 +667,19 @@ class StoreServer:
             return {"ok": False, "error": "invalid token", "session_id": None, "reconnect": False}
         if session.session_id is None:
             session.session_id = str(uuid.uuid4())
-        return {"ok": True, "error": None, "session_id": session.session_id, "reconnect": False}
+        return {
+            "ok": True,
+            "error": None,
+            "session_id": session.session_id,
+            "reconnect": False,
+            # A request's params may carry the caller's traceparent: the store continues the
+            # trace (a client that does not know the key ignores it, as the protocol asks).
+            "capabilities": [tracing.TRACE_CONTEXT],
+        }
 
     async def _in_db(self, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._executor, tracing.carried(fn), *args)
 
     async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
         """A recall that another thread's recall holds up: it waits on the worker thread (a
@@ -644,9 +688,10 @@ class StoreServer:
         recall = functools.partial(self.store.query, query, limit, node_type=node_type)
         if self._recall_executor is not None:
             loop = asyncio.get_running_loop()
-            hits = await loop.run_in_executor(self._recall_executor, recall)
+            hits = await loop.run_in_executor(self._recall_executor, tracing.carried(recall))
         else:
             hits = await self._in_db(recall)
+        _traced_hits(hits)
         return _query_result(query, hits)
 
     async def _store(self, params: dict[str, Any]) -> dict[str, Any]:

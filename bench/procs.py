@@ -101,8 +101,9 @@ def wait_http(port: int, path: str, timeout_s: float, proc: Proc) -> None:
 
 
 def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment without any ``ARONA_*`` setting, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    """This process's environment without any ``ARONA_*`` or ``OTEL_*`` setting (no row
+    traces unless it says so), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARONA_", "OTEL_"))}
     env.update(extra)
     return env
 

@@ -79,6 +79,7 @@ DEFAULT_STORE_GATEWAYS = frozenset(
         "gw_nometrics",
         "gw_nojournal",
         "gw_nousage",
+        "gw_traced",
         "gw_workers",
         "gw_pg",
         "gw_routing",
@@ -175,6 +176,13 @@ CONFIGS = (
         "mem_nousage",
         "3n. gateway, memory enabled, no usage metering (ARONA_USAGE=false)",
         "gw_nousage",
+        expect="enabled",
+    ),
+    Config(
+        "mem_traced",
+        "3o. gateway, memory enabled, tracing on (OTEL_TRACES_SAMPLER=always_on, a local "
+        "OTLP/HTTP sink)",
+        "gw_traced",
         expect="enabled",
     ),
     Config(
@@ -810,6 +818,16 @@ def execute(run: Run) -> None:
     if "gw_nousage" in needed:
         # The same gateway without usage metering: what metering costs a turn.
         start_gateway(run, "gw_nousage", {**memory, "ARONA_USAGE": "false"})
+    if "gw_traced" in needed:
+        # The same gateway exporting every turn's spans (the store, shared with row 3, does
+        # not trace): what tracing costs the gateway's processes.
+        sink = run.start("otlp_sink", [PY, "-m", "bench.otlp_sink"])
+        sink_port = int(sink.wait_for(r"READY (\d+)", 30).group(1))
+        traced = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+            "OTEL_TRACES_SAMPLER": "always_on",
+        }
+        start_gateway(run, "gw_traced", {**memory, **traced})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if needed & {"gw_pgstore", "gw_pgstore2"}:
@@ -979,7 +997,8 @@ GATEWAY_CPU_MS = 2.0  # the gateway's CPU per memory turn (row 3, c=1) at most t
 RECALL_GROWTH = 2.0  # recall alone at the big store's size at most this × at the run's size
 MEMORY_SHARE = 0.5  # memory's own added p50 (3 − 2) at most this × the gateway's (2 − 1)
 STREAM_CPU_SHARE = 0.70  # gateway CPU per memory turn, streams (3) ÷ unary calls (3g), c=32
-WITHIN = 1.10  # the journal, user-scope and metrics rows: added p50 at most this × reference
+# The journal, user-scope, metrics and tracing rows: added p50 at most this × the reference.
+WITHIN = 1.10
 METERING_WITHIN = 1.05  # usage metering (3 against 3n): added p50 at most this × without it
 
 
@@ -1266,6 +1285,11 @@ def targets(run: Run) -> list[list[str]]:
             ratio(ours, reference) <= ROUTING_WITHIN,
         )
     added_within(
+        f"tracing on (3o, always_on): memory turn's added p50 ≤ {WITHIN:.2f} × tracing off (3)",
+        "mem_traced",
+        "mem_on",
+    )
+    added_within(
         f"usage metering: memory turn's added p50 ≤ {METERING_WITHIN:.2f} × without it (3 vs 3n)",
         "mem_on",
         "mem_nousage",
@@ -1312,6 +1336,10 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         f"`ARONA_STORE_RANKING` unset as `make run` leaves it (here: the {DEFAULT_RANKING} "
         "ranking), its episodes preloaded with their vectors; row 3l uses the lexical ranking "
         "(`ARONA_STORE_RANKING=lexical`), the store every memory row used before 2026-12-02. "
+        "No row but 3o traces (no `OTEL_*` variable reaches the others, so they run with "
+        "tracing off, nothing of the SDK loaded); 3o exports every turn's spans from the "
+        "gateway's processes to a local OTLP/HTTP sink, the store it shares with row 3 not "
+        "tracing. "
         "`store CPU per turn` is the CPU time of the store process (rows 3 and 3l) over the "
         "same turns. Latency in ms. For streaming rows (5a, 5b) p50/p99 are the time to the "
         "first event and 5b is compared with 5a; every other row is compared with row 1 (direct). "

@@ -6,8 +6,9 @@ client, the conversation database and the usage meter, and closes them on shutdo
 after giving pending writebacks a short grace period.
 
 Every HTTP request gets its request id in :class:`GatewayApp` (returned as
-``X-Request-Id``), and ``GET /metrics`` serves the Prometheus exposition of
-:mod:`gateway_http.metrics` (unless ``ARONA_METRICS=false``).
+``X-Request-Id``), every REST chat turn its server span there (arona_grpc.tracing), and
+``GET /metrics`` serves the Prometheus exposition of :mod:`gateway_http.metrics` (unless
+``ARONA_METRICS=false``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
 import grpc
@@ -23,11 +24,13 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from arona_grpc import tracing
 from arona_grpc.config import Settings
 from arona_grpc.database import DatabaseUnavailable, open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
@@ -62,6 +65,9 @@ from gateway_http.views import database_unavailable
 logger = logging.getLogger(__name__)
 
 WRITEBACK_GRACE_S = 5.0
+TRACER = tracing.Tracer("gateway_http")
+# The server span of a REST chat turn (the HTTP semantic conventions' "{method} {route}").
+CHAT_SPAN = f"POST {rest.CHAT_COMPLETIONS_PATH}"
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -127,19 +133,44 @@ class GatewayApp(FastAPI):
     ) -> None:
         scope["app"] = self
         request = Request(scope, receive, send)
-        try:
-            response = await rest.chat_completions(request)
-        except GatewayError as exc:
-            response = _error_response(exc)
-        except DatabaseUnavailable:
-            response = _error_response(database_unavailable())
-        except rest.ClientGone:
-            # Nobody is left to answer.
-            return
-        except Exception:
-            response = _internal_error(request)
-        _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
-        await response(scope, receive, send)
+        # The turn's server span (the framework's instrumentation never sees this route): it
+        # lasts until the last byte of a stream.
+        with _turn_span(scope, request_id) as span:
+            try:
+                response = await rest.chat_completions(request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except DatabaseUnavailable:
+                response = _error_response(database_unavailable())
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                tracing.failed(span, "cancelled")
+                return
+            except Exception:
+                response = _internal_error(request)
+            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, str(response.status_code))
+            await response(scope, receive, send)
+
+
+def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """A REST chat turn's server span, continuing the client's ``traceparent``."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        CHAT_SPAN,
+        kind=tracing.SERVER,
+        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": rest.CHAT_COMPLETIONS_PATH,
+            "url.path": rest.CHAT_COMPLETIONS_PATH,
+            "url.scheme": scope.get("scheme", "http"),
+            "arona.request_id": request_id,
+        },
+    )
 
 
 def _added_headers(request_id: str, *, rest: bool) -> list[tuple[bytes, bytes]]:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from arona_grpc import tracing
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.redact import redact_url
 from arona_store.ranking import Ranking, RankingError, ranking_from_env
@@ -991,17 +992,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "forget":
             _forget_command(settings, args)
         elif args.command == "up":
-            _run(_up(env, backends))
+            with tracing.started(env, tracing.GATEWAY_SERVICE):
+                _run(_up(env, backends))
         elif args.command == "serve":
             if args.workers < 1:
                 raise StartupError("--workers must be at least 1")
             if args.workers > 1:
                 if args.only == "grpc":
                     raise StartupError("--workers is for the HTTP layer; not with --only grpc")
+                # The supervisor serves nothing: each worker traces itself.
                 return _serve_workers(env, args.workers, grpc_part=args.only != "http")
-            _run(_serve(env, args.only, args.listen_fd, args.worker, args.supervised, backends))
+            service = tracing.MEMORY_SERVICE if args.only == "grpc" else tracing.GATEWAY_SERVICE
+            with tracing.started(env, service):
+                _run(_serve(env, args.only, args.listen_fd, args.worker, args.supervised, backends))
         else:
-            _run(_store(env, args.host, args.port))
+            with tracing.started(env, tracing.STORE_SERVICE):
+                _run(_store(env, args.host, args.port))
     except (ConfigError, StartupError, RankingError) as exc:
         # One line per mistake (a backends file may have several).
         for line in str(exc).splitlines():

@@ -35,6 +35,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
+from arona_grpc import tracing
 from arona_grpc.config import DEFAULT_RPC_MAX_BATCH
 from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import (
@@ -427,8 +428,11 @@ def rpc_router(
                 _too_large(max_body_bytes), status_code=413, media_type="application/json"
             )
         token = bearer(request.headers.get("authorization"))
+        # A chat.send in the body continues the request's traceparent.
+        parent = tracing.context_of(request.headers) if tracing.active() else None
         try:
-            response = await get_dispatcher().handle(body, token)
+            with tracing.within(parent):
+                response = await get_dispatcher().handle(body, token)
         except Exception:
             # handle() maps handler failures itself; this is a bug in the transport.
             logger.exception("JSON-RPC POST failed")

@@ -7,6 +7,9 @@ a failed or slow recall, or an unreachable gRPC service, is the ``offline``
 state, so a chat turn always goes on. Writeback never raises for a gRPC failure
 either: it runs in the background and its failures are only logged.
 
+Each recall and writeback is a client span whose trace context goes with the call (in the
+``Exchange`` call's ``trace_context``, or as metadata on a unary call).
+
 Recall and writeback run on every turn, so an outage would fail them on every turn:
 :class:`~arona_grpc.failure_log.FailureLog` keeps that to a few lines, not one per turn.
 """
@@ -23,6 +26,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arona_grpc import tracing
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
@@ -44,6 +48,14 @@ logger = logging.getLogger(__name__)
 ENABLED = "enabled"
 DISABLED = "disabled"
 OFFLINE = "offline"
+
+TRACER = tracing.Tracer("gateway_http")
+# The client spans of a turn's two calls (the RPC semantic conventions' "{service}/{method}").
+_SERVICE = "arona.memory.v1.MemoryService"
+RECALL_SPAN = f"{_SERVICE}/Recall"
+WRITEBACK_SPAN = f"{_SERVICE}/Writeback"
+_RECALL_RPC = {"rpc.system": "grpc", "rpc.service": _SERVICE, "rpc.method": "Recall"}
+_WRITEBACK_RPC = {"rpc.system": "grpc", "rpc.service": _SERVICE, "rpc.method": "Writeback"}
 
 _STATE_NAMES = {
     pb.MEMORY_STATE_ENABLED: ENABLED,
@@ -285,6 +297,14 @@ class MemoryClient:
         return self._streams is None or not self._streams.writeback_off
 
     async def recall(self, query: str, limit: int = 5, scope: str = "") -> Recall:
+        with TRACER.span(RECALL_SPAN, kind=tracing.CLIENT, attributes=_RECALL_RPC) as span:
+            recall = await self._recall(query, limit, scope)
+            if span.is_recording():
+                span.set_attribute("arona.memory.state", recall.state)
+                span.set_attribute("arona.memory.count", recall.count)
+            return recall
+
+    async def _recall(self, query: str, limit: int, scope: str) -> Recall:
         streams = self._streams
         reply: pb.RecallResponse | None = None
         left_s = self._recall_budget_s
@@ -301,6 +321,7 @@ class MemoryClient:
                         self._recall_log.succeeded()
                         return Recall(DISABLED, "")
                     call_id, call = stream.start(left_s)
+                    tracing.inject(call.trace_context)
                     request = call.recall
                     request.query = query
                     request.limit = limit
@@ -326,6 +347,7 @@ class MemoryClient:
         return Recall(state, reply.section, len(reply.memories))
 
     def _recall_failed(self, code: grpc.StatusCode, details: str) -> Recall:
+        tracing.failed(tracing.current_span(), code.name)
         self._recall_log.failed(
             f"memory recall failed ({code.name}: {details[:_MAX_QUOTED] or 'no details'}); "
             "going on without memories"
@@ -376,6 +398,21 @@ class MemoryClient:
         service was unreachable or failed otherwise, and the turn must be sent again. A failed
         call is logged (the service's own message says whether its outbox kept the episode).
         """
+        # The child of the span it was sent under, and linked to it: a turn's, which ends
+        # without waiting for it (a journal replay's has none).
+        with TRACER.span(
+            WRITEBACK_SPAN,
+            kind=tracing.CLIENT,
+            attributes=_WRITEBACK_RPC,
+            links=tracing.link_to_current(),
+        ) as span:
+            taken = await self._writeback(user, assistant, scope, episode_id, occurred_at)
+            span.set_attribute("arona.writeback.taken", taken)
+            return taken
+
+    async def _writeback(
+        self, user: str, assistant: str, scope: str, episode_id: str, occurred_at: float | None
+    ) -> bool:
         streams = self._streams
         reply: pb.WritebackResponse | None = None
         left_s = self._rpc_timeout_s
@@ -387,6 +424,7 @@ class MemoryClient:
                     stream, left_s = await _wait_for_stream(streams, left_s)
                 if stream is not None:
                     call_id, call = stream.start(left_s, linger=True)
+                    tracing.inject(call.trace_context)
                     request = call.writeback
                     request.user = user
                     request.assistant = assistant
@@ -451,6 +489,7 @@ class MemoryClient:
         return KeptEpisode(stored=reply.stored, node_id=reply.node_id)
 
     def _writeback_failed(self, code: grpc.StatusCode, details: str, queued: bool) -> bool:
+        tracing.failed(tracing.current_span(), code.name)
         self._metrics.writeback("failed")
         self._writeback_log.failed(
             f"writeback failed ({code.name}: {details[:_MAX_QUOTED] or 'no details'})"
@@ -558,11 +597,17 @@ class MemoryClient:
         return stubs
 
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The call's metadata: the bearer token, and the request id when there is one."""
+        """The call's metadata: the bearer token, the request id when there is one, and the
+        trace context when tracing is on."""
+        metadata = self._metadata
         request_id = REQUEST_ID.get()
-        if request_id is None:
-            return self._metadata
-        return (*self._metadata, (REQUEST_ID_HEADER, request_id))
+        if request_id is not None:
+            metadata = (*metadata, (REQUEST_ID_HEADER, request_id))
+        if tracing.active():
+            carrier: dict[str, str] = {}
+            tracing.inject(carrier)
+            metadata = (*metadata, *carrier.items())
+        return metadata
 
     async def ready(self, timeout_s: float = 2.0) -> bool:
         """Whether the gRPC service answers its health check as SERVING."""

@@ -20,7 +20,9 @@ turn, whatever the number of backends tried.
 On the way it notes what the metrics and the memory headers report: the memories
 injected, the recall's time, when the upstream call started, answered and
 ended, and every backend attempt (:class:`PreparedTurn`); each surface reports how its
-turn ended through :meth:`TurnPipeline.finished`.
+turn ended through :meth:`TurnPipeline.finished`, which also describes the turn on its server
+span (opened by the surface: REST in gateway_http.app, ``chat.send`` in routes.rpc). The
+writeback's task starts under that span, so its call is in the turn's trace.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span
+
+from arona_grpc import tracing
 from arona_grpc.database import DatabaseUnavailable
 from arona_grpc.storage import StorageFaults
 from gateway_http.conversations import ConversationStore
@@ -41,7 +46,7 @@ from gateway_http.journal import JOURNAL_COST, JOURNAL_PART, Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
 from gateway_http.messages import is_memory_section, last_user_text, message_text
 from gateway_http.metrics import GatewayMetrics, NoMetrics
-from gateway_http.upstream.routing import OK, Attempt, Route, Router
+from gateway_http.upstream.routing import MAX_TRACED_MODEL_CHARS, OK, Attempt, Route, Router
 from gateway_http.usage.meter import EndedTurn
 from gateway_http.usage.metering import Metering
 from gateway_http.views import conversation_errors
@@ -90,6 +95,9 @@ class PreparedTurn:
     section: str = ""
     reply: StreamedReply | None = None
     reply_message: dict[str, Any] | None = None
+    # The turn's server span (REST, or chat.send): what finished() describes, and what the
+    # writeback links to. The API's invalid span when tracing is off.
+    span: Span = field(default_factory=tracing.current_span)
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -220,6 +228,8 @@ class TurnPipeline:
         """Record a turn that ended: its outcome, and for an answered one its timings."""
         metrics = self.metrics
         metrics.turn(surface, turn.memory_state, outcome)
+        if turn.span.is_recording():
+            _describe(turn, surface, outcome)
         if self._router.routed:
             _log_answer(turn, outcome)
         if outcome == "ok" and turn.upstream_first:
@@ -367,7 +377,8 @@ class TurnPipeline:
         if entry is not None:
             self._sending.add(entry.id)
         try:
-            # Its failures are logged by the memory client.
+            # Its failures are logged by the memory client. In the turn's trace: this task
+            # started under the turn's span.
             taken = await self._memory.writeback(
                 user, assistant, scope, entry.episode_id if entry is not None else ""
             )
@@ -409,7 +420,10 @@ class TurnPipeline:
         if self._journal is None or (self._replaying is not None and not self._replaying.done()):
             return
         self._journal_behind = False
-        self._replaying = asyncio.create_task(self._replay_journal(), name="journal-replay")
+        # Started from some turn's writeback, but none of that turn's work.
+        self._replaying = asyncio.create_task(
+            self._replay_journal(), name="journal-replay", context=tracing.untraced_context()
+        )
         self._background.add(self._replaying)
         self._replaying.add_done_callback(self._background.discard)
 
@@ -455,6 +469,28 @@ def _log_answer(turn: PreparedTurn, outcome: str) -> None:
             tries,
             outcome,
         )
+
+
+def _describe(turn: PreparedTurn, surface: str, outcome: str) -> None:
+    """What the turn's span says of it: how it ended, what memory did, who answered (never
+    what was said)."""
+    span = turn.span
+    model = turn.request.body.get("model")
+    span.set_attributes(
+        {
+            "arona.surface": surface,
+            "arona.outcome": outcome,
+            "arona.memory": turn.memory_state,
+            "arona.memory.count": turn.memory_count,
+            "arona.upstream.attempts": len(turn.attempts),
+        }
+    )
+    if isinstance(model, str):
+        span.set_attribute("gen_ai.request.model", model[:MAX_TRACED_MODEL_CHARS])
+    if turn.backend is not None:
+        span.set_attribute("arona.backend", turn.backend)
+    if outcome == "upstream_error":
+        tracing.failed(span, outcome)
 
 
 def _stream_options(body: dict[str, Any]) -> dict[str, Any]:

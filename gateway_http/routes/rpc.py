@@ -12,9 +12,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
+from opentelemetry.trace import Span
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -25,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from arona_grpc import tracing
+from arona_grpc.logs import REQUEST_ID
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
@@ -56,6 +60,8 @@ P = TypeVar("P", bound=BaseModel)
 # Why memory.delete deleted nothing in user mode, as a caller who is not an admin hears it:
 # the id is not one of theirs (another's, or nobody's).
 NOT_YOURS = "not_yours"
+CHAT_SEND = "chat.send"
+TRACER = tracing.Tracer("gateway_http")
 
 
 class _Params(BaseModel):
@@ -209,6 +215,22 @@ def _translated(
     return run
 
 
+def _chat_send_span() -> AbstractContextManager[Span]:
+    """A ``chat.send`` turn's server span: over HTTP the child of the request's traceparent
+    (the transport made it current), over a WebSocket a trace of its own per call."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        CHAT_SEND,
+        kind=tracing.SERVER,
+        attributes={
+            "rpc.system": "jsonrpc",
+            "rpc.method": CHAT_SEND,
+            "arona.request_id": REQUEST_ID.get() or "",
+        },
+    )
+
+
 def _not_allowed(what: str) -> GatewayError:
     return GatewayError(
         ErrorKind.NOT_ALLOWED, f"Not allowed: {what} needs an admin token", "admin_required"
@@ -234,6 +256,10 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         return requested
 
     async def chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
+        with _chat_send_span():
+            return await _chat_send(params, ctx)
+
+    async def _chat_send(params: ChatSendParams, ctx: RpcContext) -> dict[str, Any]:
         started = time.perf_counter()
         surface = "rpc" if ctx.notify is None else "rpc_ws"
         pipeline = gw.pipeline
@@ -445,7 +471,7 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         gw.pipeline.metrics.turn("rpc_ws" if websocket else "rpc", DISABLED, "client_error")
 
     handlers: dict[str, Callable[[Any, RpcContext], Awaitable[Any]]] = {
-        "chat.send": chat_send,
+        CHAT_SEND: chat_send,
         "memory.status": memory_status,
         "memory.recall": memory_recall,
         "memory.delete": memory_delete,

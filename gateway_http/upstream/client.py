@@ -21,6 +21,7 @@ import orjson
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
+from arona_grpc import tracing
 from arona_grpc.config import ConfigError
 from arona_grpc.redact import redact_text, redact_url
 from gateway_http.upstream.backend import (
@@ -190,6 +191,10 @@ class OpenAIUpstream:
         """
         session = self._current_session()
         retried = method != "POST"
+        if tracing.active():
+            # The attempt's span is current: the upstream may continue the trace.
+            headers = dict(headers)
+            tracing.inject(headers)
         while True:
             try:
                 return await session.request(

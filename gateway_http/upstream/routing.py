@@ -16,7 +16,9 @@ model sent, when it started, answered and ended, its outcome and HTTP status, an
 ``X-Arona-Backend`` header, the log line that says who answered, and metering. The router
 counts each attempt when it ends, by backend and outcome (:func:`attempt_outcome`), in
 ``arona_upstream_attempts_total``: fallbacks show there as failed attempts on one backend
-beside answered ones on the next.
+beside answered ones on the next. Each attempt is also a client span (the GenAI semantic
+conventions: model, backend, token counts, finish reasons; its outcome when it failed), whose
+``traceparent`` the upstream request carries.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import Span
+from opentelemetry.util.types import AttributeValue
+
+from arona_grpc import tracing
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream.backend import (
     BROKEN,
@@ -41,6 +48,9 @@ from gateway_http.upstream.client import OpenAIUpstream
 from gateway_http.upstream.echo import EchoModel
 
 logger = logging.getLogger(__name__)
+TRACER = tracing.Tracer("gateway_http")
+# Span names and attributes take a model name as the client sent it, cut to this length.
+MAX_TRACED_MODEL_CHARS = 128
 
 # An attempt's outcome besides the failure reasons of UpstreamError (backend.REASONS).
 OK = "ok"
@@ -212,21 +222,26 @@ class Router:
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
-            try:
-                completion = await target.backend.complete(target.body(body))
-            except UpstreamError as exc:
-                self._end(attempt, exc.reason, exc)
-                if self._fall_back(attempt, exc, route, index):
-                    continue
-                raise
-            except BaseException:
-                # Cancelled (the client left), or a failure that is not the upstream's.
-                self._end(attempt, CANCELLED)
-                raise
-            attempt.first = time.perf_counter()
-            _note_usage(attempt, completion)
-            self._end(attempt, OK)
-            return completion
+            # Current while the request goes out, so that it carries the attempt's traceparent.
+            with _attempt_span(attempt, body, index) as span:
+                try:
+                    completion = await target.backend.complete(target.body(body))
+                except UpstreamError as exc:
+                    self._end(attempt, exc.reason, exc)
+                    _traced(span, attempt)
+                    if self._fall_back(attempt, exc, route, index):
+                        continue
+                    raise
+                except BaseException:
+                    # Cancelled (the client left), or a failure that is not the upstream's.
+                    self._end(attempt, CANCELLED)
+                    _traced(span, attempt)
+                    raise
+                attempt.first = time.perf_counter()
+                _note_usage(attempt, completion)
+                self._end(attempt, OK)
+                _traced(span, attempt, _finish_reasons(completion) if span.is_recording() else ())
+                return completion
         raise AssertionError("a route has at least one target")
 
     async def stream(
@@ -239,9 +254,14 @@ class Router:
             attempt = _attempt(target, body)
             attempts.append(attempt)
             chunks = target.backend.stream(target.body(body))
+            # Lasts as long as the stream; current only while the request goes out (the first
+            # chunk), since a generator's caller runs between its chunks.
+            span = _started_attempt(attempt, body, index)
+            reasons: list[str] = []
             try:
                 try:
-                    chunk = await anext(chunks)
+                    with tracing.current(span):
+                        chunk = await anext(chunks)
                 except StopAsyncIteration:
                     self._end(attempt, OK)
                     return
@@ -251,10 +271,16 @@ class Router:
                         continue
                     raise
                 attempt.first = time.perf_counter()
+                traced = span.is_recording()
+                if traced:
+                    span.add_event("first chunk")
+                    reasons.extend(_finish_reasons(chunk))
                 _note_usage(attempt, chunk)
                 yield chunk
                 async for chunk in chunks:
                     _note_usage(attempt, chunk)
+                    if traced:
+                        reasons.extend(_finish_reasons(chunk))
                     yield chunk
                 self._end(attempt, OK)
                 return
@@ -266,6 +292,8 @@ class Router:
                 if attempt.outcome == PENDING:
                     # The consumer stopped early (closed, cancelled) or something else failed.
                     self._end(attempt, CANCELLED)
+                _traced(span, attempt, reasons)
+                span.end()
                 await chunks.aclose()  # type: ignore[attr-defined]
 
     def _end(self, attempt: Attempt, outcome: str, error: UpstreamError | None = None) -> None:
@@ -322,6 +350,84 @@ def attempt_outcome(attempt: Attempt) -> str:
         if attempt.status >= 400:
             return "status_4xx"
     return "other"
+
+
+def _attempt_span(
+    attempt: Attempt, body: dict[str, Any], index: int
+) -> AbstractContextManager[Span]:
+    """An attempt's span, current for a block (the whole reply's wait)."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    return TRACER.span(
+        _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
+    )
+
+
+def _started_attempt(attempt: Attempt, body: dict[str, Any], index: int) -> Span:
+    """An attempt's span that the caller ends (a stream's, which outlives any block)."""
+    if not tracing.active():
+        return tracing.INVALID_SPAN
+    return TRACER.start(
+        _span_name(attempt), kind=tracing.CLIENT, attributes=_asked(attempt, body, index)
+    )
+
+
+def _span_name(attempt: Attempt) -> str:
+    """The GenAI semantic conventions' name of an attempt's span: ``chat <model>``."""
+    return f"chat {attempt.model[:MAX_TRACED_MODEL_CHARS]}"
+
+
+def _asked(attempt: Attempt, body: dict[str, Any], index: int) -> dict[str, AttributeValue]:
+    """An attempt's span attributes as it starts: what was asked of which backend (never the
+    messages)."""
+    attributes: dict[str, AttributeValue] = {
+        "gen_ai.operation.name": "chat",
+        # The backend asked: its name in the backends file, `upstream` or `echo`.
+        "gen_ai.system": attempt.backend,
+        "gen_ai.request.model": attempt.model[:MAX_TRACED_MODEL_CHARS],
+        "arona.upstream.attempt": index + 1,
+    }
+    for key, name in (("temperature", "temperature"), ("max_tokens", "max_tokens")):
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            attributes[f"gen_ai.request.{name}"] = value
+    return attributes
+
+
+def _traced(span: Span, attempt: Attempt, finish_reasons: Sequence[str] = ()) -> None:
+    """An ended attempt on its span: its outcome, the answer's model, tokens and finish
+    reasons (the GenAI semantic conventions), or why it failed."""
+    if not span.is_recording():
+        return
+    outcome = attempt_outcome(attempt)
+    span.set_attribute("arona.upstream.outcome", outcome)
+    if attempt.status is not None:
+        span.set_attribute("http.response.status_code", attempt.status)
+    usage = attempt.usage
+    if usage is not None:
+        for key, name in (
+            ("prompt_tokens", "input_tokens"),
+            ("completion_tokens", "output_tokens"),
+        ):
+            count = usage.get(key)
+            if isinstance(count, int) and not isinstance(count, bool):
+                span.set_attribute(f"gen_ai.usage.{name}", count)
+    if finish_reasons:
+        span.set_attribute("gen_ai.response.finish_reasons", list(finish_reasons))
+    if outcome != "answered":
+        tracing.failed(span, outcome)
+
+
+def _finish_reasons(answer: dict[str, Any]) -> list[str]:
+    """The finish reasons of a reply's or a chunk's choices."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [
+        reason
+        for choice in choices
+        if isinstance(choice, dict) and isinstance(reason := choice.get("finish_reason"), str)
+    ]
 
 
 def _note_usage(attempt: Attempt, answer: dict[str, Any]) -> None:

@@ -756,11 +756,32 @@ class Call(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RECALL_FIELD_NUMBER: _builtins.int
     WRITEBACK_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the caller, unique on its stream; the reply carries it."""
     timeout_ms: _builtins.int
@@ -773,6 +794,13 @@ class Call(_message.Message):
     def recall(self) -> Global___RecallRequest: ...
     @_builtins.property
     def writeback(self) -> Global___WritebackRequest: ...
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The caller's trace context when it traces its turns: the W3C Trace Context
+        headers ("traceparent", and "tracestate" when it has one) a unary call
+        carries as metadata. Empty when it does not trace.
+        """
+
     def __init__(
         self,
         *,
@@ -781,10 +809,11 @@ class Call(_message.Message):
         request_id: _builtins.str = ...,
         recall: Global___RecallRequest | None = ...,
         writeback: Global___WritebackRequest | None = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["recall", b"recall", "request", b"request", "writeback", b"writeback"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "recall", b"recall", "request", b"request", "request_id", b"request_id", "timeout_ms", b"timeout_ms", "writeback", b"writeback"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "recall", b"recall", "request", b"request", "request_id", b"request_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context", "writeback", b"writeback"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["recall", "writeback"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015

@@ -80,6 +80,7 @@ DEFAULT_STORE_GATEWAYS = frozenset(
         "gw_nojournal",
         "gw_nousage",
         "gw_traced",
+        "gw_traced_off",
         "gw_workers",
         "gw_pg",
         "gw_routing",
@@ -183,6 +184,13 @@ CONFIGS = (
         "3o. gateway, memory enabled, tracing on (OTEL_TRACES_SAMPLER=always_on, a local "
         "OTLP/HTTP sink)",
         "gw_traced",
+        expect="enabled",
+    ),
+    Config(
+        "mem_traced_off",
+        "3q. gateway, memory enabled, tracing configured but sampled off "
+        "(OTEL_TRACES_SAMPLER=always_off, the same sink)",
+        "gw_traced_off",
         expect="enabled",
     ),
     Config(
@@ -818,16 +826,19 @@ def execute(run: Run) -> None:
     if "gw_nousage" in needed:
         # The same gateway without usage metering: what metering costs a turn.
         start_gateway(run, "gw_nousage", {**memory, "ARONA_USAGE": "false"})
-    if "gw_traced" in needed:
+    if needed & {"gw_traced", "gw_traced_off"}:
         # The same gateway exporting every turn's spans (the store, shared with row 3, does
-        # not trace): what tracing costs the gateway's processes.
+        # not trace): what tracing costs the gateway's processes; and configured the same way
+        # but sampling none (tracing off, the SDK installed).
         sink = run.start("otlp_sink", [PY, "-m", "bench.otlp_sink"])
         sink_port = int(sink.wait_for(r"READY (\d+)", 30).group(1))
-        traced = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
-            "OTEL_TRACES_SAMPLER": "always_on",
-        }
-        start_gateway(run, "gw_traced", {**memory, **traced})
+        endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"}
+        if "gw_traced" in needed:
+            traced = {**endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
+            start_gateway(run, "gw_traced", {**memory, **traced})
+        if "gw_traced_off" in needed:
+            off = {**endpoint, "OTEL_TRACES_SAMPLER": "always_off"}
+            start_gateway(run, "gw_traced_off", {**memory, **off})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if needed & {"gw_pgstore", "gw_pgstore2"}:
@@ -1288,6 +1299,13 @@ def targets(run: Run) -> list[list[str]]:
         f"tracing on (3o, always_on): memory turn's added p50 ≤ {WITHIN:.2f} × tracing off (3)",
         "mem_traced",
         "mem_on",
+    )
+    added_within(
+        f"tracing configured, sampled off (3q): memory turn's added p50 ≤ {METERING_WITHIN:.2f}"
+        " × nothing configured (3)",
+        "mem_traced_off",
+        "mem_on",
+        METERING_WITHIN,
     )
     added_within(
         f"usage metering: memory turn's added p50 ≤ {METERING_WITHIN:.2f} × without it (3 vs 3n)",

@@ -354,7 +354,23 @@ class StoreBase:
     ) -> list[str] | None:
         """Write ``rows`` in one transaction (``refresh``: an identical stored node moves to
         the new time instead, :mod:`arona_store.writes`); their ids, or None at once if
-        ``wait`` is off and another writer holds the database."""
+        ``wait`` is off and another writer holds the writer lock or the database."""
+        if self._embedder is None:
+            # A lexical store keeps no vectors (it may not have their table).
+            vectors = [None] * len(rows)
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            self._check_open()
+            return self._write(rows, vectors, refresh, wait=wait)
+        finally:
+            self._lock.release()
+
+    def _write(
+        self, rows: list[Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
+    ) -> list[str] | None:
+        """:meth:`_add_rows`'s transaction (writer lock held): None at once if ``wait`` is off
+        and another process holds the database's write lock."""
         raise NotImplementedError
 
     def _begin_read(self) -> None:

@@ -193,27 +193,18 @@ class MemoryStore(StoreBase):
                 raise
             self._conn.execute("COMMIT")
 
-    def _add_rows(
+    def _write(
         self, rows: list[Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
     ) -> list[str] | None:
-        if self._embedder is None:
-            # A lexical store keeps no vectors (it may not have their table).
-            vectors = [None] * len(rows)
-        if not self._lock.acquire(blocking=wait):
+        if not begin_write(self._conn, wait):
             return None
         try:
-            self._check_open()
-            if not begin_write(self._conn, wait):
-                return None
-            try:
-                ids = write_rows(self._conn, rows, vectors, refresh)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-            return ids
-        finally:
-            self._lock.release()
+            ids = write_rows(self._conn, rows, vectors, refresh)
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+        return ids
 
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the database file (PASSIVE: waits for nobody).

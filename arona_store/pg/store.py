@@ -44,6 +44,7 @@ from arona_store.pg.retrieval import (
     PgVectors,
     PgWords,
     snapshot_reader,
+    vector_text,
 )
 from arona_store.ranking import Ranking, RankingError, check_ranking
 from arona_store.retrieval.engine_words import EngineWords
@@ -84,8 +85,7 @@ def halfvec_text(blob: bytes | None) -> str | None:
     form (every float16 is printed exactly, so it is stored back as the same value)."""
     if blob is None:
         return None
-    values = np.frombuffer(blob, dtype="<f2").astype(np.float32)
-    return "[" + ",".join(repr(float(x)) for x in values) + "]"
+    return vector_text(np.frombuffer(blob, dtype="<f2").astype(np.float32))
 
 
 class PgMemoryStore(StoreBase):
@@ -144,27 +144,19 @@ class PgMemoryStore(StoreBase):
         logger.info("memory store opened on %s (ranking: %s)", store.where, store.ranking)
         return store
 
-    def _add_rows(
+    def _write(
         self, rows: list[Row], vectors: list[bytes | None], refresh: bool, *, wait: bool
     ) -> list[str] | None:
-        if self._embedder is None:
-            vectors = [None] * len(rows)
-        if not self._lock.acquire(blocking=wait):
-            return None
-        try:
-            self._check_open()
-            with self._writer.transaction() as conn:
-                if wait:
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.WRITE_LOCK,))
-                else:
-                    locked = conn.execute(
-                        "SELECT pg_try_advisory_xact_lock(%s)", (schema.WRITE_LOCK,)
-                    ).fetchone()[0]
-                    if not locked:
-                        return None
-                return _write_rows(conn, rows, vectors, refresh)
-        finally:
-            self._lock.release()
+        with self._writer.transaction() as conn:
+            if wait:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (schema.WRITE_LOCK,))
+            else:
+                locked = conn.execute(
+                    "SELECT pg_try_advisory_xact_lock(%s)", (schema.WRITE_LOCK,)
+                ).fetchone()[0]
+                if not locked:
+                    return None
+            return _write_rows(conn, rows, vectors, refresh)
 
     def _put_vectors(self, pairs: list[tuple[bytes, str]]) -> None:
         with self._lock:

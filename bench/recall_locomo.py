@@ -395,39 +395,43 @@ def latency_line(run: Run, via: str) -> str:
 def wait_for_vectors(db: Path) -> None:
     """Return once every node of the store's database ``db`` has its vector (at once for a
     lexical store, which has no vectors table), polled; SystemExit after :data:`EMBED_MAX_S`."""
-    deadline = time.monotonic() + EMBED_MAX_S
     with closing(sqlite3.connect(db)) as conn:
         conn.execute("PRAGMA query_only=1")
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'vectors'").fetchone():
             return
-        while True:
-            # A read transaction of its own each time: the store commits meanwhile.
-            (left,) = conn.execute(
-                "SELECT count(*) FROM nodes n"
-                " WHERE NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
-            ).fetchone()
-            if left == 0:
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{left} turns still without a vector after {EMBED_MAX_S:.0f} s")
-            time.sleep(0.2)
+        # A read transaction of its own each time: the store commits meanwhile.
+        _until_embedded(
+            lambda: int(
+                conn.execute(
+                    "SELECT count(*) FROM nodes n"
+                    " WHERE NOT EXISTS (SELECT 1 FROM vectors v WHERE v.node_id = n.id)"
+                ).fetchone()[0]
+            )
+        )
 
 
 def wait_for_pg_vectors(url: str) -> None:
     """:func:`wait_for_vectors` for a store on PostgreSQL at ``url``."""
     from arona_store.pg.schema import connect
 
-    deadline = time.monotonic() + EMBED_MAX_S
     with connect(url, autocommit=True) as conn:
-        while True:
-            (left,) = conn.execute(
-                "SELECT count(*) FROM memory_nodes WHERE embedding IS NULL"
-            ).fetchone()
-            if left == 0:
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{left} turns still without a vector after {EMBED_MAX_S:.0f} s")
-            time.sleep(0.2)
+        _until_embedded(
+            lambda: int(
+                conn.execute(
+                    "SELECT count(*) FROM memory_nodes WHERE embedding IS NULL"
+                ).fetchone()[0]
+            )
+        )
+
+
+def _until_embedded(left: Callable[[], int]) -> None:
+    """Poll ``left`` (how many turns have no vector yet) until none; SystemExit after
+    :data:`EMBED_MAX_S`."""
+    deadline = time.monotonic() + EMBED_MAX_S
+    while (count := left()) > 0:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{count} turns still without a vector after {EMBED_MAX_S:.0f} s")
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -9,14 +9,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from arona_grpc import tracing
 from arona_grpc.philia import PhiliaClient
 from arona_grpc.tracing import TracingSettings, build_provider
 from tests.support.fake_philia import HANDSHAKE, QUERY, STORE, FakePhilia, Step
+from tests.support.otlp_receiver import spans_in_memory
 
 ENDPOINT = "http://127.0.0.1:4318"
 
@@ -190,15 +189,8 @@ def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
 @pytest.fixture
 def recorded() -> Iterator[InMemorySpanExporter]:
     """Tracing on in this process, its spans kept in memory."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
-    try:
+    with spans_in_memory() as exporter:
         yield exporter
-    finally:
-        tracing.install(None)
-        provider.shutdown()
 
 
 @pytest.mark.asyncio

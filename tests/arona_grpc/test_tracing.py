@@ -243,3 +243,63 @@ async def test_a_store_that_takes_trace_context_gets_the_calls_traceparent(
         "limit": 5,
         "traceparent": f"00-{ids}-{context.trace_flags:02x}",
     }
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        {"OTEL_TRACES_SAMPLER": "always_off"},
+        {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+    ],
+)
+def test_a_sampler_that_never_samples_is_tracing_off(
+    sampler: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    name = sampler["OTEL_TRACES_SAMPLER"]
+    with (
+        caplog.at_level(logging.INFO, logger="arona_grpc.tracing"),
+        tracing.started({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **sampler}, "svc"),
+    ):
+        assert not tracing.active()
+        with tracing.Tracer("t").span("turn") as span:
+            assert not span.is_recording()
+            carrier: dict[str, str] = {}
+            tracing.inject(carrier)
+            assert carrier == {}
+    said = [r.getMessage() for r in caplog.records if r.name == "arona_grpc.tracing"]
+    assert said == [
+        f"OTEL_TRACES_SAMPLER={name} samples nothing: no spans are made and no trace context "
+        "is passed on"
+    ]
+
+
+def test_parentbased_always_off_traces_only_what_a_remote_parent_sampled() -> None:
+    sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    scope = tracing.Tracer("t")
+    with spans_in_memory("parentbased_always_off") as exporter:
+        # A turn nobody sent a trace for: no span, no child, nothing passed on.
+        with scope.span("turn", kind=tracing.SERVER) as span:
+            assert not span.get_span_context().is_valid
+            with scope.span("recall", kind=tracing.CLIENT) as child:
+                assert not child.get_span_context().is_valid
+                carrier: dict[str, str] = {}
+                tracing.inject(carrier)
+                assert carrier == {}
+        # A caller's unsampled trace is carried on, unsampled, with its trace id.
+        parent = tracing.extract({"traceparent": unsampled})
+        with scope.span("turn", kind=tracing.SERVER, parent=parent) as span:
+            assert not span.is_recording()
+            carrier = {}
+            tracing.inject(carrier)
+            assert carrier["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
+            assert carrier["traceparent"].endswith("-00")
+        # A caller's sampled trace is recorded, children too.
+        parent = tracing.extract({"traceparent": sampled})
+        with scope.span("turn", kind=tracing.SERVER, parent=parent) as span:
+            with scope.span("recall", kind=tracing.CLIENT):
+                pass
+        names = sorted(s.name for s in exporter.get_finished_spans())
+        assert names == ["recall", "turn"]
+        trace_ids = {s.context.trace_id for s in exporter.get_finished_spans()}
+        assert trace_ids == {0x0AF7651916CD43DD8448EB211C80319C}

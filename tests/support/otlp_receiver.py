@@ -244,9 +244,10 @@ async def exported() -> None:
 
 
 @contextlib.contextmanager
-def spans_in_memory() -> Iterator[Any]:
+def spans_in_memory(sampler: str | None = None) -> Iterator[Any]:
     """Tracing on in this process (:func:`arona_grpc.tracing.install`), its spans kept by an
-    ``InMemorySpanExporter`` (yielded); off again after."""
+    ``InMemorySpanExporter`` (yielded); off again after. ``sampler`` names the
+    ``OTEL_TRACES_SAMPLER`` to sample with (the SDK's default when None)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -254,9 +255,16 @@ def spans_in_memory() -> Iterator[Any]:
     from arona_grpc import tracing
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    if sampler is None:
+        provider = TracerProvider()
+        roots = True
+    else:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": sampler}
+        settings = TracingSettings.from_env(env)
+        provider = TracerProvider(sampler=tracing.build_sampler(settings))
+        roots = settings.samples_roots
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
+    tracing.install(provider, roots=roots)
     try:
         yield exporter
     finally:

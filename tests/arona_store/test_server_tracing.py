@@ -3,14 +3,18 @@ the ``traceparent``, and anything else there is ignored, never refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from websockets.asyncio.client import connect
 
+from arona_store.server import StoreServer
 from tests.support.otlp_receiver import spans_in_memory
 
-from .conftest import StoreClient
+from .conftest import TOKEN, WAIT_S, StoreClient, ws_url
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER = "00f067aa0ba902b7"
@@ -20,6 +24,23 @@ CALLER = "00f067aa0ba902b7"
 def spans() -> Iterator[InMemorySpanExporter]:
     with spans_in_memory() as exporter:
         yield exporter
+
+
+@pytest_asyncio.fixture(params=["sqlite", "postgres"])
+async def either_client(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[StoreClient]:
+    """A handshaken client of the embedded store, on SQLite or on PostgreSQL."""
+    url = request.getfixturevalue("store_database_url") if request.param == "postgres" else None
+    async with (
+        await StoreServer.start(
+            db_path=tmp_path / "store.db", token=TOKEN, database_url=url
+        ) as server,
+        connect(ws_url(server), proxy=None, open_timeout=WAIT_S) as ws,
+    ):
+        client = StoreClient(ws)
+        await client.handshake()
+        yield client
 
 
 @pytest.mark.asyncio
@@ -32,8 +53,9 @@ async def test_the_handshake_says_requests_may_carry_a_traceparent(
 
 @pytest.mark.asyncio
 async def test_a_query_and_a_store_continue_the_callers_trace(
-    client: StoreClient, spans: InMemorySpanExporter
+    either_client: StoreClient, spans: InMemorySpanExporter
 ) -> None:
+    client = either_client
     traceparent = f"00-{TRACE}-{CALLER}-01"
     stored = await client.request(
         "Sync.MemoryStoreRequest", {"text": "I prefer oolong tea", "traceparent": traceparent}

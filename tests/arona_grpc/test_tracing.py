@@ -23,13 +23,17 @@ ENDPOINT = "http://127.0.0.1:4318"
 def test_without_an_endpoint_nothing_is_installed_and_spans_cost_nothing() -> None:
     assert TracingSettings.from_env({}).endpoint is None
     with tracing.started({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"}, "x"):
-        assert not tracing.active()
-        with tracing.Tracer("t").span("turn") as span:
-            # The API's invalid span: nothing is recorded, nothing is carried.
-            assert not span.is_recording()
-            carrier: dict[str, str] = {}
-            tracing.inject(carrier)
-            assert carrier == {}
+        assert_tracing_off()
+
+
+def assert_tracing_off() -> None:
+    """Nothing installed; a span is the API's invalid one: nothing recorded, nothing carried."""
+    assert not tracing.active()
+    with tracing.Tracer("t").span("turn") as span:
+        assert not span.is_recording()
+        carrier: dict[str, str] = {}
+        tracing.inject(carrier)
+        assert carrier == {}
 
 
 @pytest.mark.parametrize(
@@ -260,12 +264,7 @@ def test_a_sampler_that_never_samples_is_tracing_off(
         caplog.at_level(logging.INFO, logger="arona_grpc.tracing"),
         tracing.started({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **sampler}, "svc"),
     ):
-        assert not tracing.active()
-        with tracing.Tracer("t").span("turn") as span:
-            assert not span.is_recording()
-            carrier: dict[str, str] = {}
-            tracing.inject(carrier)
-            assert carrier == {}
+        assert_tracing_off()
     said = [r.getMessage() for r in caplog.records if r.name == "arona_grpc.tracing"]
     assert said == [
         f"OTEL_TRACES_SAMPLER={name} samples nothing: no spans are made and no trace context "

@@ -843,15 +843,15 @@ def execute(run: Run) -> None:
         sink = run.start("otlp_sink", [PY, "-m", "bench.otlp_sink"])
         sink_port = int(sink.wait_for(r"READY (\d+)", 30).group(1))
         endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"}
-        if "gw_traced" in needed:
-            traced = {**endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
-            start_gateway(run, "gw_traced", {**memory, **traced})
-        if "gw_traced_off" in needed:
-            off = {**endpoint, "OTEL_TRACES_SAMPLER": "always_off"}
-            start_gateway(run, "gw_traced_off", {**memory, **off})
-        if "gw_traced_follow" in needed:
-            follow = {**endpoint, "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
-            start_gateway(run, "gw_traced_follow", {**memory, **follow})
+        samplers = {
+            "gw_traced": "always_on",
+            "gw_traced_off": "always_off",
+            "gw_traced_follow": "parentbased_always_off",
+        }
+        for name, sampler in samplers.items():
+            if name in needed:
+                traced = {**endpoint, "OTEL_TRACES_SAMPLER": sampler}
+                start_gateway(run, name, {**memory, **traced})
     if "gw_workers" in needed:
         start_workers(run, "gw_workers", memory, 2)
     if needed & {"gw_pgstore", "gw_pgstore2"}:

@@ -63,6 +63,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "3n. gateway, memory enabled, no usage metering (ARONA_USAGE=false)",
         "3o. gateway, memory enabled, tracing on (OTEL_TRACES_SAMPLER=always_on",
         "3q. gateway, memory enabled, tracing configured but sampled off",
+        "3f. gateway, memory enabled, tracing configured to follow its callers",
         "3c. gateway, memory enabled, with a conversation_id (SQLite)",
         "3p. gateway, memory enabled, with a conversation_id (PostgreSQL)",
         "3w. gateway, memory enabled, serve --workers 2",
@@ -146,6 +147,10 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
     assert (
         "tracing configured, sampled off (3q): memory turn's added p50 ≤ 1.05 × nothing"
         " configured (3), c=1" in table
+    )
+    assert (
+        "tracing configured to follow its callers, none sampled (3f): memory turn's added p50"
+        " ≤ 1.05 × nothing configured (3), c=1" in table
     )
     assert "serve --workers 2 turns/s ÷ --workers 1, c=32" in table
     # The throughput line also says how far apart its rounds were.

@@ -252,15 +252,12 @@ def spans_in_memory(sampler: str | None = None) -> Iterator[Any]:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from arona_grpc import tracing
-
     exporter = InMemorySpanExporter()
     if sampler is None:
         provider = TracerProvider()
         roots = True
     else:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": sampler}
-        settings = TracingSettings.from_env(env)
+        settings = TracingSettings(None, sampler)
         provider = TracerProvider(sampler=tracing.build_sampler(settings))
         roots = settings.samples_roots
     provider.add_span_processor(SimpleSpanProcessor(exporter))

@@ -52,6 +52,7 @@ from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.openapi import published
+from gateway_http.responses import route as responses
 from gateway_http.routes import console, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
@@ -357,6 +358,7 @@ def create_app(
     )
     app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
+    app.include_router(responses.router)
     app.include_router(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
     )

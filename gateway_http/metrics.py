@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 # This process's files (arona_grpc.storage).
 HTTP_STORAGE_PARTS = ("journal",)
-SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws")
+SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws", "responses", "responses_stream")
 MEMORY_STATES = ("enabled", "disabled", "offline")
 OUTCOMES = ("ok", "upstream_error", "client_error", "cancelled")
 WRITEBACK_OUTCOMES = ("stored", "not_stored", "failed")
@@ -85,7 +85,8 @@ class GatewayMetrics:
         self._extra = tuple(extra)
         turns = Counter(
             "arona_turns",
-            "Chat turns by surface (rest, rest_stream, rpc, rpc_ws), memory state "
+            "Chat turns by surface (rest, rest_stream, rpc, rpc_ws, responses, responses_stream), "
+            "memory state "
             "(enabled, disabled, offline) and outcome (ok, upstream_error, client_error, "
             "cancelled).",
             ("surface", "memory", "outcome"),

@@ -443,6 +443,53 @@ class TurnPipeline:
                 return
             self._journal_drop(item.id)
 
+    async def prepare_response(
+        self,
+        request: TurnRequest,
+        route: Route,
+        user_text: str,
+        *,
+        recall: bool,
+        prompt: list[dict[str, Any]],
+    ) -> PreparedTurn:
+        """A Responses turn (gateway_http.responses) up to its upstream call: the caller's
+        budget checked, and memory recalled for ``user_text`` as for a chat turn (``recall``
+        False: the request already holds a section). Where the section goes is the caller's
+        business; ``prompt`` (the request as chat messages) is what the meter counts when
+        the upstream reports no usage."""
+        if self._usage is not None and self._usage.budgets.active:
+            await self._usage.check(request.owner)
+        state = DISABLED
+        count = 0
+        recall_s = 0.0
+        section = ""
+        if (
+            recall
+            and request.memory is not False
+            and self._has_memory(request)
+            and user_text.strip()
+        ):
+            started = time.perf_counter()
+            recalled = await self._memory.recall(user_text, RECALL_LIMIT, request.scope or "")
+            recall_s = time.perf_counter() - started
+            self.metrics.recall(recalled.state, recall_s)
+            state = recalled.state
+            if recalled.section:
+                section = recalled.section
+                count = recalled.count
+        metered = {"model": request.body["model"], "messages": prompt}
+        return PreparedTurn(
+            request, metered, state, user_text, count, recall_s, route=route, section=section
+        )
+
+    async def finish_response(self, turn: PreparedTurn, output_text: str) -> None:
+        """A Responses turn whose response completed: its reply noted for the meter, and the
+        turn (``User: <input text>`` / ``Assistant: <output text>``) journaled and written back
+        as a chat turn is."""
+        reply = {"role": "assistant", "content": output_text}
+        turn.reply_message = reply
+        await self._finish(turn, output_text, reply, writeback=True)
+
 
 def _log_answer(turn: PreparedTurn, outcome: str) -> None:
     """The line that says which backend answered a routed turn (or that none did)."""

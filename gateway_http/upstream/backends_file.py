@@ -9,6 +9,7 @@ The file is TOML (read with the standard library's ``tomllib``)::
     timeout_s = 600                       # the longest silence while an answer is awaited
     connect_timeout_s = 10
     models = ["gpt-4o", "gpt-4o-mini", "o*"]           # exact names and globs
+    api = "responses"                     # or "chat": it serves chat completions only
     aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
     # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
     prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
@@ -39,14 +40,18 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 from yarl import URL
 
 from arona_grpc.config import ConfigError
-from gateway_http.upstream.client import DEFAULT_CONNECT_TIMEOUT_S, valid_base_url
+from gateway_http.upstream.client import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    RESPONSES_API,
+    valid_base_url,
+)
 from gateway_http.upstream.globs import Undecided, example, literal
 from gateway_http.usage.records import Price
 
@@ -90,6 +95,9 @@ class _BackendTable(BaseModel):
     aliases: dict[NonEmpty, NonEmpty] = {}
     # Per model name as sent to this backend (exact, or a glob): usage cost and cost budgets.
     prices: dict[NonEmpty, _PriceTable] = {}
+    # What it serves of /v1/responses: the Responses API (forwarded as is) or, with "chat",
+    # chat completions only (text turns translated).
+    api: Literal["responses", "chat"] = "responses"
 
 
 class _FallbackTable(BaseModel):
@@ -130,6 +138,8 @@ class BackendSpec:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # Model name as sent (or glob) -> its price, in file order.
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # "responses" or "chat" (gateway_http.upstream.client.RESPONSES_API, CHAT_API).
+    api: str = RESPONSES_API
 
     def price(self, model: str) -> Price | None:
         """The price of ``model`` (as sent to this backend): its own, else the first glob's."""
@@ -457,6 +467,7 @@ class _Checker:
                 model: Price(price["input"], price["output"])
                 for model, price in fields.get("prices", {}).items()
             },
+            api=fields.get("api", RESPONSES_API),
         )
 
     def _api_key(self, at: str, variable: str | None) -> str | None:

@@ -39,6 +39,9 @@ _MAX_DETAIL_CHARS = 300
 # An error body larger than this is not worth reading just to find a message in it.
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# What a backend serves of the Responses API (the backends file's `api`).
+RESPONSES_API = "responses"
+CHAT_API = "chat"
 # Sized for a gateway fanning many concurrent turns out to one or two upstream hosts: enough
 # connections that a burst does not queue, kept alive so it does not pay a TCP/TLS handshake
 # per request.
@@ -72,9 +75,13 @@ class OpenAIUpstream:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         name: str = "upstream",
         session: aiohttp.ClientSession | None = None,
+        api: str = RESPONSES_API,
     ) -> None:
         # A named backend of the backends file, or the one ARONA_UPSTREAM_URL.
         self.name = name
+        # What it serves of /v1/responses (gateway_http.responses): the Responses API itself
+        # (RESPONSES_API: forwarded as is), or chat completions only (CHAT_API: translated).
+        self.api = api
         base = base_url.rstrip("/")
         url = _parse_base_url(base)
         basic = aiohttp.BasicAuth.from_url(url, encoding="utf-8")
@@ -82,6 +89,7 @@ class OpenAIUpstream:
         plain = str(url.with_user(None)).rstrip("/")
         self._chat_url = URL(f"{plain}/chat/completions", encoded=True)
         self._models_url = URL(f"{plain}/models", encoded=True)
+        self._responses_url = URL(f"{plain}/responses", encoded=True)
         # What log lines call it: its (redacted) URL, after its name for a named backend.
         safe_url = redact_url(base)
         self._safe_url = safe_url if name == "upstream" else f"{name} ({safe_url})"
@@ -217,6 +225,46 @@ class OpenAIUpstream:
                     self._safe_url,
                     type(exc).__name__,
                 )
+
+    async def respond(self, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """``POST /responses`` whole: the upstream's body as it sent it, and that body parsed
+        (a ``response`` object). Failures are :class:`UpstreamError` as for a chat turn."""
+        # As the client sent it: no `stream` is added where it has none.
+        payload = _encoded(body)
+        try:
+            async with await self._send(
+                "POST", self._responses_url, self._json_headers, payload
+            ) as response:
+                if response.status >= 400:
+                    raise self._http_error(response.status, await _read_capped(response))
+                content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._transport_error(exc) from None
+        return content, self._decode_object(content)
+
+    async def respond_stream(
+        self, body: dict[str, Any]
+    ) -> AsyncGenerator[tuple[bytes, bytes | None], None]:
+        """``POST /responses`` streamed: each server-sent event as the upstream sent it (its
+        raw bytes, blank line included) and its ``data`` payload (None for an event without
+        one: a comment, a keep-alive). The stream is passed on as it is, so it is not checked
+        here; closing the generator closes the request, as for a chat stream. ``body`` asks
+        for the stream itself (its ``stream`` is true)."""
+        payload = _encoded(body)
+        try:
+            response = await self._send("POST", self._responses_url, self._stream_headers, payload)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._transport_error(exc) from None
+        try:
+            if response.status >= 400:
+                raise self._http_error(response.status, await _read_capped(response))
+            async with contextlib.aclosing(_sse_events(response.content.iter_any())) as events:
+                async for event in events:
+                    yield event
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._transport_error(exc, mid_stream=True) from None
+        finally:
+            response.release()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -415,3 +463,51 @@ def _has_finish_reason(chunk: dict[str, Any]) -> bool:
     if not isinstance(choices, list):
         return False
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+def _encoded(body: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise UpstreamError(
+            "the request could not be encoded for the upstream", None, INVALID
+        ) from None
+
+
+async def _sse_events(
+    pieces: AsyncIterator[bytes],
+) -> AsyncGenerator[tuple[bytes, bytes | None], None]:
+    """Each server-sent event of a stream whole: its bytes exactly as they came (up to and
+    including the blank line that ends it), and its ``data`` lines joined by ``\\n`` (None
+    when it has none). Bytes after the last blank line are one last event."""
+    buffer = b""
+    start = 0
+    pending: list[bytes] = []
+    async for part in pieces:
+        buffer += part
+        lines_end = buffer.rfind(b"\n") + 1
+        position = start
+        while position < lines_end:
+            eol = buffer.index(b"\n", position)
+            line = buffer[position:eol]
+            position = eol + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:
+                yield buffer[:position], (b"\n".join(pending) if pending else None)
+                buffer, position, lines_end, pending = (
+                    buffer[position:],
+                    0,
+                    lines_end - position,
+                    [],
+                )
+            elif line.startswith(b"data:"):
+                data = line[5:]
+                pending.append(data[1:] if data.startswith(b" ") else data)
+        start = position
+    if buffer:
+        tail = buffer[start:].rstrip(b"\r")
+        if tail.startswith(b"data:"):
+            data = tail[5:]
+            pending.append(data[1:] if data.startswith(b" ") else data)
+        yield buffer, (b"\n".join(pending) if pending else None)

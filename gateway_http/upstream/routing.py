@@ -171,6 +171,7 @@ class Router:
                 timeout_s=spec.timeout_s,
                 connect_timeout_s=spec.connect_timeout_s,
                 name=spec.name,
+                api=spec.api,
             )
             for spec in backends.backends
         }

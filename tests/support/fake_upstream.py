@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import orjson
 
+from tests.support.fake_responses import RESPONSES_PATH, FakeResponses
 from tests.support.uvicorn_server import serve_app
 
 Message = MutableMapping[str, Any]
@@ -166,6 +167,8 @@ class FakeUpstream:
         self.latency_s = 0.0
         self._script: deque[Reply] = deque()
         self._recorded = asyncio.Condition()
+        # POST /v1/responses (its own script: tests.support.fake_responses).
+        self.responses = FakeResponses()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -243,6 +246,9 @@ class FakeUpstream:
                 for m in self.models
             ]
             await _send_json(send, 200, {"object": "list", "data": data})
+            return
+        if request.method == "POST" and request.path == RESPONSES_PATH:
+            await self.responses.answer(body, send)
             return
         if request.method != "POST" or request.path != "/v1/chat/completions":
             await _send_json(send, 404, _error("no such route"))

@@ -119,6 +119,21 @@ def holds_section(body: dict[str, Any]) -> bool:
     )
 
 
+# An injected section at the start of a text (as with_section puts it), whole: its header,
+# its bullets and their indented continuation lines.
+_LEADING_SECTION = re.compile(
+    re.escape(MEMORY_SECTION_HEADER) + r"(?:\n(?:- \[-?\d+\.\d\d\] [^\n]*|  [^\n]*))+"
+)
+
+
+def split_section(instructions: str) -> tuple[str, str]:
+    """``instructions`` as (the injected section they start with, or "", and the rest)."""
+    found = _LEADING_SECTION.match(instructions)
+    if found is None:
+        return "", instructions
+    return found.group(), instructions[found.end() :].removeprefix("\n\n")
+
+
 def with_section(body: dict[str, Any], section: str) -> dict[str, Any]:
     """``body`` with ``section`` ahead of its own ``instructions`` (kept, after a blank line);
     a shallow copy, the caller's body untouched."""

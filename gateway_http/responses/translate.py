@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from gateway_http.responses.request import is_message, item_text
+from gateway_http.responses.request import is_message, item_text, split_section
 
 # Translated into the chat request.
 _TRANSLATED = frozenset(
@@ -91,12 +91,16 @@ def untranslatable(body: dict[str, Any]) -> str | None:
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request as chat messages: ``instructions`` first, then the text of each message
-    item (what the meter counts when a backend reports no usage, too)."""
+    """The request as chat messages: ``instructions`` first (the memory section they start
+    with a system message of its own, as a chat turn's), then the text of each message item
+    (what the meter counts when a backend reports no usage, too)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        messages.append({"role": "system", "content": instructions})
+    if isinstance(instructions, str):
+        section, own = split_section(instructions)
+        for text in (section, own):
+            if text:
+                messages.append({"role": "system", "content": text})
     given = body.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})

@@ -63,9 +63,9 @@ def responses_bodies(stack: Stack) -> list[Any]:
 
 
 async def test_a_json_response_through_the_async_sdk(tmp_path: Path) -> None:
-    async with running_stack(tmp_path) as stack:
+    async with running_stack(tmp_path) as stack, sdk(stack) as client:
         stack.philia.memories = list(MEMORIES)
-        raw = await sdk(stack).responses.with_raw_response.create(
+        raw = await client.responses.with_raw_response.create(
             model="fake-model", input=ASK, instructions=OWN, extra_body=FUTURE, **PASSED
         )
         response = raw.parse()
@@ -90,9 +90,9 @@ async def test_a_json_response_through_the_async_sdk(tmp_path: Path) -> None:
 
 
 async def test_a_stream_through_the_async_sdk(tmp_path: Path) -> None:
-    async with running_stack(tmp_path) as stack:
+    async with running_stack(tmp_path) as stack, sdk(stack) as client:
         stack.philia.memories = list(MEMORIES)
-        stream = await sdk(stack).responses.create(
+        stream = await client.responses.create(
             model="fake-model",
             input=[{"role": "user", "content": [{"type": "input_text", "text": ASK}]}],
             stream=True,
@@ -133,12 +133,12 @@ async def test_a_stream_reaches_the_client_byte_for_byte(tmp_path: Path) -> None
 async def test_the_sync_sdk_json_and_stream(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
         stack.philia.memories = list(MEMORIES)
-        client = sync_sdk(stack)
 
         def both() -> tuple[str, str]:
-            whole = client.responses.create(model="fake-model", input=ASK)
-            with client.responses.stream(model="fake-model", input=ASK) as stream:
-                final = stream.get_final_response()
+            with sync_sdk(stack) as client:
+                whole = client.responses.create(model="fake-model", input=ASK)
+                with client.responses.stream(model="fake-model", input=ASK) as stream:
+                    final = stream.get_final_response()
             return whole.output_text, final.output_text
 
         assert await asyncio.to_thread(both) == (f"reply to: {ASK}",) * 2
@@ -167,9 +167,8 @@ async def test_memory_false_recalls_nothing_and_the_section_is_not_added_twice(
 
 
 async def test_a_previous_response_id_chain_carries_one_section(tmp_path: Path) -> None:
-    async with running_stack(tmp_path) as stack:
+    async with running_stack(tmp_path) as stack, sdk(stack) as client:
         stack.philia.memories = list(MEMORIES)
-        client = sdk(stack)
         previous: str | None = None
         for question in (ASK, "and which one is best cold?", "thanks"):
             response = await client.responses.create(
@@ -191,9 +190,9 @@ async def test_a_previous_response_id_chain_carries_one_section(tmp_path: Path) 
 async def test_a_broken_stream_ends_with_an_error_event_and_writes_nothing_back(
     tmp_path: Path,
 ) -> None:
-    async with running_stack(tmp_path) as stack:
+    async with running_stack(tmp_path) as stack, sdk(stack) as client:
         stack.upstream.responses.script(RespondStream(pieces=["half ", "an "], end="break"))
-        stream = await sdk(stack).responses.create(model="fake-model", input=ASK, stream=True)
+        stream = await client.responses.create(model="fake-model", input=ASK, stream=True)
         events = [event async for event in stream]
         assert [e.type for e in events] == [
             "response.created",

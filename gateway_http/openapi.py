@@ -133,6 +133,33 @@ _CHAT_ANSWER = {
     },
 }
 
+# POST /v1/responses: the fields the gateway reads (checked as published), any other passed on.
+_RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {}}]},
+        "instructions": {"type": ["string", "null"]},
+        "stream": {"type": ["boolean", "null"]},
+        "memory": {
+            "type": ["boolean", "null"],
+            "description": "false: no recall for this turn (the gateway's own field)",
+        },
+    },
+}
+_RESPONSES_ANSWER = {
+    "description": "A response object, or with stream: true its events as server-sent events, "
+    "as the backend sent them",
+    "headers": _MEMORY_HEADER,
+    "content": {
+        "application/json": {
+            "schema": _object(["id", "object"], id=_STRING, object={"const": "response"})
+        },
+        "text/event-stream": {"schema": _object(["data"], data=_STRING)},
+    },
+}
+
 _RPC_ID = {"type": ["string", "integer", "null"]}
 _RPC_RESPONSE = _object(
     ["jsonrpc", "id"],
@@ -188,6 +215,25 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
                     ErrorKind.UNSUPPORTED_MEDIA,
                     ErrorKind.UPSTREAM,
                     ErrorKind.UNAVAILABLE,
+                    ErrorKind.QUOTA,
+                ),
+            },
+        },
+        ("post", "/v1/responses"): {
+            "summary": "The Responses API with long-term memory (OpenAI-compatible)",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _RESPONSES_REQUEST}},
+            },
+            "responses": {
+                "200": _RESPONSES_ANSWER,
+                **_errors(
+                    ErrorKind.BAD_INPUT,
+                    ErrorKind.AUTH,
+                    ErrorKind.NOT_FOUND,
+                    ErrorKind.TOO_LARGE,
+                    ErrorKind.UNSUPPORTED_MEDIA,
+                    ErrorKind.UPSTREAM,
                     ErrorKind.QUOTA,
                 ),
             },

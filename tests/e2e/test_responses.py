@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from langchain_openai import ChatOpenAI
 
+from tests.e2e.scoped import TEAM_A_KEY, scoped_stack
 from tests.e2e.stack import Stack, running_stack
 from tests.support.fake_philia import QUERY, STORE
-from tests.support.fake_responses import RespondStream
+from tests.support.fake_responses import Respond, RespondFail, RespondStream
 
 pytestmark = pytest.mark.asyncio
 
@@ -59,7 +61,7 @@ def sync_sdk(stack: Stack) -> openai.OpenAI:
 
 
 def responses_bodies(stack: Stack) -> list[Any]:
-    return [r.body for r in stack.upstream.requests if r.path == "/v1/responses"]
+    return [r.body for r in stack.upstream.responses_requests]
 
 
 async def test_a_json_response_through_the_async_sdk(tmp_path: Path) -> None:
@@ -227,5 +229,77 @@ async def test_bad_input_is_a_400_in_openai_shape(tmp_path: Path) -> None:
         assert responses_bodies(stack) == []
 
 
-def _headers_of(answer: httpx.Response) -> tuple[str, str]:
-    return answer.headers["X-Arona-Memory"], answer.headers["X-Arona-Writeback"]
+async def test_a_fact_said_in_one_response_is_recalled_in_a_later_one(tmp_path: Path) -> None:
+    fact = "My locker code is 4417 and my locker is the blue zebra one"
+    async with (
+        scoped_stack(tmp_path) as stack,
+        openai.AsyncOpenAI(
+            base_url=f"{stack.base_url}/v1", api_key=TEAM_A_KEY, max_retries=0
+        ) as client,
+    ):
+        told = await client.responses.create(model="fake-model", input=fact, stream=True)
+        assert [e.type async for e in told][-1] == "response.completed"
+        await stack.settle()
+        asked = await client.responses.with_raw_response.create(
+            model="fake-model", input="Which zebra locker is mine?", instructions=OWN
+        )
+        assert asked.headers["X-Arona-Memory"] == "enabled"
+        instructions = stack.upstream.responses_requests[-1].body["instructions"]
+        assert instructions.startswith(f"{HEADER}\n- [")
+        assert "4417" in instructions and instructions.endswith(f"\n\n{OWN}")
+        await stack.settle()
+        assert stack.stored_texts() == [
+            f"User: {fact}\nAssistant: reply to: {fact}",
+            "User: Which zebra locker is mine?\nAssistant: reply to: Which zebra locker is mine?",
+        ]
+
+
+async def test_langchain_chat_openai_through_a_responses_upstream(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack:
+        stack.philia.memories = list(MEMORIES)
+        seen: list[httpx.Response] = []
+
+        async def note(response: httpx.Response) -> None:
+            seen.append(response)
+
+        async with httpx.AsyncClient(event_hooks={"response": [note]}) as http:
+            llm = ChatOpenAI(
+                model="fake-model",
+                base_url=f"{stack.base_url}/v1",
+                api_key="unused",  # type: ignore[arg-type]
+                use_responses_api=True,
+                max_retries=0,
+                http_async_client=http,
+            )
+            reply = await llm.ainvoke([("system", OWN), ("human", ASK)])
+            pieces = [chunk.text async for chunk in llm.astream([("human", ASK)])]
+        assert (reply.text, "".join(pieces)) == (f"reply to: {ASK}",) * 2
+        assert [r.headers["X-Arona-Memory"] for r in seen] == ["enabled"] * 2
+        invoked, streamed = responses_bodies(stack)
+        # LangChain sends its system message as an input item: the section goes in
+        # `instructions`, the client's items untouched.
+        assert invoked["instructions"] == streamed["instructions"] == SECTION
+        assert [item["role"] for item in invoked["input"]] == ["system", "user"]
+        assert streamed["stream"] is True
+
+
+async def test_what_does_not_complete_is_not_written_back(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack, sdk(stack) as client:
+        stack.upstream.responses.script(
+            Respond(status="incomplete"),
+            RespondStream(end="failed"),
+            RespondFail(status=400),
+        )
+        cut = await client.responses.create(model="fake-model", input=ASK)
+        assert cut.status == "incomplete"
+        failed = await client.responses.create(model="fake-model", input=ASK, stream=True)
+        assert [e.type async for e in failed][-1] == "response.failed"
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(
+                model="fake-model", input=ASK, previous_response_id="resp_unknown"
+            )
+        # The upstream's refusal, in OpenAI's shape, saying what memory did.
+        assert "bad previous_response_id" in refused.value.message
+        assert refused.value.response.headers["X-Arona-Memory"] == "disabled"
+        await stack.drain_writebacks()
+        assert stack.philia.frames_of(STORE) == []

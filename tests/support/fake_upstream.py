@@ -190,6 +190,10 @@ class FakeUpstream:
         return [r for r in self.requests if r.path.endswith("/chat/completions")]
 
     @property
+    def responses_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path == RESPONSES_PATH]
+
+    @property
     def last_body(self) -> Any:
         """The JSON body of the last chat request."""
         return self.chat_requests[-1].body

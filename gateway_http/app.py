@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
@@ -69,6 +69,13 @@ WRITEBACK_GRACE_S = 5.0
 TRACER = tracing.Tracer("gateway_http")
 # The server span of a REST chat turn (the HTTP semantic conventions' "{method} {route}").
 CHAT_SPAN = f"POST {rest.CHAT_COMPLETIONS_PATH}"
+# The REST turns served without the framework's layers (GatewayApp), by path: each takes its
+# request and answers it, raising GatewayError for the error table.
+_TurnRoute = Callable[[Request], Awaitable[Response]]
+_TURN_ROUTES: dict[str, _TurnRoute] = {
+    rest.CHAT_COMPLETIONS_PATH: rest.chat_completions,
+    responses.RESPONSES_PATH: responses.create_response,
+}
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -99,13 +106,14 @@ def _incoming_request_id(scope: Scope) -> str | None:
 
 
 class GatewayApp(FastAPI):
-    """The FastAPI app, with the chat-completions route served without the framework layers.
+    """The FastAPI app, with the turn routes served without the framework layers.
 
     Under load, FastAPI's per-request middleware stack and routing (exception, body-limit,
     exit-stack and telemetry middleware, route matching, endpoint wrapping) cost more than
-    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
-    dependencies, so it is dispatched here straight to the same handler, with the same error
-    mapping as the exception handlers below; every other request goes through FastAPI.
+    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` and
+    ``POST /v1/responses`` take no dependencies, so they are dispatched here straight to the
+    same handlers, with the same error mapping as the exception handlers below; every other
+    request goes through FastAPI.
 
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
@@ -121,16 +129,17 @@ class GatewayApp(FastAPI):
         request_id = request_id_or_new(_incoming_request_id(scope))
         token = REQUEST_ID.set(request_id)
         try:
-            if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
-                await self._chat_completions(scope, receive, send, request_id)
+            turn = _TURN_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+            if turn is not None:
+                await self._turn(scope, receive, send, request_id, turn)
             else:
                 added = _added_headers(request_id, rest=is_rest(scope["path"]))
                 await super().__call__(scope, receive, _with_headers(send, added))
         finally:
             REQUEST_ID.reset(token)
 
-    async def _chat_completions(
-        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    async def _turn(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, turn: _TurnRoute
     ) -> None:
         scope["app"] = self
         request = Request(scope, receive, send)
@@ -138,7 +147,7 @@ class GatewayApp(FastAPI):
         # lasts until the last byte of a stream.
         with _turn_span(scope, request_id) as span:
             try:
-                response = await rest.chat_completions(request)
+                response = await turn(request)
             except GatewayError as exc:
                 response = _error_response(exc)
             except DatabaseUnavailable:
@@ -157,17 +166,19 @@ class GatewayApp(FastAPI):
 
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
-    """A REST chat turn's server span, continuing the client's ``traceparent``."""
+    """A REST turn's server span (chat completions or a Responses turn), continuing the
+    client's ``traceparent``."""
     if not tracing.active():
         return tracing.NO_SPAN
+    path = scope["path"]
     return TRACER.span(
-        CHAT_SPAN,
+        f"POST {path}",
         kind=tracing.SERVER,
         parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
         attributes={
             "http.request.method": "POST",
-            "http.route": rest.CHAT_COMPLETIONS_PATH,
-            "url.path": rest.CHAT_COMPLETIONS_PATH,
+            "http.route": path,
+            "url.path": path,
             "url.scheme": scope.get("scheme", "http"),
             "arona.request_id": request_id,
         },

@@ -25,6 +25,7 @@ from typing import Any, cast
 import httptools
 import orjson
 
+from bench import responses
 from bench.corpus import QUERIES
 from bench.procs import cpu_ns
 
@@ -167,10 +168,11 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
         for i, query in enumerate(QUERIES * max(1, len(conversations) // len(QUERIES) + 1))
     ][: max(len(QUERIES), len(conversations))]
     for query, conversation in pairs:
-        body: dict[str, Any] = {
-            "model": args.model,
-            "messages": [{"role": "user", "content": query}],
-        }
+        body: dict[str, Any] = (
+            responses.request_body(args.model, query)
+            if args.api == "responses"
+            else {"model": args.model, "messages": [{"role": "user", "content": query}]}
+        )
         if conversation is not None:
             body["conversation_id"] = conversation
         if args.stream:
@@ -354,6 +356,9 @@ def _parser() -> argparse.ArgumentParser:
     http.add_argument("--path", default="/v1/chat/completions")
     http.add_argument("--model", default="bench-model")
     http.add_argument("--stream", action="store_true")
+    http.add_argument(
+        "--api", choices=("chat", "responses"), default="chat", help="the body's shape"
+    )
     http.add_argument("--memory-field", choices=("true", "false", "omit"), default="omit")
     http.add_argument(
         "--expect-memory", choices=("enabled", "disabled", "offline", "any"), default="any"

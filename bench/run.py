@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, embed_lag, outage, pg_scale, recall_bench
+from bench import corpus, embed_lag, outage, pg_scale, recall_bench, responses
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -119,6 +119,8 @@ class Config:
     # names; "" for none), and the database server's ("" for none).
     store: str = ""
     database: str = ""
+    # More arguments for the load generator (another route and body: bench.responses).
+    loadgen_args: tuple[str, ...] = ()
 
     @property
     def gateway(self) -> bool:
@@ -135,6 +137,14 @@ CONFIGS = (
         "gw_on",
         expect="enabled",
         store="store",
+    ),
+    Config(
+        "mem_responses",
+        "3a. gateway, memory enabled, a Responses turn (POST /v1/responses)",
+        "gw_on",
+        expect="enabled",
+        store="store",
+        loadgen_args=responses.LOADGEN_ARGS,
     ),
     Config(
         "mem_lexical",
@@ -614,6 +624,7 @@ def measure(
     ]
     if config.stream:
         argv.append("--stream")
+    argv += config.loadgen_args
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
     elif config.api_key:
@@ -1295,6 +1306,7 @@ def targets(run: Run) -> list[list[str]]:
     added_within(
         f"user-scope memory turn's added p50 ≤ {WITHIN:.2f} × shared mode's", "mem_user", "mem_on"
     )
+    added_within(responses.TARGET, "mem_responses", "mem_on", responses.WITHIN)
     added_within(
         f"metrics + request ids: memory turn's added p50 ≤ {WITHIN:.2f} × without metrics",
         "mem_on",

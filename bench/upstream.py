@@ -3,9 +3,10 @@
 It must never be the bottleneck, so it is a bare asyncio protocol (on uvloop when installed)
 with the C ``httptools`` parser and fully precomputed responses: ``POST .../chat/completions``
 answers a fixed ``chat.completion`` (or, when the body asks for ``"stream": true``, a fixed
-event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``GET .../models``
-lists one model. Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream``; it prints
-``READY <port>`` once listening and stops on SIGTERM/SIGINT.
+event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``POST .../responses``
+a fixed ``response`` object (:mod:`bench.responses`), ``GET .../models`` lists one model.
+Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream``; it prints ``READY <port>``
+once listening and stops on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import cast
 import httptools
 import orjson
 
+from bench import responses
 from bench.loop import main
 
 MODEL = "bench-model"
@@ -79,6 +81,7 @@ def _response(status: str, content_type: str, body: bytes) -> bytes:
 JSON_RESPONSE = _response("200 OK", "application/json", _completion())
 STREAM_RESPONSE = _response("200 OK", "text/event-stream", _stream())
 MODELS_RESPONSE = _response("200 OK", "application/json", _models())
+RESPONSES_RESPONSE = _response("200 OK", "application/json", responses.response(MODEL))
 NOT_FOUND = _response(
     "404 Not Found", "application/json", b'{"error":{"message":"not found","type":"bench"}}'
 )
@@ -124,6 +127,8 @@ class _Upstream(asyncio.Protocol):
         if method == b"POST" and path.endswith(b"/chat/completions"):
             body = b"".join(self._body)
             transport.write(STREAM_RESPONSE if _STREAM_FIELD.search(body) else JSON_RESPONSE)
+        elif method == b"POST" and path.endswith(b"/responses"):
+            transport.write(RESPONSES_RESPONSE)
         elif method == b"GET" and path.endswith(b"/models"):
             transport.write(MODELS_RESPONSE)
         else:

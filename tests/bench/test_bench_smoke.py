@@ -55,6 +55,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "1. direct to the upstream",
         "2. gateway, memory disabled",
         "3. gateway, memory enabled (recall + writeback), default store",
+        "3a. gateway, memory enabled, a Responses turn (POST /v1/responses)",
         "3l. gateway, memory enabled, lexical-ranking store (ARONA_STORE_RANKING=lexical)",
         "3g. gateway, memory enabled, unary gRPC calls (ARONA_GRPC_STREAMS=0)",
         "3u. gateway, memory enabled, ARONA_MEMORY_SCOPE=user",
@@ -78,14 +79,14 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         assert len(measured) == 2, (label, table)
         assert all(row.rstrip(" |").endswith("| 0 / 0") for row in measured), measured
         # The gateway's CPU per turn (the column before the failures), for gateway rows only,
-        # and the store's (the column before it) for rows 3 and 3l.
+        # and the store's (the column before it) for rows 3, 3a and 3l.
         cpu_cells = [row.split(" | ")[-2] for row in measured]
         store_cells = [row.split(" | ")[-3] for row in measured]
         if label.startswith(("1.", "5a.")):
             assert cpu_cells == ["—", "—"], measured
         else:
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
-        if label.startswith(("3.", "3l.")):
+        if label.startswith(("3.", "3a.", "3l.")):
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in store_cells)
         elif label.startswith(("3s.", "3t.")):
             # The store processes' CPU per turn, and their database's.

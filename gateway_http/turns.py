@@ -477,6 +477,9 @@ class TurnPipeline:
             if recalled.section:
                 section = recalled.section
                 count = recalled.count
+        if section:
+            # Where a chat turn has it: what the meter counts as memory's share of the prompt.
+            prompt = [{"role": "system", "content": section}, *prompt]
         metered = {"model": request.body["model"], "messages": prompt}
         return PreparedTurn(
             request, metered, state, user_text, count, recall_s, route=route, section=section

@@ -135,7 +135,7 @@ def response_usage(usage: Any) -> dict[str, Any] | None:
     completion = _count(usage.get("completion_tokens"))
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": _count(usage.get("total_tokens")) or prompt + completion,

@@ -132,19 +132,21 @@ async def test_a_stream_reaches_the_client_byte_for_byte(tmp_path: Path) -> None
         assert received == stack.upstream.responses.sent[-1]
 
 
-async def test_the_sync_sdk_json_and_stream(tmp_path: Path) -> None:
+async def test_the_sync_sdk_json_and_streams(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
         stack.philia.memories = list(MEMORIES)
 
-        def both() -> tuple[str, str]:
+        def three() -> tuple[str, str, str]:
             with sync_sdk(stack) as client:
                 whole = client.responses.create(model="fake-model", input=ASK)
                 with client.responses.stream(model="fake-model", input=ASK) as stream:
                     final = stream.get_final_response()
-            return whole.output_text, final.output_text
+                events = client.responses.create(model="fake-model", input=ASK, stream=True)
+                deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+            return whole.output_text, final.output_text, "".join(deltas)
 
-        assert await asyncio.to_thread(both) == (f"reply to: {ASK}",) * 2
-        assert [b["instructions"] for b in responses_bodies(stack)] == [SECTION, SECTION]
+        assert await asyncio.to_thread(three) == (f"reply to: {ASK}",) * 3
+        assert [b["instructions"] for b in responses_bodies(stack)] == [SECTION] * 3
 
 
 async def test_memory_false_recalls_nothing_and_the_section_is_not_added_twice(

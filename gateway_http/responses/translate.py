@@ -229,16 +229,22 @@ def _message(item_id: str, status: str, content: list[dict[str, Any]]) -> dict[s
 
 
 def _ended(
-    response: dict[str, Any], finish_reason: Any, usage: Any, item: dict[str, Any]
+    response: dict[str, Any],
+    finish_reason: Any,
+    usage: Any,
+    item_id: str,
+    content: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """``response`` ended: its status from the chat finish reason, its output and usage."""
+    """``response`` ended: its status from the chat finish reason (its message's too), its
+    output and usage."""
     incomplete = _INCOMPLETE.get(finish_reason) if isinstance(finish_reason, str) else None
+    status = "incomplete" if incomplete else "completed"
     return {
         **response,
-        "status": "incomplete" if incomplete else "completed",
+        "status": status,
         "completed_at": None if incomplete else int(time.time()),
         "incomplete_details": {"reason": incomplete} if incomplete else None,
-        "output": [item],
+        "output": [_message(item_id, status, content)],
         "usage": response_usage(usage),
     }
 
@@ -260,9 +266,8 @@ def response_of(body: dict[str, Any], completion: dict[str, Any]) -> dict[str, A
         content.append(_text_part(""))
     model = completion.get("model")
     shell = _shell(body, _new_id("resp"), model if isinstance(model, str) else body["model"])
-    item = _message(_new_id("msg"), "completed", content)
     finish_reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-    return _ended(shell, finish_reason, completion.get("usage"), item)
+    return _ended(shell, finish_reason, completion.get("usage"), _new_id("msg"), content)
 
 
 class StreamTranslation:
@@ -334,8 +339,8 @@ class StreamTranslation:
         text = "".join(self._parts)
         part = _text_part(text)
         where = {"item_id": self._item_id, "output_index": 0, "content_index": 0}
-        item = _message(self._item_id, "completed", [part])
-        ended = _ended(self._response, self._finish_reason, self._usage, item)
+        ended = _ended(self._response, self._finish_reason, self._usage, self._item_id, [part])
+        item = ended["output"][0]
         closing = "response.completed" if ended["status"] == "completed" else "response.incomplete"
         events += [
             self._event("response.output_text.done", **where, text=text, logprobs=[]),

@@ -215,6 +215,21 @@ async def test_a_broken_stream_ends_with_an_error_event_and_writes_nothing_back(
         assert stack.philia.frames_of(STORE) == []
 
 
+async def test_a_client_that_leaves_a_stream_closes_the_upstream_request(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack:
+        held = RespondStream(pieces=["a ", "long ", "answer"], end="hold")
+        stack.upstream.responses.script(held)
+        body = {"model": "fake-model", "input": ASK, "stream": True}
+        async with stack.http.stream("POST", "/v1/responses", json=body) as response:
+            async for line in response.aiter_lines():
+                if line == "event: response.output_text.delta":
+                    break
+        # The gateway gave up the upstream's stream as soon as its client was gone.
+        await asyncio.wait_for(held.closed.wait(), 10)
+        await stack.drain_writebacks()
+        assert stack.philia.frames_of(STORE) == []
+
+
 async def test_bad_input_is_a_400_in_openai_shape(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
         for body, field in (

@@ -154,6 +154,8 @@ def test_a_chat_stream_cut_by_its_length_is_an_incomplete_response() -> None:
     assert last.type == "response.incomplete"
     assert last.response.incomplete_details is not None
     assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in last.response.output] == ["incomplete"]
+    assert last.response.output_text == "Hel"
 
 
 def test_the_backends_file_says_which_api_a_backend_serves(tmp_path: Path) -> None:

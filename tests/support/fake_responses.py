@@ -17,6 +17,7 @@ received with what the upstream sent.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import deque
@@ -28,6 +29,7 @@ import orjson
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
+Receive = Callable[[], Awaitable[Message]]
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -41,7 +43,9 @@ class Respond:
 @dataclass
 class RespondStream:
     pieces: Sequence[str] | None = None  # None: the default text, word by word
-    end: Literal["completed", "failed", "break"] = "completed"
+    end: Literal["completed", "failed", "break", "hold"] = "completed"
+    # "hold": after the deltas, wait for the client to go away, then set `closed`.
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -95,7 +99,7 @@ class FakeResponses:
     def script(self, *replies: ResponsesReply) -> None:
         self._script.extend(replies)
 
-    async def answer(self, body: Any, send: Send) -> None:
+    async def answer(self, body: Any, receive: Receive, send: Send) -> None:
         if not isinstance(body, dict):
             await self._send(send, 400, b'{"error": {"message": "not an object"}}', "json")
             return
@@ -131,17 +135,18 @@ class FakeResponses:
         if body.get("stream") is not True:
             await self._send(send, 200, orjson.dumps(whole), "json")
             return
-        end = reply.end if isinstance(reply, RespondStream) else "completed"
-        await self._stream(send, body, whole, item, pieces, end)
+        stream = reply if isinstance(reply, RespondStream) else RespondStream()
+        await self._stream(send, receive, body, whole, item, pieces, stream)
 
     async def _stream(
         self,
         send: Send,
+        receive: Receive,
         body: dict[str, Any],
         whole: dict[str, Any],
         item: dict[str, Any],
         pieces: list[str],
-        end: str,
+        reply: RespondStream,
     ) -> None:
         sent = bytearray()
         number = 0
@@ -175,6 +180,12 @@ class FakeResponses:
         await event("response.content_part.added", **where, part=part)
         for piece in pieces:
             await event("response.output_text.delta", **where, delta=piece, logprobs=[])
+        end = reply.end
+        if end == "hold":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            reply.closed.set()
+            return
         if end == "break":
             # Returning without the last body message makes uvicorn drop the connection.
             self.sent.append(bytes(sent))

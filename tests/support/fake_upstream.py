@@ -252,7 +252,7 @@ class FakeUpstream:
             await _send_json(send, 200, {"object": "list", "data": data})
             return
         if request.method == "POST" and request.path == RESPONSES_PATH:
-            await self.responses.answer(body, send)
+            await self.responses.answer(body, receive, send)
             return
         if request.method != "POST" or request.path != "/v1/chat/completions":
             await _send_json(send, 404, _error("no such route"))

@@ -1,7 +1,7 @@
 """Responses turns metered and budgeted as chat turns are, end to end: the usage the upstream
 reported (a Responses ``usage`` object) recorded for the caller with memory's share of the
 prompt, JSON and streamed, and a caller over budget refused with 429 ``insufficient_quota``
-before memory or any upstream is asked."""
+(a wrong API key with 401) before memory or any upstream is asked."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ async def test_responses_turns_are_recorded_with_the_usage_their_upstream_report
     ]
 
 
-async def test_a_principal_over_budget_gets_no_response(tmp_path: Path) -> None:
+async def test_a_principal_over_budget_or_a_wrong_key_gets_no_response(tmp_path: Path) -> None:
     key = "sk-team-0123456789"
     async with metered(tmp_path, api_keys=(f"team={key}",)) as stack:
         await set_budget(stack, "key:team", 1)
@@ -64,6 +64,14 @@ async def test_a_principal_over_budget_gets_no_response(tmp_path: Path) -> None:
                     await client.responses.create(model="fake-model", input=ASK, stream=stream)
                 error = quota_error(raised.value.response.json())
                 assert "the monthly budget of key:team" in error["message"]
+            # A wrong key is refused as on chat.
+            wrong = await stack.http.post(
+                "/v1/responses",
+                json={"model": "fake-model", "input": ASK},
+                headers={"Authorization": "Bearer sk-not-a-key"},
+            )
+            assert wrong.status_code == 401
+            assert wrong.json()["error"]["code"] == "invalid_api_key"
         # Refused before recall, and no upstream asked.
         assert len(stack.philia.frames_of(QUERY)) == recalled
         assert stack.upstream.responses_requests == []

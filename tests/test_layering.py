@@ -6,11 +6,14 @@ level, inside a function (a late import is still a dependency, only a deferred o
 ``if TYPE_CHECKING:`` (an import made only for a type annotation still ties the two modules
 together, and is how a circle hides). ``from package import name`` is an edge to the module
 ``package.name`` when that is a module, else to ``package`` itself. Importing a module also
-runs its packages' ``__init__``; those implicit edges are left out (the packages' ``__init__``
-modules import nothing; an import one made would be an edge like any other).
+runs its packages' ``__init__``; those implicit edges are left out (a package's ``__init__``
+imports nothing but, for a facade such as ``arona_grpc.service``, its own modules; each such
+import is an edge like any other).
 
 On that graph: no import circle anywhere, and the HTTP layer reaches memory only through the
-gRPC stub (STYLE.md).
+gRPC stub (STYLE.md). Beside it, the rooms' sizes: no hand-written module over
+:data:`MAX_MODULE_LINES` lines (the ones still over it may only shrink), and no module of the
+memory service's domain over :data:`MAX_DOMAIN_MODULE_LINES`.
 """
 
 from __future__ import annotations
@@ -171,3 +174,52 @@ def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
         for edge in edges
     }
     assert "arona_grpc._gen.arona.memory.v1.memory_service_pb2_grpc" in reached
+
+
+# A module one can hold in one's head; generated stubs and the console's script aside.
+MAX_MODULE_LINES = 800
+# The memory service's domain is one module per concern behind a facade, each smaller still.
+DOMAIN_PACKAGE = "arona_grpc/service"
+MAX_DOMAIN_MODULE_LINES = 500
+# Modules still over MAX_MODULE_LINES, with the most lines each may have until it is split.
+STILL_OVER = {
+    "gateway_http/cli.py": 1022,
+    "arona_grpc/outbox.py": 930,
+    "arona_store/server.py": 914,
+    "arona_grpc/philia.py": 812,
+    "bench/run.py": 1567,
+    "bench/recall_locomo.py": 829,
+}
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def _hand_written() -> Iterator[Path]:
+    for package in (*PACKAGES, "bench", "scripts"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            relative = path.relative_to(REPO)
+            if "_gen" in relative.parts or ".venv" in relative.parts:
+                continue
+            yield path
+
+
+def test_no_hand_written_module_is_over_800_lines() -> None:
+    over = {
+        str(path.relative_to(REPO)): lines
+        for path in _hand_written()
+        if (lines := _line_count(path)) > MAX_MODULE_LINES
+    }
+    grown = {name: lines for name, lines in over.items() if lines > STILL_OVER.get(name, 0)}
+    assert not grown, f"modules over {MAX_MODULE_LINES} lines: {grown}"
+
+
+def test_each_module_of_the_memory_domain_owns_one_concern_and_says_which() -> None:
+    paths = sorted((REPO / DOMAIN_PACKAGE).glob("*.py"))
+    assert len(paths) >= 6
+    for path in paths:
+        lines = _line_count(path)
+        assert lines <= MAX_DOMAIN_MODULE_LINES, f"{path.name}: {lines} lines"
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        assert docstring, f"{path.name} does not say what it owns"

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arona_grpc.redact import url_password
+from arona_common.redact import url_password
 
 logger = logging.getLogger(__name__)
 

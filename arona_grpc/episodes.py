@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from arona_grpc.database import (
+from arona_common.database import (
     database_answered,
     is_unavailable,
     sqlite_erase,
     sqlite_migrate,
     unavailable,
 )
-from arona_grpc.storage import StorageFaults
+from arona_common.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 

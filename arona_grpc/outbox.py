@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from arona_common.database import SqliteStep, run_on, sqlite_erase, sqlite_migrate
+from arona_common.redact import redact_url
 from arona_grpc.config import Settings
-from arona_grpc.database import SqliteStep, run_on, sqlite_erase, sqlite_migrate
 from arona_grpc.episodes import Whose, postgres_mark, sqlite_mark
 from arona_grpc.failure_log import FailureLog
-from arona_grpc.redact import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -523,7 +523,7 @@ class Outbox(_Kept):
             if job.cancelled():
                 done.cancel()
             elif (exc := job.exception()) is not None:
-                # Said by the service, once per fault (arona_grpc.storage).
+                # Said by the service, once per fault (arona_common.storage).
                 done.set_exception(exc)
             else:
                 seq, counts = job.result()

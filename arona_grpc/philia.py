@@ -31,14 +31,14 @@ benchmark's memory turn it cost the gateway's event loop about 0.05 ms less than
 allows, such as an escaped lone surrogate), text frames are read as bytes, and request
 ids come from a counter: all of that is paid on every call.
 
-Each call is a client span (arona_grpc.tracing). A peer whose handshake result lists
+Each call is a client span (arona_common.tracing). A peer whose handshake result lists
 :data:`TRACE_CONTEXT` among its ``capabilities`` (the embedded store) also gets the caller's
 ``traceparent`` in each request's params and continues the trace; the wire protocol does not
 say that a Philia takes params it does not know, so any other gets exactly the params above.
 
 The token travels on the upgrade URL and in the handshake, so nothing here ever
-prints it: URLs go through :func:`~arona_grpc.redact.redact_url` and free text through
-:func:`~arona_grpc.redact.redact_text`; aiohttp logs neither request lines nor frames.
+prints it: URLs go through :func:`~arona_common.redact.redact_url` and free text through
+:func:`~arona_common.redact.redact_text`; aiohttp logs neither request lines nor frames.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ import orjson
 import yarl
 from opentelemetry.util.types import AttributeValue
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.redact import redact_text, redact_url
 from arona_grpc.metrics import PhiliaMetrics
-from arona_grpc.redact import redact_text, redact_url
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from arona_common.database import open_pool
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
-from arona_grpc.database import open_pool
 from arona_grpc.metrics import start_metrics_server
 from arona_grpc.security import BearerTokenInterceptor, check_exposure, server_credentials
 from arona_grpc.service import MemoryDomain, ScopeModeRefused
@@ -113,7 +113,7 @@ class GrpcServer:
         """Bind ``settings.grpc_host:settings.grpc_port`` and start serving.
 
         With ``ARONA_DATABASE_URL`` the episode index and the outbox use ``pool``, or a pool
-        opened here (:class:`~arona_grpc.database.DatabaseUnavailable` when the database
+        opened here (:class:`~arona_common.database.DatabaseUnavailable` when the database
         cannot be reached). Raises :class:`~arona_grpc.security.GrpcSecurityError` before
         binding anything when the address is not loopback and no token is set, or the TLS
         files are unusable; :class:`~arona_grpc.service.ScopeModeRefused` when shared mode

@@ -24,7 +24,7 @@ the deletes that arrive meanwhile are erased together next.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
 The handshake's result lists the ``trace_context`` capability: a query, store or delete whose
 params carry a ``traceparent`` is a server span in the caller's trace, a recall's retrieval and
-ranking its children (arona_grpc.tracing), ended before the reply goes out.
+ranking its children (arona_common.tracing), ended before the reply goes out.
 A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
 ``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
 memory is dated now; malformed or out of range, the store is refused as invalid params.
@@ -73,9 +73,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import WSCloseCode, WSMsgType, web
 from opentelemetry.trace import Span
 
-from arona_grpc import tracing
-from arona_grpc.database import DatabaseUnavailable
-from arona_grpc.storage import StorageFaults, write_error
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable
+from arona_common.storage import StorageFaults, write_error
 from arona_store import jsonrpc
 from arona_store.base import StoreBase
 from arona_store.jsonrpc import Call, JsonId, RpcError

@@ -6,7 +6,7 @@ client, the conversation database and the usage meter, and closes them on shutdo
 after giving pending writebacks a short grace period.
 
 Every HTTP request gets its request id in :class:`GatewayApp` (returned as
-``X-Request-Id``), every REST chat turn its server span there (arona_grpc.tracing), and
+``X-Request-Id``), every REST chat turn its server span there (arona_common.tracing), and
 ``GET /metrics`` serves the Prometheus exposition of :mod:`gateway_http.metrics` (unless
 ``ARONA_METRICS=false``).
 """
@@ -30,11 +30,11 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable, open_pool
+from arona_common.storage import StorageFaults
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
-from arona_grpc.storage import StorageFaults
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
 from gateway_http.bodies import DisconnectLog
 from gateway_http.conversations import open_conversations
@@ -394,7 +394,7 @@ def create_app(
 
     @app.exception_handler(DatabaseUnavailable)
     async def _database_unavailable(request: Request, exc: DatabaseUnavailable) -> Response:
-        # Said once per outage by arona_grpc.database; here only its answer.
+        # Said once per outage by arona_common.database; here only its answer.
         return _error_response(database_unavailable())
 
     @app.exception_handler(rest.ClientGone)

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.redact import redact_url
 from arona_grpc.config import ConfigError, Settings
-from arona_grpc.redact import redact_url
 from arona_store.ranking import Ranking, RankingError, ranking_from_env
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ async def run_parts(
     --workers``): no signal stops it, the end of its stdin does
     (:func:`gateway_http.workers.stop_when_supervisor_closes`).
     """
-    from arona_grpc.database import DatabaseUnavailable, SchemaRefused, open_pool
+    from arona_common.database import DatabaseUnavailable, SchemaRefused, open_pool
     from arona_grpc.server import GrpcServer
     from gateway_http.app import create_app
     from gateway_http.edge import uvicorn_options
@@ -353,7 +353,7 @@ async def embedded_store(
 ) -> AsyncIterator[str]:
     """Run the embedded Philia-compatible store (its memories in ``db_path``, or in the
     PostgreSQL database at ``database_url``); yields its URL (without the token)."""
-    from arona_grpc.database import DatabaseUnavailable, SchemaRefused
+    from arona_common.database import DatabaseUnavailable, SchemaRefused
     from arona_store.server import StoreServer
 
     try:
@@ -884,7 +884,7 @@ def prefer_grpc_iomgr(env: MutableMapping[str, str]) -> None:
 
 async def _migrate(env: Mapping[str, str]) -> None:
     """Bring every store's schema up to date, alone (replicas may then start without racing)."""
-    from arona_grpc.database import DatabaseUnavailable, SchemaRefused, migrate
+    from arona_common.database import DatabaseUnavailable, SchemaRefused, migrate
 
     settings = Settings.from_env(env)
     if settings.database_url:

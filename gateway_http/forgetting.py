@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from arona_common.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.scopes import principal_error, scope_error
 from gateway_http.conversations import open_conversations
 from gateway_http.errors import GatewayError

@@ -35,7 +35,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc.config import DEFAULT_RPC_MAX_BATCH
 from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import (

@@ -37,9 +37,9 @@ from typing import Any
 
 from opentelemetry.trace import Span
 
-from arona_grpc import tracing
-from arona_grpc.database import DatabaseUnavailable
-from arona_grpc.storage import StorageFaults
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable
+from arona_common.storage import StorageFaults
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.journal import JOURNAL_COST, JOURNAL_PART, Journal, Journaled
@@ -332,7 +332,7 @@ class TurnPipeline:
                 await self._conversations.append(conversation_id, reply)
             except DatabaseUnavailable as exc:
                 # The answer exists; losing its copy in the history must not lose the answer.
-                # (The outage is said once, by arona_grpc.database.)
+                # (The outage is said once, by arona_common.database.)
                 logger.debug("the reply was not added to its conversation: %s", exc)
         if writeback and (turn.user_text or content) and self.writes_back(turn.request):
             scope = turn.request.scope or ""

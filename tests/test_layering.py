@@ -10,10 +10,11 @@ runs its packages' ``__init__``; those implicit edges are left out (a package's 
 imports nothing but, for a facade such as ``arona_grpc.service``, its own modules; each such
 import is an edge like any other).
 
-On that graph: no import circle anywhere, and the HTTP layer reaches memory only through the
-gRPC stub (STYLE.md). Beside it, the rooms' sizes: no hand-written module over
-:data:`MAX_MODULE_LINES` lines (the ones still over it may only shrink), and no module of the
-memory service's domain over :data:`MAX_DOMAIN_MODULE_LINES`.
+On that graph: no import circle anywhere; the HTTP layer reaches memory only through the gRPC
+stub (STYLE.md); the ground floor (``arona_common``) imports none of the layers, and the memory
+store, a server of its own, none of the layers above it. Beside it, the rooms' sizes: no
+hand-written module over :data:`MAX_MODULE_LINES` lines (the ones still over it may only
+shrink), and no module of the memory service's domain over :data:`MAX_DOMAIN_MODULE_LINES`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("arona_grpc", "gateway_http", "arona_store")
+PACKAGES = ("arona_common", "arona_grpc", "gateway_http", "arona_store")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,27 @@ def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
         for edge in edges
     }
     assert "arona_grpc._gen.arona.memory.v1.memory_service_pb2_grpc" in reached
+
+
+# Each layer and what it may import of the project's packages besides itself.
+ALLOWED_BELOW = {
+    "arona_common": set(),
+    "arona_store": {"arona_common"},
+}
+
+
+def test_the_ground_floor_and_the_store_import_nothing_above_them() -> None:
+    known = modules()
+    graph = import_graph(known)
+    upward = [
+        edge
+        for source, edges in graph.items()
+        for edge in edges
+        if (layer := source.split(".")[0]) in ALLOWED_BELOW
+        and (target := edge.target.split(".")[0]) != layer
+        and target not in ALLOWED_BELOW[layer]
+    ]
+    assert not upward, "imports from a layer above:\n" + describe(upward, known)
 
 
 # A module one can hold in one's head; generated stubs and the console's script aside.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from arona_common.redact import redact_url
 from arona_grpc.config import ConfigError, Settings
-from arona_grpc.redact import redact_url
 
 
 def test_defaults() -> None:

@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from arona_common.storage import StorageFaults
 from arona_grpc.breaker import CircuitBreaker, Permit
 from arona_grpc.config import Settings
 from arona_grpc.episodes import (
@@ -44,7 +45,6 @@ from arona_grpc.service.model import (
 )
 from arona_grpc.service.scope_mode import check_scope_mode
 from arona_grpc.sizes import shortened
-from arona_grpc.storage import StorageFaults
 from arona_grpc.stores import MemoryLink, StoreHealth, StorePool
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
+from arona_common.storage import write_error
 from arona_grpc.episodes import (
     EVERYONE,
     IndexUnavailable,
@@ -36,7 +37,6 @@ from arona_grpc.service.model import (
     NotConfigured,
     checked_scope,
 )
-from arona_grpc.storage import write_error
 
 logger = logging.getLogger(__name__)
 

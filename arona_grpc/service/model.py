@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from arona_common.storage import StorageFault
 from arona_grpc.breaker import BreakerState, Permit
 from arona_grpc.config import SCOPE_SHARED
 from arona_grpc.outbox import DeadLetter
@@ -17,7 +18,6 @@ from arona_grpc.philia import PhiliaMemory
 from arona_grpc.scopes import (
     scope_error,
 )
-from arona_grpc.storage import StorageFault
 from arona_grpc.stores import StoreHealth
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class StatusSnapshot:
     dead_letters: int = 0
     # The newest dead letters, newest first (no text).
     recent_dead_letters: tuple[DeadLetter, ...] = ()
-    # The service's files that cannot be written now (arona_grpc.storage).
+    # The service's files that cannot be written now (arona_common.storage).
     storage_faults: tuple[StorageFault, ...] = ()
     # Each store, when ARONA_MEMORY_URL names several (arona_grpc.stores); empty for one.
     stores: tuple[StoreHealth, ...] = ()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.storage import write_error
 from arona_grpc.breaker import BreakerState, Permit
 from arona_grpc.outbox import OutboxClosed, OutboxEntry
 from arona_grpc.philia import PhiliaError
@@ -30,7 +31,6 @@ from arona_grpc.service.model import (
     WritebackOutcome,
     refused,
 )
-from arona_grpc.storage import write_error
 
 logger = logging.getLogger(__name__)
 

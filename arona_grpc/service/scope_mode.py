@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 
+from arona_common.redact import redact_url
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.episodes import (
     INDEX_FILE,
     EpisodeIndex,
     IndexUnavailable,
 )
-from arona_grpc.redact import redact_url
 
 logger = logging.getLogger(__name__)
 

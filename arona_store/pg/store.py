@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from arona_grpc.redact import redact_url
+from arona_common.redact import redact_url
 from arona_store.base import StoreBase, hit
 from arona_store.hybrid import vector_model_id
 from arona_store.nodes import MemoryHit, Row

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc.logs import REQUEST_ID
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages

@@ -21,9 +21,9 @@ import orjson
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.redact import redact_text, redact_url
 from arona_grpc.config import ConfigError
-from arona_grpc.redact import redact_text, redact_url
 from gateway_http.upstream.backend import (
     BROKEN,
     INVALID,

@@ -33,7 +33,7 @@ from typing import Any
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
-from arona_grpc import tracing
+from arona_common import tracing
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream.backend import (
     BROKEN,

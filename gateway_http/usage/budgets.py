@@ -22,7 +22,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
-from arona_grpc.database import DatabaseUnavailable
+from arona_common.database import DatabaseUnavailable
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.usage.records import (
@@ -159,7 +159,7 @@ class Budgets:
 
 
 def _unread(exc: Exception) -> None:
-    # A database outage is said once, by arona_grpc.database; anything else here.
+    # A database outage is said once, by arona_common.database; anything else here.
     level = logging.DEBUG if isinstance(exc, DatabaseUnavailable) else logging.WARNING
     logger.log(level, "budgets could not be read: %s", exc)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arona_grpc.redact import redact_text, redact_url, url_password
+from arona_common.redact import redact_text, redact_url, url_password
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from arona_grpc.redact import redact_url
+from arona_common.redact import redact_url
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

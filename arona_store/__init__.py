@@ -1,5 +1,13 @@
-"""The embedded Philia-compatible memory store: a WebSocket JSON-RPC server over SQLite FTS5.
+"""The memory store: a Philia-compatible WebSocket JSON-RPC server (``arona-gateway store``, and
+the store ``up`` embeds) that keeps memories in SQLite, or in PostgreSQL with pgvector
+(``ARONA_STORE_DATABASE_URL``, any number of store processes over one database), and recalls them
+by a hybrid ranking of words (tantivy), context and meaning (an embedding model on the CPU, the
+vectors in memory or in pgvector). It imports nothing of the gateway's layers, only the ground floor
+(:mod:`arona_common`).
 
+- :mod:`arona_store.base`: ``StoreBase``, the write and recall entry points, the model and the
+  ranking every backend shares.
+- :mod:`arona_store.pg`: the backend on PostgreSQL with pgvector.
 - :mod:`arona_store.store`: ``MemoryStore``, nodes in SQLite, recalled by words, context and
   meaning; its parts: :mod:`~arona_store.nodes`, :mod:`~arona_store.schema`,
   :mod:`~arona_store.writes`,

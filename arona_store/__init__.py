@@ -17,7 +17,8 @@ vectors in memory or in pgvector). It imports nothing of the gateway's layers, o
 - :mod:`arona_store.retrieval`: the boundary between the ranking and the engines that walk the
   whole store (the word index, the node table), with :mod:`arona_store.retrieval.fts5` over
   SQLite behind it.
-- :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint.
+- :mod:`arona_store.server`: ``StoreServer`` and ``serve_forever``, the ``/ws`` endpoint; the
+  calls it takes (params, results, sessions) in :mod:`arona_store.calls`.
 - :mod:`arona_store.jsonrpc`: JSON-RPC 2.0 envelope validation and reply frames.
 - :mod:`arona_store.ranking`: which ranking runs (``ARONA_STORE_RANKING``: lexical or hybrid).
 - :mod:`arona_store.embedding`, :mod:`arona_store.vectors`: the sentence-embedding model and the

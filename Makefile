@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps run test lint typecheck proto-check gen bench clean
+.PHONY: install system-deps run test lint typecheck proto-check docs docs-check gen bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,15 @@ proto-check: install
 	$(BIN)/buf lint
 	$(BIN)/buf format --diff --exit-code
 
-test: system-deps lint typecheck proto-check
+# The docs site (docs/, mkdocs.yml) into site/; strict: a broken link or anchor, or a page left
+# out of the navigation, fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-check: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+
+test: system-deps lint typecheck proto-check docs-check
 	$(BIN)/pytest
 
 gen: install

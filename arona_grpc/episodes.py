@@ -473,7 +473,7 @@ class PostgresEpisodeIndex:
 
     async def erase(self) -> None:
         # The rows are deleted; PostgreSQL's own files (dead tuples until vacuumed, its
-        # write-ahead log) are the database's to clean (see the README's "What is kept").
+        # write-ahead log) are the database's to clean (see docs/forgetting.md).
         await self._read("VACUUM episodes")
 
     async def note_erasure(self, whose: Whose | None, node_ids: Sequence[str]) -> None:

@@ -835,7 +835,7 @@ def _import_parser(sub: Any) -> None:
         help="store chat history (OpenAI messages, one conversation or turn a line) as dated "
         "episodes through the gRPC service; resumable (exit 1 if any line was bad)",
     )
-    imports.add_argument("file", type=Path, help="the JSON lines file (see the README)")
+    imports.add_argument("file", type=Path, help="the JSON lines file (see docs/importing.md)")
     imports.add_argument(
         "--user",
         help="whose memory: the principal a chat would have (a JWT sub, key:NAME); a line's "

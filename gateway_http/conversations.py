@@ -329,7 +329,7 @@ class SqliteConversationStore:
 
 
 # Deleted rows leave the tables' pages at once rather than at autovacuum's next pass (what
-# PostgreSQL's own write-ahead log keeps is the database's: README, "What is kept").
+# PostgreSQL's own write-ahead log keeps is the database's: docs/forgetting.md).
 _VACUUM = "VACUUM conversations, messages"
 
 

@@ -1,4 +1,4 @@
-"""deploy/arona-gateway.service: what the README shows, systemd accepts, and it runs the real
+"""deploy/arona-gateway.service: what docs/deploying.md shows, systemd accepts, and it runs the real
 command with variables the gateway reads, stopping as ``serve --workers`` needs."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def _settings(text: str) -> dict[str, list[str]]:
     return found
 
 
-def test_the_readme_shows_the_unit_file_as_it_is() -> None:
+def test_the_docs_show_the_unit_file_as_it_is() -> None:
     shown = fenced_blocks(region("file", "deploy/arona-gateway.service"), "ini")
-    assert shown == [UNIT.read_text()], "README.md's unit differs from deploy/arona-gateway.service"
+    assert shown == [UNIT.read_text()], "docs/deploying.md's unit differs from the file"
 
 
 def test_the_unit_runs_the_real_command_with_variables_the_gateway_reads() -> None:

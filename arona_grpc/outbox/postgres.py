@@ -305,7 +305,7 @@ class PostgresOutbox(Kept):
 
     async def forget(self, whose: Whose) -> None:
         """Remove the queued episodes and dead letters of ``whose``; their rows are
-        vacuumed away (PostgreSQL's own log is the database's: README, "What is kept")."""
+        vacuumed away (PostgreSQL's own log is the database's: docs/forgetting.md)."""
         condition, args = whose.where(postgres_mark)
 
         async def work(conn: Any) -> Counts:

@@ -310,7 +310,7 @@ def load_backends(path: Path, env: Mapping[str, str]) -> BackendsFile:
         raise BackendsFileError(
             [
                 f"{where}: the backends file is TOML (a {path.suffix} file is not read); "
-                "the README shows a LiteLLM config.yaml's parts in TOML"
+                "docs/backends.md shows a LiteLLM config.yaml's parts in TOML"
             ]
         )
     try:

@@ -1,4 +1,4 @@
-"""The README's PostgreSQL recipe, run exactly as written.
+"""The PostgreSQL recipe of docs/deploying.md, run exactly as written.
 
 The ```` ```sh ```` blocks between ``<!-- recipe:postgres -->`` and ``<!-- /recipe -->`` are
 joined into one bash script (what pasting them into one shell does) and run against a

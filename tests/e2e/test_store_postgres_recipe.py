@@ -1,4 +1,4 @@
-"""The README's recipe for two store processes on PostgreSQL, run exactly as written.
+"""The recipe of docs/deploying.md for two store processes on PostgreSQL, run exactly as written.
 
 The ```` ```sh ```` blocks between ``<!-- recipe:store-postgres -->`` and ``<!-- /recipe -->``
 are joined into one bash script and run against a throwaway PostgreSQL with pgvector (the

@@ -220,7 +220,7 @@ def test_a_yaml_file_is_refused_with_a_pointer_to_toml(tmp_path: Path) -> None:
     with pytest.raises(BackendsFileError) as caught:
         load_backends(path, ENV)
     assert caught.value.lines == [
-        f"{path}: the backends file is TOML (a .yaml file is not read); the README shows a "
+        f"{path}: the backends file is TOML (a .yaml file is not read); docs/backends.md shows a "
         "LiteLLM config.yaml's parts in TOML"
     ]
 

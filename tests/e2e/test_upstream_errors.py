@@ -33,6 +33,7 @@ from tests.support.fake_upstream import (
     default_content,
     openai_error,
 )
+from tests.support.log_watch import watching
 
 pytestmark = pytest.mark.asyncio
 
@@ -296,15 +297,24 @@ async def test_a_backend_refusing_stream_options_streams_without_them(
 async def test_a_refused_stream_options_is_retried_before_any_byte_of_a_raw_stream(
     tmp_path: Path,
 ) -> None:
-    async with remembering(tmp_path) as stack:
-        stack.upstream.refuses_stream_options = True
-        turn = await stack.turn("sse", ASK, extra={"stream": True})
-        assert (turn.status, turn.content) == (200, ANSWER)
-        # One clean stream: chunks, then [DONE]; no error event, no usage.
-        chunks = [event for event in turn.events if isinstance(event, dict)]
-        assert all("error" not in chunk and "usage" not in chunk for chunk in chunks)
-        assert turn.events.count("[DONE]") == 1 and turn.events[-1] == "[DONE]"
-        assert len(stack.upstream.chat_requests) == 2
+    with watching("gateway_http") as logs:
+        async with remembering(tmp_path) as stack:
+            stack.upstream.refuses_stream_options = True
+            turn = await stack.turn("sse", ASK)
+            assert (turn.status, turn.content) == (200, ANSWER)
+            # One clean stream: chunks, then [DONE]; no error event, no usage.
+            chunks = [event for event in turn.events if isinstance(event, dict)]
+            assert all("error" not in chunk and "usage" not in chunk for chunk in chunks)
+            assert turn.events.count("[DONE]") == 1 and turn.events[-1] == "[DONE]"
+            assert len(stack.upstream.chat_requests) == 2
+
+            # chat.send over a WebSocket streams too: straight without them.
+            pushed = await stack.turn("rpc_ws", ASK)
+            assert pushed.content == ANSWER
+            assert len(stack.upstream.chat_requests) == 3
+    # Said once, for the operator.
+    [refused] = logs.matching("refused stream_options")
+    assert refused.getMessage().startswith("backend upstream refused stream_options")
 
 
 async def test_stream_usage_false_sends_no_stream_options(tmp_path: Path) -> None:

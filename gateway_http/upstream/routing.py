@@ -9,6 +9,11 @@ A turn's targets are tried in order while the failure is worth another backend
 (:attr:`~gateway_http.upstream.backend.UpstreamError.retryable`: unreachable, timed out, 5xx,
 429) **and nothing of the answer has reached the client**: a whole reply counts once it
 arrived, a stream once its first chunk arrived; a stream that has started is never replayed.
+Any other 4xx ends the turn on that backend (a context-length 400 would fail everywhere).
+
+A stream asks for its usage with the gateway's own ``stream_options`` unless the backend is
+known not to take them (``stream_usage = false``, or a refusal seen before): a backend that
+refuses them is asked the same turn again at once without them, and remembered.
 
 Every try is one :class:`Attempt` appended to the list the caller passes in: the backend, the
 model sent, when it started, answered and ended, its outcome and HTTP status, and the upstream's

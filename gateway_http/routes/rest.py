@@ -176,7 +176,8 @@ def _upstream_data(exc: UpstreamError) -> dict[str, Any]:
     if exc.status is None:
         return {}
     data: dict[str, Any] = {"status": exc.status}
-    error = exc.error_object
+    # What an upstream says about the operator's key is not the client's to read.
+    error = {} if exc.credentials_refused else exc.error_object
     for key, name in (("code", "upstream_code"), ("param", "param")):
         value = error.get(key)
         if isinstance(value, str | int) and not isinstance(value, bool):

@@ -244,6 +244,16 @@ async def test_an_upstream_refusing_the_gateways_key_is_a_502_naming_the_backend
     assert "invalid_api_key" not in error.response.text
 
 
+async def test_chat_send_names_the_backend_that_refused_the_gateways_key(tmp_path: Path) -> None:
+    async with two_backends(tmp_path) as (stack, primary, standby):
+        primary.script(Refuse(401, WRONG_KEY))
+        error = (await stack.turn("rpc", ASK)).body["error"]
+        assert standby.chat_requests == []
+    assert error["code"] == -32000
+    assert error["data"] == {"code": "upstream_error", "status": 401, "backend": "primary"}
+    assert error["message"].startswith("backend primary refused the gateway's credentials")
+
+
 @pytest.mark.parametrize("surface", ["rpc", "rpc_ws"])
 async def test_chat_send_says_the_upstreams_status_and_code(tmp_path: Path, surface: str) -> None:
     async with remembering(tmp_path) as stack:

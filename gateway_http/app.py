@@ -20,7 +20,6 @@ from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
 import grpc
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -72,8 +71,8 @@ CHAT_SPAN = f"POST {rest.CHAT_COMPLETIONS_PATH}"
 
 def _error_response(error: GatewayError) -> Response:
     return Response(
-        orjson.dumps(error.openai_body()),
-        status_code=error.mapping.http_status,
+        error.response_body(),
+        status_code=error.http_status,
         media_type="application/json",
         headers=error.headers,
     )

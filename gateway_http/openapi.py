@@ -55,7 +55,9 @@ _WHY = {
     "(code model_not_found)",
     ErrorKind.TOO_LARGE: "The body is over ARONA_HTTP_MAX_BODY_BYTES",
     ErrorKind.UNSUPPORTED_MEDIA: "The body is not sent as Content-Type: application/json",
-    ErrorKind.UPSTREAM: "The upstream model failed or could not be reached",
+    ErrorKind.UPSTREAM: "The upstream model failed, could not be reached or refused the "
+    "gateway's key (an upstream's own 400, 404, 409, 413, 422 or 429 is answered with its status "
+    "and body instead)",
     ErrorKind.QUOTA: "The caller's monthly budget is used up (insufficient_quota)",
     ErrorKind.UNAVAILABLE: "The conversation database is unavailable",
     ErrorKind.REQUEST_TIMEOUT: "The request's head or body did not arrive in time",

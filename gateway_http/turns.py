@@ -272,7 +272,9 @@ class TurnPipeline:
 
         With metering on, the upstream is asked for its usage
         (``stream_options.include_usage``); a client that did not ask for it does not see
-        it (the extra chunk is left out, and the ``usage`` member of the others).
+        it (the extra chunk is left out, and the ``usage`` member of the others). When the
+        client sent no ``stream_options`` at all, a backend that refuses them gets the turn
+        without (the router retries it at once and remembers); the meter then estimates.
         """
         reply = turn.reply = StreamedReply()
         body = turn.upstream_body
@@ -280,8 +282,11 @@ class TurnPipeline:
         if self._usage is not None and not _asks_usage(body):
             body = {**body, "stream_options": {**_stream_options(body), "include_usage": True}}
             strip_usage = True
+        # Only the gateway's own stream_options may be dropped: a client's reaches the backend,
+        # and the backend's answer to it reaches the client.
+        optional = strip_usage and "stream_options" not in turn.upstream_body
         turn.upstream_start = time.perf_counter()
-        upstream = self._router.stream(turn.route, body, turn.attempts)
+        upstream = self._router.stream(turn.route, body, turn.attempts, usage_optional=optional)
         try:
             async for chunk in upstream:
                 if not turn.upstream_first:

@@ -33,7 +33,7 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError
-from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
+from gateway_http.jsonrpc import INVALID_PARAMS, Dispatcher, RpcContext, RpcError
 from gateway_http.memory_client import (
     DISABLED,
     NOT_INDEXED,
@@ -41,7 +41,7 @@ from gateway_http.memory_client import (
     ForgetTarget,
     storage_fault_view,
 )
-from gateway_http.routes.rest import turn_outcome
+from gateway_http.routes.rest import turn_outcome, upstream_failure
 from gateway_http.state import Gateway
 from gateway_http.turns import (
     RECALL_LIMIT,
@@ -210,7 +210,8 @@ def _translated(
             code, message, data = exc.jsonrpc_error()
             raise RpcError(code, message, data) from None
         except UpstreamError as exc:
-            raise RpcError(APPLICATION_ERROR, str(exc), {"code": "upstream_error"}) from None
+            code, message, data = upstream_failure(exc).jsonrpc_error()
+            raise RpcError(code, message, data) from None
 
     return run
 

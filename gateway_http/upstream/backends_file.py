@@ -12,6 +12,7 @@ The file is TOML (read with the standard library's ``tomllib``)::
     aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
     # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
     prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
+    stream_usage = true                   # false: never sent stream_options (usage estimated)
 
     [fallbacks]
     "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 from yarl import URL
 
@@ -90,6 +91,9 @@ class _BackendTable(BaseModel):
     aliases: dict[NonEmpty, NonEmpty] = {}
     # Per model name as sent to this backend (exact, or a glob): usage cost and cost budgets.
     prices: dict[NonEmpty, _PriceTable] = {}
+    # Whether a stream is asked for its usage (stream_options.include_usage); false for a
+    # backend that refuses stream_options (older Azure OpenAI deployments).
+    stream_usage: StrictBool = True
 
 
 class _FallbackTable(BaseModel):
@@ -130,6 +134,8 @@ class BackendSpec:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # Model name as sent (or glob) -> its price, in file order.
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # False: its streams are sent without the gateway's stream_options (usage estimated).
+    stream_usage: bool = True
 
     def price(self, model: str) -> Price | None:
         """The price of ``model`` (as sent to this backend): its own, else the first glob's."""
@@ -457,6 +463,7 @@ class _Checker:
                 model: Price(price["input"], price["output"])
                 for model, price in fields.get("prices", {}).items()
             },
+            stream_usage=bool(fields.get("stream_usage", True)),
         )
 
     def _api_key(self, at: str, variable: str | None) -> str | None:

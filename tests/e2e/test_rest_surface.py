@@ -159,10 +159,10 @@ async def test_unknown_fields_are_forwarded_untouched(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_upstream_http_error_is_502(tmp_path: Path, stream: bool) -> None:
+async def test_upstream_server_error_is_502(tmp_path: Path, stream: bool) -> None:
     async with running_stack(tmp_path) as stack:
         stack.philia.memories = [{"node_type": "episode", "text": "likes oolong", "score": 0.5}]
-        stack.upstream.script(Fail(status=429, message="slow down"))
+        stack.upstream.script(Fail(status=503, message="overloaded"))
         response = await stack.http.post(
             "/v1/chat/completions", json={"model": "m", "messages": ASK, "stream": stream}
         )

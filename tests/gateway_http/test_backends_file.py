@@ -95,6 +95,12 @@ def test_keys_come_from_the_environment_and_timeouts_from_the_file(tmp_path: Pat
     local = backends.backend("local")
     assert local is not None and local.api_key is None
     assert (local.timeout_s, local.connect_timeout_s) == (600.0, 10.0)
+    # Streams ask for their usage unless the file says the backend takes no stream_options.
+    assert router.stream_usage and local.stream_usage
+    quiet = load(
+        tmp_path, FILE.replace('models = ["llama*"]', 'models = ["llama*"]\nstream_usage = false')
+    )
+    assert [spec.stream_usage for spec in quiet.backends] == [True, True, False]
     assert set(backends.secret_values) == set(ENV.values())
     # A key is never shown where the settings are printed.
     assert "sk-" not in repr(backends)
@@ -141,7 +147,7 @@ models = ["*/*"]
         "backends.openai.models[1]: 'gpt-4o' is listed twice",
         'backends.openai.aliases."gpt-*": an alias is a name, not a glob (no * ? [)',
         "backends.local.retries: unknown setting (a backend has base_url, api_key_env, "
-        "timeout_s, connect_timeout_s, models, aliases, prices)",
+        "timeout_s, connect_timeout_s, models, aliases, prices, stream_usage)",
         "backends.local: serves no model: give it models, aliases or both",
         "fallbacks.gpt-4o[0]: no backend named 'nobody' (backends: openai, local, router)",
         'fallbacks.gpt-4o[1]: must be a backend\'s name or { backend = "…", model = "…" }',
@@ -203,6 +209,10 @@ models = ["n"]
             "backends.a.timeout_s: Input should be greater than 0",
         ),
         ('[backends.a]\nmodels = ["m"]', "backends.a.base_url: missing (it is required)"),
+        (
+            '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\nstream_usage = "no"',
+            "backends.a.stream_usage: Input should be a valid boolean",
+        ),
     ],
 )
 def test_one_mistake_one_line(tmp_path: Path, text: str, expected: str) -> None:

@@ -29,8 +29,10 @@ from tests.support.fake_upstream import (
     FakeUpstream,
     Garbage,
     Hang,
+    Refuse,
     Stream,
     default_content,
+    openai_error,
 )
 from tests.support.uvicorn_server import serve_app
 
@@ -533,6 +535,56 @@ async def test_stream_delivers_chunks_as_they_arrive(
     scripted.resume.set()
     rest = [chunk async for chunk in stream]
     assert content_of(early + rest) == "one two three four"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_http_error_keeps_the_upstreams_body_and_the_headers_a_client_may_use(
+    fake: FakeUpstream, backend: OpenAIUpstream, stream: bool
+) -> None:
+    refusal = Refuse(
+        429,
+        openai_error("Rate limit reached", "requests", "rate_limit_exceeded"),
+        [
+            ("retry-after", "7"),
+            ("x-ratelimit-remaining-tokens", "0"),
+            ("x-request-id", "req_upstream"),
+            ("set-cookie", "session=upstream"),
+        ],
+    )
+    fake.script(refusal)
+
+    with pytest.raises(UpstreamError) as info:
+        if stream:
+            async for _ in backend.stream(chat()):
+                pass
+        else:
+            await backend.complete(chat())
+
+    error = info.value
+    assert (error.status, error.backend, error.passed_through) == (429, "upstream", True)
+    assert error.body == refusal.raw
+    assert error.error_object["code"] == "rate_limit_exceeded"
+    # Its content type, when to try again and its limits; not its request id or cookies.
+    assert dict(error.headers) == {
+        "content-type": "application/json",
+        "retry-after": "7",
+        "x-ratelimit-remaining-tokens": "0",
+    }
+
+
+@pytest.mark.asyncio
+async def test_an_error_body_naming_the_backends_key_is_kept_without_it(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Refuse(400, openai_error(f"bad request from {KEY}", "invalid_request_error")))
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.passed_through
+    assert KEY.encode() not in info.value.body
+    assert info.value.error_object["message"].startswith("bad request from ")
 
 
 @pytest.mark.asyncio

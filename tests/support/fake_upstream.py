@@ -17,6 +17,8 @@ the request asks for a stream. ``up.script(...)`` queues replies consumed one pe
   with neither (``"truncated"``), an OpenAI error event (``"error"``), a dropped connection
   (``"break"``), a malformed event (``"garbage"``) or no end at all (``"hang"``);
 * :class:`Fail` — an HTTP error status with an OpenAI-shaped (or raw) body;
+* :class:`Refuse` — an HTTP error with the whole error body and headers given (an OpenAI error
+  with its ``code`` and ``param``, ``retry-after``, ``x-ratelimit-*``), sent byte for byte;
 * :class:`Garbage` — a 200 whose body is not JSON;
 * :class:`Hang` — never answers.
 
@@ -27,6 +29,10 @@ as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no cho
 ``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
 model's time to think would: a floor under each turn's duration, for tests that bound how many
 turns a client can make in a given time.
+
+``up.refuses_stream_options`` (False by default) makes it answer any chat request carrying
+``stream_options`` as older Azure OpenAI deployments do (:data:`STREAM_OPTIONS_REFUSAL`), before
+the script is consulted.
 
 ``Stream.closed`` and ``Hang.closed`` are set when the client goes away before the reply was
 finished: the proof a test needs that a disconnect cancelled the upstream request.
@@ -93,6 +99,8 @@ class RecordedRequest:
     body: Any  # the parsed JSON body, or None when there was none or it was not JSON
     raw_body: bytes
     client_port: int | None = None  # the same port twice = a reused keep-alive connection
+    # time.monotonic() when it was recorded: how long a client waited between two tries.
+    received: float = field(default_factory=time.monotonic)
 
     @property
     def authorization(self) -> str | None:
@@ -123,6 +131,35 @@ class Fail(Reply):
     status: int = 500
     message: str = "the fake upstream failed on purpose"
     raw: bytes | None = None  # sent instead of the OpenAI-shaped error body
+
+
+@dataclass
+class Refuse(Reply):
+    """An HTTP error answered exactly as given: ``body`` (a JSON value, encoded once, or bytes
+    sent as they are) and ``headers`` beside its content type."""
+
+    status: int = 400
+    body: Any = None
+    headers: Sequence[tuple[str, str]] = ()
+    content_type: str = "application/json"
+
+    @property
+    def raw(self) -> bytes:
+        """The body's bytes as sent."""
+        return self.body if isinstance(self.body, bytes) else orjson.dumps(self.body)
+
+
+def openai_error(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI error body with all four of its members."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# What an older Azure OpenAI deployment answers a request carrying stream_options.
+STREAM_OPTIONS_REFUSAL = openai_error(
+    "Unrecognized request argument supplied: stream_options", "invalid_request_error"
+)
 
 
 @dataclass
@@ -164,6 +201,7 @@ class FakeUpstream:
         self.requests: list[RecordedRequest] = []
         self.base_url = ""
         self.latency_s = 0.0
+        self.refuses_stream_options = False
         self._script: deque[Reply] = deque()
         self._recorded = asyncio.Condition()
 
@@ -251,6 +289,9 @@ class FakeUpstream:
             await _send_json(send, 400, _error("body must be a JSON object"))
             return
 
+        if self.refuses_stream_options and "stream_options" in body:
+            await _refuse(Refuse(400, STREAM_OPTIONS_REFUSAL), send)
+            return
         if self._script:
             reply = self._script.popleft()
         else:
@@ -271,6 +312,8 @@ async def _answer(reply: Reply, body: dict[str, Any], receive: Receive, send: Se
             await _send(send, reply.status, [(b"content-type", b"text/plain")], reply.raw)
         else:
             await _send_json(send, reply.status, _error(reply.message, type_="server_error"))
+    elif isinstance(reply, Refuse):
+        await _refuse(reply, send)
     elif isinstance(reply, Garbage):
         await _send(send, 200, [(b"content-type", b"text/html")], reply.body)
     elif isinstance(reply, Hang):
@@ -419,3 +462,9 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], dat
 
 async def _send_json(send: Send, status: int, payload: Any) -> None:
     await _send(send, status, _JSON, orjson.dumps(payload))
+
+
+async def _refuse(reply: Refuse, send: Send) -> None:
+    headers = [(b"content-type", reply.content_type.encode())]
+    headers += [(name.encode(), value.encode()) for name, value in reply.headers]
+    await _send(send, reply.status, headers, reply.raw)

@@ -12,6 +12,7 @@ The file is TOML (read with the standard library's ``tomllib``)::
     aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
     # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
     prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
+    memory_role = "system"                # the injected memory section's role (or developer, user)
 
     [fallbacks]
     "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
@@ -39,7 +40,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from pydantic import ValidationError as PydanticValidationError
@@ -90,6 +91,9 @@ class _BackendTable(BaseModel):
     aliases: dict[NonEmpty, NonEmpty] = {}
     # Per model name as sent to this backend (exact, or a glob): usage cost and cost budgets.
     prices: dict[NonEmpty, _PriceTable] = {}
+    # The role the memory section is sent in: `developer` or `user` for models that refuse
+    # `system` (o1-class).
+    memory_role: Literal["system", "developer", "user"] = "system"
 
 
 class _FallbackTable(BaseModel):
@@ -130,6 +134,8 @@ class BackendSpec:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # Model name as sent (or glob) -> its price, in file order.
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # The role of the memory section sent to it (gateway_http.messages.SECTION_ROLES).
+    memory_role: str = "system"
 
     def price(self, model: str) -> Price | None:
         """The price of ``model`` (as sent to this backend): its own, else the first glob's."""
@@ -457,6 +463,7 @@ class _Checker:
                 model: Price(price["input"], price["output"])
                 for model, price in fields.get("prices", {}).items()
             },
+            memory_role=fields.get("memory_role", "system"),
         )
 
     def _api_key(self, at: str, variable: str | None) -> str | None:

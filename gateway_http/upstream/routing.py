@@ -70,9 +70,16 @@ class Target:
     name: str
     backend: ChatBackend
     model: str | None = None
+    # The role the turn's memory section is sent in (the backends file's memory_role).
+    memory_role: str = "system"
 
-    def body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` as this backend gets it: a shallow copy with its model name, if it differs."""
+    def body(self, body: dict[str, Any], section_at: int | None = None) -> dict[str, Any]:
+        """``body`` as this backend gets it: a shallow copy with its model name, if it differs,
+        and the memory section at ``messages[section_at]`` (None: none injected) in its role."""
+        if section_at is not None and self.memory_role != "system":
+            messages = list(body["messages"])
+            messages[section_at] = {**messages[section_at], "role": self.memory_role}
+            body = {**body, "messages": messages}
         if self.model is None:
             return body
         return {**body, "model": self.model}
@@ -210,22 +217,27 @@ class Router:
     def _route_of(self, model: str) -> Route:
         assert self._table is not None
         return tuple(
-            Target(spec.name, self._by_name[spec.name], sent)
+            Target(spec.name, self._by_name[spec.name], sent, spec.memory_role)
             for spec, sent in self._table.chain(model)
         )
 
     async def complete(
-        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+        self,
+        route: Route,
+        body: dict[str, Any],
+        attempts: list[Attempt],
+        section_at: int | None = None,
     ) -> dict[str, Any]:
         """The whole reply of the first target that gives one, trying the next on a failure
-        worth it; the last failure propagates."""
+        worth it; the last failure propagates. ``section_at``: where the turn's memory section
+        is in ``body["messages"]``, sent to each target in its own role."""
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
             # Current while the request goes out, so that it carries the attempt's traceparent.
             with _attempt_span(attempt, body, index) as span:
                 try:
-                    completion = await target.backend.complete(target.body(body))
+                    completion = await target.backend.complete(target.body(body, section_at))
                 except UpstreamError as exc:
                     self._end(attempt, exc.reason, exc)
                     _traced(span, attempt)
@@ -245,15 +257,20 @@ class Router:
         raise AssertionError("a route has at least one target")
 
     async def stream(
-        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+        self,
+        route: Route,
+        body: dict[str, Any],
+        attempts: list[Attempt],
+        section_at: int | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """The chunks of the first target whose stream starts, trying the next while no chunk
         has arrived; once one has, the stream is that backend's to its end (a failure then
-        propagates, never a replay). Close it to stop early: the upstream request ends too."""
+        propagates, never a replay). Close it to stop early: the upstream request ends too.
+        ``section_at`` as for :meth:`complete`."""
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
-            chunks = target.backend.stream(target.body(body))
+            chunks = target.backend.stream(target.body(body, section_at))
             # Lasts as long as the stream; current only while the request goes out (the first
             # chunk), since a generator's caller runs between its chunks.
             span = _started_attempt(attempt, body, index)

@@ -141,7 +141,7 @@ models = ["*/*"]
         "backends.openai.models[1]: 'gpt-4o' is listed twice",
         'backends.openai.aliases."gpt-*": an alias is a name, not a glob (no * ? [)',
         "backends.local.retries: unknown setting (a backend has base_url, api_key_env, "
-        "timeout_s, connect_timeout_s, models, aliases, prices)",
+        "timeout_s, connect_timeout_s, models, aliases, prices, memory_role)",
         "backends.local: serves no model: give it models, aliases or both",
         "fallbacks.gpt-4o[0]: no backend named 'nobody' (backends: openai, local, router)",
         'fallbacks.gpt-4o[1]: must be a backend\'s name or { backend = "…", model = "…" }',

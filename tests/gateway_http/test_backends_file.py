@@ -442,3 +442,36 @@ models = [{listed.replace('"gpt-large-150", ', "")}]
     ]
     backends = load(tmp_path, text.replace('"gpt-*" = ["azure"]', '"gpt-mini-*" = ["azure"]'))
     assert chain(backends, "gpt-mini-7") == [("openai", None), ("azure", None)]
+
+
+def test_each_backend_names_the_role_of_its_memory_section(tmp_path: Path) -> None:
+    backends = load(
+        tmp_path,
+        """
+        [backends.reasoning]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["o1-mini"]
+        memory_role = "developer"
+
+        [backends.plain]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["llama"]
+        """,
+    )
+    roles = {spec.name: spec.memory_role for spec in backends.backends}
+    assert roles == {"reasoning": "developer", "plain": "system"}
+
+
+def test_a_role_no_model_takes_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BackendsFileError) as raised:
+        load(
+            tmp_path,
+            """
+            [backends.a]
+            base_url = "http://127.0.0.1:9/v1"
+            models = ["m"]
+            memory_role = "assistant"
+            """,
+        )
+    [line] = raised.value.lines
+    assert line.endswith("backends.a.memory_role: Input should be 'system', 'developer' or 'user'")

@@ -147,3 +147,15 @@ async def test_a_user_quoting_the_header_still_gets_memories(tmp_path: Path) -> 
         assert stack.upstream.last_body["messages"] == [SYSTEM, INJECTED, quoting]
         [query] = stack.philia.frames_of(QUERY)
         assert query["params"]["query"] == quoting["content"]
+
+
+@pytest.mark.parametrize("placement", ["first", "after_system"])
+async def test_the_echo_model_shows_the_section_wherever_it_is_placed(
+    tmp_path: Path, placement: str
+) -> None:
+    async with running_stack(tmp_path, upstream_url=None, memory_placement=placement) as stack:
+        stack.philia.memories = list(OOLONG)
+        for surface in SURFACES:
+            turn = await stack.turn(surface, [SYSTEM, DEVELOPER, ASK], extra={"model": "echo"})
+            assert turn.memory == "enabled"
+            assert turn.content == f"Echo: {ASK['content']}\n\n{SECTION}"

@@ -1,7 +1,9 @@
 """Which backend answers a turn, and the fallback to the next one when it cannot.
 
 A :class:`Router` turns the model a client asked for into a :data:`Route`: the backends to ask,
-in order, each with the model name to send it (:class:`Target`). With a backends file
+in order, each with the model name to send it and the role its memory section takes
+(:class:`Target`; a backends file's ``memory_role``, so a fallback to a backend whose models
+refuse ``system`` gets the section as ``developer`` or ``user``). With a backends file
 (``ARONA_BACKENDS``) that is the model's backend then its fallbacks; without one, the one
 upstream of ``ARONA_UPSTREAM_URL`` (or the ``echo`` model) answers every model, as before.
 

@@ -298,3 +298,37 @@ async def test_structured_output_through_a_forced_tool_stores_its_arguments(
     assert stack.upstream.last_body["tool_choice"]["function"]["name"] == "Person"
     await stack.settle()
     assert stack.stored_texts()[1:] == [f"User: {said}\nAssistant: {arguments}"]
+
+
+async def test_a_streamed_forced_call_is_stored_like_a_whole_one(stack: ScopedStack) -> None:
+    said = "Anna from Oslo signed up today; file her details."
+    deltas = [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_p",
+                    "type": "function",
+                    "function": {"name": "Person", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"name": "Anna", '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Oslo"}'}}]},
+    ]
+    stack.upstream.script(Stream(deltas=deltas))
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="open", max_retries=0)
+    async with client:
+        chunks = await client.chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": said}],
+            tools=[{"type": "function", "function": {"name": "Person", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "Person"}},
+            stream=True,
+        )
+        content, calls = _assembled([chunk async for chunk in chunks])
+    assert content == "" and calls[0]["function"]["arguments"] == '{"name": "Anna", "city": "Oslo"}'
+    await stack.settle()
+    assert stack.stored_texts()[1:] == [
+        f'User: {said}\nAssistant: {{"name": "Anna", "city": "Oslo"}}'
+    ]

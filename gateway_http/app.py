@@ -312,6 +312,7 @@ def create_app(
             metrics=metrics,
             storage=storage,
             usage=usage,
+            placement=settings.memory_placement,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
@@ -357,7 +358,7 @@ def create_app(
     app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
     app.include_router(
-        rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
+        rpc_router(lambda: app.state.gateway.dispatcher, settings.rpc_max_body_bytes)
     )
     app.include_router(console.router)
     if settings.metrics:

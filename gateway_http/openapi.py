@@ -325,7 +325,7 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
                     "The answer (errors too, as JSON-RPC error objects)",
                 ),
                 "204": {"description": "Only notifications: nothing to answer"},
-                "413": _json(_RPC_RESPONSE, "The body is over ARONA_HTTP_MAX_BODY_BYTES"),
+                "413": _json(_RPC_RESPONSE, "The body is over ARONA_RPC_MAX_BODY_BYTES"),
                 **_errors(),
             },
         },

@@ -13,6 +13,7 @@ The file is TOML (read with the standard library's ``tomllib``)::
     # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
     prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
     stream_usage = true                   # false: never sent stream_options (usage estimated)
+    memory_role = "system"                # the injected memory section's role (or developer, user)
 
     [fallbacks]
     "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
@@ -40,7 +41,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic import ValidationError as PydanticValidationError
@@ -94,6 +95,9 @@ class _BackendTable(BaseModel):
     # Whether a stream is asked for its usage (stream_options.include_usage); false for a
     # backend that refuses stream_options (older Azure OpenAI deployments).
     stream_usage: StrictBool = True
+    # The role the memory section is sent in: `developer` or `user` for models that refuse
+    # `system` (o1-class).
+    memory_role: Literal["system", "developer", "user"] = "system"
 
 
 class _FallbackTable(BaseModel):
@@ -136,6 +140,8 @@ class BackendSpec:
     prices: Mapping[str, Price] = field(default_factory=dict)
     # False: its streams are sent without the gateway's stream_options (usage estimated).
     stream_usage: bool = True
+    # The role of the memory section sent to it (gateway_http.messages.SECTION_ROLES).
+    memory_role: str = "system"
 
     def price(self, model: str) -> Price | None:
         """The price of ``model`` (as sent to this backend): its own, else the first glob's."""
@@ -464,6 +470,7 @@ class _Checker:
                 for model, price in fields.get("prices", {}).items()
             },
             stream_usage=bool(fields.get("stream_usage", True)),
+            memory_role=fields.get("memory_role", "system"),
         )
 
     def _api_key(self, at: str, variable: str | None) -> str | None:

@@ -12,7 +12,12 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from gateway_http.messages import last_user_text, memory_section, message_text
+from gateway_http.messages import (
+    is_memory_section,
+    last_user_text,
+    memory_section,
+    message_text,
+)
 
 _ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
 _WORDS = re.compile(r"\s*\S+\s*")
@@ -22,7 +27,8 @@ class EchoModel:
     """The built-in development model: deterministic, no dependencies, model id ``echo``.
 
     Its reply is ``Echo: <last user text>``, followed by a blank line and the memory section
-    when a system message carries one.
+    when a message carries one: a system or developer message, or a message (``user`` too)
+    that is exactly one.
     """
 
     name = "echo"
@@ -117,7 +123,11 @@ def _prompt_tokens(messages: list[Any]) -> int:
 def _echo_content(messages: list[Any]) -> str:
     content = f"Echo: {last_user_text(messages)}"
     for message in messages:
-        if isinstance(message, dict) and message.get("role") == "system":
+        if not isinstance(message, dict):
+            continue
+        # The section in whatever role a backend has it sent in: inside a system or developer
+        # prompt, or a message that is exactly one (a user quoting the header is not).
+        if message.get("role") in ("system", "developer") or is_memory_section(message):
             section = memory_section(message_text(message))
             if section:
                 # The header and the first line of each memory. A memory's

@@ -1,7 +1,9 @@
 """Which backend answers a turn, and the fallback to the next one when it cannot.
 
 A :class:`Router` turns the model a client asked for into a :data:`Route`: the backends to ask,
-in order, each with the model name to send it (:class:`Target`). With a backends file
+in order, each with the model name to send it and the role its memory section takes
+(:class:`Target`; a backends file's ``memory_role``, so a fallback to a backend whose models
+refuse ``system`` gets the section as ``developer`` or ``user``). With a backends file
 (``ARONA_BACKENDS``) that is the model's backend then its fallbacks; without one, the one
 upstream of ``ARONA_UPSTREAM_URL`` (or the ``echo`` model) answers every model, as before.
 
@@ -75,9 +77,16 @@ class Target:
     name: str
     backend: ChatBackend
     model: str | None = None
+    # The role the turn's memory section is sent in (the backends file's memory_role).
+    memory_role: str = "system"
 
-    def body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` as this backend gets it: a shallow copy with its model name, if it differs."""
+    def body(self, body: dict[str, Any], section_at: int | None = None) -> dict[str, Any]:
+        """``body`` as this backend gets it: a shallow copy with its model name, if it differs,
+        and the memory section at ``messages[section_at]`` (None: none injected) in its role."""
+        if section_at is not None and self.memory_role != "system":
+            messages = list(body["messages"])
+            messages[section_at] = {**messages[section_at], "role": self.memory_role}
+            body = {**body, "messages": messages}
         if self.model is None:
             return body
         return {**body, "model": self.model}
@@ -224,22 +233,27 @@ class Router:
     def _route_of(self, model: str) -> Route:
         assert self._table is not None
         return tuple(
-            Target(spec.name, self._by_name[spec.name], sent)
+            Target(spec.name, self._by_name[spec.name], sent, spec.memory_role)
             for spec, sent in self._table.chain(model)
         )
 
     async def complete(
-        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+        self,
+        route: Route,
+        body: dict[str, Any],
+        attempts: list[Attempt],
+        section_at: int | None = None,
     ) -> dict[str, Any]:
         """The whole reply of the first target that gives one, trying the next on a failure
-        worth it; the last failure propagates."""
+        worth it; the last failure propagates. ``section_at``: where the turn's memory section
+        is in ``body["messages"]``, sent to each target in its own role."""
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
             # Current while the request goes out, so that it carries the attempt's traceparent.
             with _attempt_span(attempt, body, index) as span:
                 try:
-                    completion = await target.backend.complete(target.body(body))
+                    completion = await target.backend.complete(target.body(body, section_at))
                 except UpstreamError as exc:
                     self._end(attempt, exc.reason, exc)
                     _traced(span, attempt)
@@ -263,6 +277,7 @@ class Router:
         route: Route,
         body: dict[str, Any],
         attempts: list[Attempt],
+        section_at: int | None = None,
         *,
         usage_optional: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:
@@ -270,10 +285,11 @@ class Router:
         has arrived; once one has, the stream is that backend's to its end (a failure then
         propagates, never a replay). Close it to stop early: the upstream request ends too.
 
-        ``usage_optional``: the ``stream_options`` of ``body`` is the gateway's own (asking for
-        the usage), not the client's. A backend known not to take it gets the turn without it;
-        one that refuses it (:func:`refuses_stream_options`) is asked the same turn again at
-        once without it, and remembered as such.
+        ``section_at`` as for :meth:`complete`. ``usage_optional``: the ``stream_options`` of
+        ``body`` is the gateway's own (asking for the usage), not the client's. A backend known
+        not to take it gets the turn without it; one that refuses it
+        (:func:`refuses_stream_options`) is asked the same turn again at once without it, and
+        remembered as such.
         """
         index = 0
         while index < len(route):
@@ -283,7 +299,7 @@ class Router:
                 sent = {key: value for key, value in body.items() if key != "stream_options"}
             attempt = _attempt(target, sent)
             attempts.append(attempt)
-            chunks = target.backend.stream(target.body(sent))
+            chunks = target.backend.stream(target.body(sent, section_at))
             # Lasts as long as the stream; current only while the request goes out (the first
             # chunk), since a generator's caller runs between its chunks.
             span = _started_attempt(attempt, body, index)

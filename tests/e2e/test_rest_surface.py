@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from arona_grpc.config import DEFAULT_MAX_BODY_BYTES
 from gateway_http.usage.records import Budget
 from tests.e2e.stack import ASK_TEXT, running_stack
 from tests.support.fake_philia import STORE
@@ -119,9 +120,11 @@ async def test_a_chat_body_that_is_not_declared_json_is_415_and_writes_nothing(
         assert accepted.status_code == 200
 
 
-async def test_body_over_one_mib_is_413(tmp_path: Path) -> None:
+async def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
-        big = {"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}
+        # The default limit (32 MiB) takes a 20 MB photo as a data URL; one byte more is refused.
+        content = "x" * DEFAULT_MAX_BODY_BYTES
+        big = {"model": "m", "messages": [{"role": "user", "content": content}]}
         response = await stack.http.post("/v1/chat/completions", json=big)
         assert response.status_code == 413
         assert _error(response)["code"] == "request_too_large"

@@ -147,7 +147,7 @@ models = ["*/*"]
         "backends.openai.models[1]: 'gpt-4o' is listed twice",
         'backends.openai.aliases."gpt-*": an alias is a name, not a glob (no * ? [)',
         "backends.local.retries: unknown setting (a backend has base_url, api_key_env, "
-        "timeout_s, connect_timeout_s, models, aliases, prices, stream_usage)",
+        "timeout_s, connect_timeout_s, models, aliases, prices, stream_usage, memory_role)",
         "backends.local: serves no model: give it models, aliases or both",
         "fallbacks.gpt-4o[0]: no backend named 'nobody' (backends: openai, local, router)",
         'fallbacks.gpt-4o[1]: must be a backend\'s name or { backend = "…", model = "…" }',
@@ -452,3 +452,36 @@ models = [{listed.replace('"gpt-large-150", ', "")}]
     ]
     backends = load(tmp_path, text.replace('"gpt-*" = ["azure"]', '"gpt-mini-*" = ["azure"]'))
     assert chain(backends, "gpt-mini-7") == [("openai", None), ("azure", None)]
+
+
+def test_each_backend_names_the_role_of_its_memory_section(tmp_path: Path) -> None:
+    backends = load(
+        tmp_path,
+        """
+        [backends.reasoning]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["o1-mini"]
+        memory_role = "developer"
+
+        [backends.plain]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["llama"]
+        """,
+    )
+    roles = {spec.name: spec.memory_role for spec in backends.backends}
+    assert roles == {"reasoning": "developer", "plain": "system"}
+
+
+def test_a_role_no_model_takes_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BackendsFileError) as raised:
+        load(
+            tmp_path,
+            """
+            [backends.a]
+            base_url = "http://127.0.0.1:9/v1"
+            models = ["m"]
+            memory_role = "assistant"
+            """,
+        )
+    [line] = raised.value.lines
+    assert line.endswith("backends.a.memory_role: Input should be 'system', 'developer' or 'user'")

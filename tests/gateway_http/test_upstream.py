@@ -849,15 +849,18 @@ async def test_echo_never_nests_an_earlier_echoed_section() -> None:
     )
 
 
-def test_only_a_system_message_that_is_exactly_a_section_is_an_injected_one() -> None:
+def test_only_a_message_that_is_exactly_a_section_is_an_injected_one() -> None:
     section = (
         "## Relevant Long-Term Memories\n- [0.83] I like tea\n- [0.41] User: a\n  Assistant: b"
     )
-    assert is_memory_section({"role": "system", "content": section})
-    assert is_memory_section({"role": "system", "content": [{"type": "text", "text": section}]})
+    # In every role a backend may have it sent in.
+    for role in ("system", "developer", "user"):
+        assert is_memory_section({"role": role, "content": section})
+        assert is_memory_section({"role": role, "content": [{"type": "text", "text": section}]})
     for message in (
         {"role": "assistant", "content": section},
-        {"role": "user", "content": section},
+        {"role": "tool", "content": section},
+        {"role": "user", "content": f"What does this mean?\n{section}"},
         {"role": "system", "content": f"Be kind.\n\n{section}"},
         {"role": "system", "content": f"{section}\n\nAnswer briefly."},
         {"role": "system", "content": "## Relevant Long-Term Memories"},
@@ -868,12 +871,48 @@ def test_only_a_system_message_that_is_exactly_a_section_is_an_injected_one() ->
 
 
 @pytest.mark.asyncio
-async def test_echo_ignores_a_memory_section_outside_system_messages() -> None:
-    body = {"messages": [{"role": "user", "content": MEMORY_SECTION}]}
+async def test_echo_ignores_a_user_quoting_a_memory_section() -> None:
+    quoted = f"What is this?\n{MEMORY_SECTION}"
+    body = {"messages": [{"role": "user", "content": quoted}]}
 
     reply = await EchoModel().complete(body)
 
-    assert reply["choices"][0]["message"]["content"] == f"Echo: {MEMORY_SECTION}"
+    assert reply["choices"][0]["message"]["content"] == f"Echo: {quoted}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["developer", "user"])
+async def test_echo_shows_a_section_sent_in_another_role(role: str) -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be kind."},
+            {"role": role, "content": MEMORY_SECTION},
+            {"role": "user", "content": "what tea do I like?"},
+        ]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: what tea do I like?\n\n{ECHOED_SECTION}"
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_does_not_take_a_user_role_section_for_the_question() -> None:
+    # The section placed after the question's own message (or the only "user" message left).
+    body = {
+        "messages": [
+            {"role": "user", "content": "what tea do I like?"},
+            {"role": "user", "content": MEMORY_SECTION},
+        ]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: what tea do I like?\n\n{ECHOED_SECTION}"
+    )
 
 
 @pytest.mark.asyncio

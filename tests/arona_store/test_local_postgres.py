@@ -148,6 +148,17 @@ def test_make_postgres_serves_the_gateway_and_the_store_and_stops_cleanly(
         env_file = home / "postgres.env"
         assert dict(line.split("=", 1) for line in env_file.read_text().splitlines()) == urls
         assert env_file.stat().st_mode & 0o077 == 0
+        # psql.env: a superuser's psql session, no sudo needed.
+        session = dict(line.split("=", 1) for line in (home / "psql.env").read_text().splitlines())
+        psql = subprocess.run(
+            [session.pop("PSQL"), "-Atc", "SELECT extname FROM pg_extension ORDER BY 1"],
+            env={**os.environ, **session, "PGDATABASE": "arona_store"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert psql.stdout.split() == ["plpgsql", "vector"]
         # The gateway's tables in the one, the store (pgvector) in the other.
         migrated = _gateway(
             ["migrate"], {"ARONA_DATABASE_URL": urls["ARONA_DATABASE_URL"]}, tmp_path

@@ -103,6 +103,11 @@ class PgCluster:
         self.running = False
 
     @property
+    def psql_binary(self) -> str:
+        """The path of the server's own ``psql``."""
+        return self._psql
+
+    @property
     def socket_dir(self) -> Path:
         """The directory of the server's Unix socket (what ``psql -h`` and ``PGHOST`` take)."""
         return self._root

@@ -264,16 +264,18 @@ def _hints(banner: str) -> list[str]:
     return hints
 
 
-def _forget_hint(banner: str) -> str:
+def forget_hint(banner: str) -> str:
     """The command line under "Forget what the chat line stored", as printed."""
     lines = banner.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("Forget what")) + 1
     return lines[start].strip()
 
 
-async def _shell(line: str) -> str:
-    """``line`` run by bash in this directory with no ARONA_* variable set; its output."""
+async def run_in_shell(line: str, exported: dict[str, str] | None = None) -> str:
+    """``line`` run by bash in this directory with no ARONA_* variable set but ``exported``;
+    its output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(exported or {})
     process = await asyncio.create_subprocess_exec(
         "bash",
         "-ec",
@@ -381,9 +383,9 @@ async def test_the_banners_hints_work_as_printed(tmp_path: Path, mode: dict[str,
             assert 'memory.forget {"anonymous": true}' in own["hint"]
         # The forget line as printed, in a shell without the gateway's environment: this
         # gateway's address and data directory are on it.
-        forget = _forget_hint(up.banner)
+        forget = forget_hint(up.banner)
         assert forget.endswith("--anonymous" if anonymous else "--principal dev"), forget
-        done = await _shell(forget)
+        done = await run_in_shell(forget)
         # The two turns were one episode: the same turn again moves it, adds no copy.
         assert done.startswith("forgot 1 episode(s) of "), done
         # Nothing left to recall: the same line again injects nothing.

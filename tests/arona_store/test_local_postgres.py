@@ -80,11 +80,11 @@ def _make_postgres_command() -> list[str]:
 class Running:
     """``make postgres`` as a process: its output up to the URLs, and the URLs."""
 
-    def __init__(self, command: list[str], directory: Path, port: int) -> None:
+    def __init__(self, command: list[str], directory: Path, data: Path, port: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ARONA_", "PG"))}
         env["PGPORT"] = str(port)
         self.process = subprocess.Popen(
-            [*command, "--dir", str(directory)],
+            [*command, "--dir", str(directory), "--data", str(data)],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -138,8 +138,9 @@ def test_make_postgres_serves_the_gateway_and_the_store_and_stops_cleanly(
     command = _make_postgres_command()
     assert command[-2:] == ["-m", "arona_store.pg.local"], command
     port = _free_port()
-    home = shared_dir / "pg"
-    server = Running(command, home, port)
+    # Its files (password, log, URLs) in one place, the cluster where any user may reach it.
+    home, data = tmp_path / "pg", shared_dir / "data"
+    server = Running(command, home, data, port)
     try:
         urls = server.urls
         assert set(urls) == {"ARONA_DATABASE_URL", "ARONA_STORE_DATABASE_URL"}, server.lines
@@ -198,7 +199,7 @@ def test_make_postgres_serves_the_gateway_and_the_store_and_stops_cleanly(
         server.kill()
 
     # Started again: the same cluster, password and tables; Ctrl-C stops it too.
-    again = Running(command, home, port)
+    again = Running(command, home, data, port)
     try:
         assert again.urls == urls
         migrated = _gateway(
@@ -218,7 +219,15 @@ def test_a_port_in_use_is_one_line(install: Path, shared_dir: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "arona_store.pg.local", "--dir", str(shared_dir / "pg")],
+            [
+                sys.executable,
+                "-m",
+                "arona_store.pg.local",
+                "--dir",
+                str(shared_dir / "pg"),
+                "--data",
+                str(shared_dir / "data"),
+            ],
             env={**os.environ, "PGPORT": str(port)},
             capture_output=True,
             text=True,
@@ -237,7 +246,10 @@ def test_as_root_a_private_directory_is_refused_in_one_line(install: Path, tmp_p
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     done = subprocess.run(
-        [sys.executable, "-m", "arona_store.pg.local", "--dir", str(private / "pg")],
+        [
+            *(sys.executable, "-m", "arona_store.pg.local"),
+            *("--dir", str(tmp_path / "pg"), "--data", str(private / "data")),
+        ],
         env={**os.environ, "PGPORT": str(_free_port())},
         capture_output=True,
         text=True,

@@ -9,14 +9,27 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from arona_grpc.config import Settings
 from arona_grpc.redact import redact_url
 
 if TYPE_CHECKING:
-    from gateway_http.cli import Running
     from gateway_http.upstream.backends_file import BackendsFile
+
+
+class Serving(Protocol):
+    """The addresses of the parts that came up (``gateway_http.cli.Running``)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def http_url(self) -> str | None: ...
+
+    @property
+    def grpc_target(self) -> str | None: ...
+
 
 # The banner's JWT: its subject and lifetime.
 UP_SUBJECT = "dev"
@@ -29,7 +42,7 @@ _SCOPE_WORDS = {
 
 
 def banner(
-    running: Running,
+    running: Serving,
     jwt_secret: str,
     upstream_echo: bool,
     store_url: str | None,

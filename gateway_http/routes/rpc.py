@@ -61,12 +61,12 @@ P = TypeVar("P", bound=BaseModel)
 # the id is not one of theirs (another's, or nobody's).
 NOT_YOURS = "not_yours"
 CHAT_SEND = "chat.send"
-# What a shared-mode forget of a caller's own memory adds: the turns of REST callers without
-# a bearer (the banner's first curl line) are no caller's, and erased only by name.
+# What a shared-mode forget of a scope or principal adds: the turns of REST callers without a
+# bearer (the banner's chat line) are no caller's, and erased only by name.
 SHARED_FORGET_HINT = (
-    "shared mode: this erased the caller's own turns; turns sent to REST without a bearer "
-    'belong to no principal: memory.forget {"anonymous": true} erases them, '
-    'memory.list {"anonymous": true} lists them'
+    "shared mode: turns sent to REST without a bearer belong to no principal, and a forget "
+    'of a scope or principal does not reach them: memory.forget {"anonymous": true} erases '
+    'them, memory.list {"anonymous": true} lists them'
 )
 TRACER = tracing.Tracer("gateway_http")
 

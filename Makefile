@@ -1,13 +1,14 @@
 # Set-up and checks. `make run` and `make test` work on a fresh machine: both
 # create the virtual environment and install the project first; `make test` also installs
 # the Debian packages its tests run for real (chromium, the PostgreSQL 15 server) when missing,
-# which needs root or password-less sudo. `make run` needs no system package.
+# which needs root or password-less sudo. `make run` needs no system package. `make postgres`
+# runs PostgreSQL with pgvector (the pinned wheel the tests use) on 127.0.0.1 until Ctrl-C.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps run test lint typecheck proto-check docs docs-check gen bench clean
+.PHONY: install system-deps run postgres test lint typecheck proto-check docs docs-check gen bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,10 @@ system-deps:
 
 run: install
 	$(BIN)/arona-gateway up
+
+# PGPORT=5433 make postgres for another port; --dir: .venv/bin/python -m arona_store.pg.local -h
+postgres: install
+	$(BIN)/python -m arona_store.pg.local
 
 lint: install
 	$(BIN)/ruff check .

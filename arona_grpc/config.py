@@ -29,6 +29,9 @@ from arona_common.redact import url_password
 logger = logging.getLogger(__name__)
 
 MIN_JWT_SECRET_BYTES = 32
+# A memory token shorter than this still works (any non-empty token enables memory) but is
+# warned about at start: it is easy to guess.
+SHORT_MEMORY_TOKEN_CHARS = 16
 SCOPE_SHARED = "shared"
 SCOPE_USER = "user"
 SCOPE_MODES = (SCOPE_SHARED, SCOPE_USER)
@@ -162,6 +165,19 @@ class Settings:
     def memory_enabled(self) -> bool:
         """The gateway talks to Philia iff both the URL and the token are non-empty."""
         return bool(self.memory_urls) and bool(self.memory_token)
+
+    @property
+    def short_memory_token_warning(self) -> str | None:
+        """One line warning of a memory token shorter than :data:`SHORT_MEMORY_TOKEN_CHARS`
+        (its length only, never the token); None when it is longer, or unset."""
+        token = self.memory_token
+        if token is None or len(token) >= SHORT_MEMORY_TOKEN_CHARS:
+            return None
+        return (
+            f"ARONA_MEMORY_TOKEN is {len(token)} character(s) long, easy to guess: use at least "
+            f"{SHORT_MEMORY_TOKEN_CHARS} random ones (python3 -c 'import secrets; "
+            "print(secrets.token_urlsafe(24))')"
+        )
 
     @property
     def user_scoped(self) -> bool:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import secrets
-import shlex
 import signal
 import socket
 import sys
@@ -56,7 +55,6 @@ STORE_DATABASE_ENV = "ARONA_STORE_DATABASE_URL"
 STORE_DEFAULT_PORT = 8424
 HTTP_GRACE_S = 10.0
 GRPC_GRACE_S = 5.0
-UP_TOKEN_TTL_S = 24 * 3600
 # Allocations (net, of objects the cycle collector tracks) between two collections of its
 # youngest generation; Python's default is 700 (see settle_gc).
 GC_YOUNG_THRESHOLD = 5000
@@ -217,7 +215,7 @@ async def run_parts(
     (:func:`gateway_http.workers.stop_when_supervisor_closes`).
     """
     from arona_common.database import DatabaseUnavailable, SchemaRefused, open_pool
-    from arona_grpc.server import GrpcServer
+    from arona_grpc.server import GrpcBindError, GrpcServer
     from gateway_http.app import create_app
     from gateway_http.edge import uvicorn_options
 
@@ -255,6 +253,8 @@ async def run_parts(
         if grpc_part:
             try:
                 grpc_server = await GrpcServer.start(settings, pool=pool)
+            except GrpcBindError as exc:
+                raise StartupError(str(exc)) from None
             except (OSError, RuntimeError) as exc:
                 raise StartupError(
                     f"cannot listen on {settings.grpc_host}:{settings.grpc_port}: {exc}"
@@ -375,107 +375,9 @@ async def embedded_store(
         await store.stop()
 
 
-_SCOPE_WORDS = {
-    "shared": "one memory pool for every caller",
-    "user": "each caller recalls only their own memories",
-}
-
-
-def _banner(
-    running: Running,
-    jwt_secret: str,
-    upstream_echo: bool,
-    store_url: str | None,
-    backends: BackendsFile | None = None,
-) -> str:
-    """What ``up`` prints once it serves: its addresses, a JWT, and hints that work as
-    printed in the mode it started in (run them from the directory ``up`` was started in)."""
-    from gateway_http.auth import mint_token
-
-    settings = running.settings
-    # In user mode memory.status (and the console) are an admin's: the dev token is one, so
-    # everything the banner offers works with it.
-    admin = settings.user_scoped
-    token = mint_token(jwt_secret, "dev", UP_TOKEN_TTL_S, admin=admin)
-    http = running.http_url or ""
-    grpc_target = running.grpc_target or ""
-    # The chat hint asks for a model that is routed: echo, or the backends file's first one.
-    model = (backends.example_model() if backends is not None else None) or "echo"
-    body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "I prefer oolong tea"}]}
-    )
-    status = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "memory.status"})
-    bearer = '-H "Authorization: Bearer $JWT" '
-    # A turn needs a caller when REST takes keys (else 401) or memory is per user (else a
-    # turn of nobody, which recalls and stores nothing); the JWT is one on REST as well.
-    chat_bearer = bearer if settings.user_scoped or settings.api_keys else ""
-    scope = settings.memory_scope
-    lines = [
-        "Arona Memory Gateway is up.",
-        f"  HTTP     {http}  (REST /v1, JSON-RPC {http}/api/rpc)",
-        f"  console  {http}/console  (sign in with the JWT below)",
-        f"  gRPC     {grpc_target}  (arona.memory.v1.MemoryService)",
-    ]
-    if settings.metrics:
-        lines.append(f"  metrics  {http}/metrics  (Prometheus; ARONA_METRICS)")
-    lines += [
-        f"  scope    {scope}  ({_SCOPE_WORDS[scope]}; ARONA_MEMORY_SCOPE)",
-    ]
-    if store_url is not None:
-        lines.append(f"  memory   {store_url}  (embedded Philia-compatible store)")
-    else:
-        shown = ", ".join(redact_url(url) for url in settings.memory_urls)
-        lines.append(f"  memory   {shown}")
-    if backends is not None:
-        names = ", ".join(spec.name for spec in backends.backends)
-        lines.append(f"  models   routed to {names}  ({backends.path}; ARONA_BACKENDS)")
-    elif upstream_echo:
-        lines.append("  model    echo  (development default: replies show the recalled memories)")
-    role = ", admin" if admin else ""
-    lines += [
-        "",
-        f"JWT for JSON-RPC (sub=dev{role}, valid 24 h): {token}",
-        "",
-        "Try it (in this directory; the first line puts the JWT in $JWT):",
-        f"  JWT={token}",
-        f"  curl -si {http}/v1/chat/completions {chat_bearer}"
-        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}",
-        f"  curl -s {http}/api/rpc {bearer}-d {shlex.quote(status)}",
-        f"  {_beside_python('grpcurl')} {_grpcurl_flags(settings)}{grpc_target} "
-        "arona.memory.v1.MemoryService/Status",
-        "",
-        "Ctrl-C stops everything.",
-    ]
-    return "\n".join(lines)
-
-
-def _beside_python(name: str) -> str:
-    """How to run the command ``name`` installed beside this Python (``make`` installs
-    grpcurl into ``.venv/bin``, which is not on the PATH): a path relative to the current
-    directory when it is below it, else absolute; plain ``name`` when it is not there."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        return name
-    try:
-        relative = path.absolute().relative_to(Path.cwd())
-    except ValueError:
-        return shlex.quote(str(path.absolute()))
-    return shlex.quote(str(relative) if len(relative.parts) > 1 else f"./{relative}")
-
-
-def _grpcurl_flags(settings: Settings) -> str:
-    """grpcurl's flags for the listener: TLS or not, and the token (by name, never its value)."""
-    flags = ""
-    if settings.grpc_tls_ca is not None:
-        flags += f"-cacert {shlex.quote(str(settings.grpc_tls_ca))} "
-    elif settings.grpc_tls_cert is None:
-        flags += "-plaintext "
-    if settings.grpc_token:
-        flags += '-H "authorization: Bearer $ARONA_GRPC_TOKEN" '
-    return flags
-
-
 async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> None:
+    from gateway_http.banner import banner
+
     data_dir = Path(env.get("ARONA_DATA_DIR", "").strip() or ".arona")
     dev = load_dev_secrets(data_dir)
     env = dict(env)
@@ -484,6 +386,7 @@ async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> N
     await _check_scope_mode(Settings.from_env(env))
     async with contextlib.AsyncExitStack() as stack:
         store_url: str | None = None
+        store_database_url = env.get(STORE_DATABASE_ENV, "").strip() or None
         if not env.get("ARONA_MEMORY_URL", "").strip():
             token = env.get("ARONA_MEMORY_TOKEN", "").strip() or dev["memory_token"]
             store_url = await stack.enter_async_context(
@@ -493,7 +396,7 @@ async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> N
                     "127.0.0.1",
                     0,
                     ranking_from_env(env),
-                    env.get(STORE_DATABASE_ENV, "").strip() or None,
+                    store_database_url,
                 )
             )
             env["ARONA_MEMORY_URL"] = store_url
@@ -504,7 +407,10 @@ async def _up(env: Mapping[str, str], backends: BackendsFile | None = None) -> N
         def ready(running: Running) -> None:
             settle_gc()
             echo = settings.upstream_url is None
-            print(_banner(running, secret, echo, store_url, backends), flush=True)
+            print(
+                banner(running, secret, echo, store_url, backends, store_database_url),
+                flush=True,
+            )
 
         await run_parts(settings, on_ready=ready, backends=backends)
 
@@ -916,6 +822,17 @@ async def _migrate(env: Mapping[str, str]) -> None:
     print(f"{settings.data_dir}: the SQLite files' schemas are up to date")
 
 
+def _warn_short_token(settings: Settings, args: argparse.Namespace) -> None:
+    """The short memory token's warning, once per start: by the process that uses the token
+    (not by an HTTP-only one, nor by the supervisor of workers, whose gRPC child warns)."""
+    warning = settings.short_memory_token_warning
+    if warning is None:
+        return
+    if args.command == "serve" and (args.only == "http" or args.workers > 1):
+        return
+    logger.warning("%s", warning)
+
+
 def _check_memory_sync(env: Mapping[str, str]) -> int:
     outcome: list[int] = []
 
@@ -947,6 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(settings, backends)
         if args.command in ("up", "serve", "store"):
             check_data_dir(settings.data_dir)
+            _warn_short_token(settings, args)
         if args.command == "up" or (args.command == "serve" and only != "http"):
             # Before any part starts: a gRPC listener it would refuse (beyond loopback
             # without a token, unusable TLS files) is one line, nothing started and stopped.

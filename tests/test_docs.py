@@ -11,7 +11,7 @@ import argparse
 import re
 from pathlib import Path
 
-from gateway_http.cli import _parser
+from gateway_http.commands import build_parser
 from tests.support.readme import DOCS, README, ROOT
 
 CONFIGURATION = DOCS / "reference" / "configuration.md"
@@ -64,7 +64,7 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
 def test_the_command_line_reference_shows_every_command_and_its_options() -> None:
     rows = [first for first, _ in _table_rows(CLI) if first.startswith("`arona-gateway ")]
     shown = "\n".join(rows)
-    commands = _commands(_parser())
+    commands = _commands(build_parser())
     for command, parser in commands.items():
         words = command.split()
         assert any(

@@ -150,8 +150,13 @@ MEMORY_SIDE = (
     "arona_grpc.outbox",
     "arona_grpc.episodes",
 )
-# The command line starts that side itself (`arona-gateway up`, `store`, `check-memory`).
-ENTRY_POINT = "gateway_http.cli"
+# The command line starts that side itself (`arona-gateway up`, `store`, `check-memory`): its
+# entry point and the commands' package.
+COMMAND_LINE = ("gateway_http.cli", "gateway_http.commands")
+
+
+def _command_line(module: str) -> bool:
+    return any(module == part or module.startswith(f"{part}.") for part in COMMAND_LINE)
 
 
 def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
@@ -162,7 +167,7 @@ def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
     crossings = [
         edge
         for source, edges in graph.items()
-        if source.startswith("gateway_http.") and source != ENTRY_POINT
+        if source.startswith("gateway_http.") and not _command_line(source)
         for edge in edges
         if any(edge.target == side or edge.target.startswith(f"{side}.") for side in MEMORY_SIDE)
         and not (edge.names and all(name.isupper() for name in edge.names))
@@ -205,7 +210,6 @@ DOMAIN_PACKAGE = "arona_grpc/service"
 MAX_DOMAIN_MODULE_LINES = 500
 # Modules still over MAX_MODULE_LINES, with the most lines each may have until it is split.
 STILL_OVER = {
-    "gateway_http/cli.py": 1022,
     "bench/run.py": 1567,
 }
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway_http import cli, workers
+from gateway_http import workers
+from gateway_http.commands import build_parser
 from tests.support.readme import ROOT, VARIABLE, fenced_blocks, gateway_variables, region
 
 UNIT = ROOT / "deploy" / "arona-gateway.service"
@@ -46,7 +47,7 @@ def test_the_unit_runs_the_real_command_with_variables_the_gateway_reads() -> No
     argv = shlex.split(exec_start)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert Path(argv[0]).name in scripts
-    args = cli._parser().parse_args(argv[1:])
+    args = build_parser().parse_args(argv[1:])
     assert (args.command, args.workers) == ("serve", 4)
     # Secrets come from a file, never from the unit (which anyone may read).
     assert service["EnvironmentFile"] == ["/etc/arona/arona.env"]

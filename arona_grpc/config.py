@@ -24,11 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arona_grpc.redact import url_password
+from arona_common.redact import url_password
 
 logger = logging.getLogger(__name__)
 
 MIN_JWT_SECRET_BYTES = 32
+# A memory token shorter than this still works (any non-empty token enables memory) but is
+# warned about at start: it is easy to guess.
+SHORT_MEMORY_TOKEN_CHARS = 16
 SCOPE_SHARED = "shared"
 SCOPE_USER = "user"
 SCOPE_MODES = (SCOPE_SHARED, SCOPE_USER)
@@ -39,7 +42,11 @@ DEFAULT_EPISODE_CHARS = 32_000
 DEFAULT_QUERY_CHARS = 4_000
 # The HTTP edge (gateway_http.edge): a request's head and body, a WebSocket message, and how
 # long each may take to arrive.
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+# A /v1 body: OpenAI takes images of up to 20 MB and audio uploads of up to 25 MB, so a
+# photo sent as a data URL (base64, a third larger) must fit. JSON-RPC keeps its own, smaller
+# limit (its messages carry no uploads).
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+DEFAULT_RPC_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -54,6 +61,8 @@ DEFAULT_STATUS_DETAIL_CHARS = 300
 MB = 2**20
 DEFAULT_OUTBOX_MAX_MB = 256
 DEFAULT_USAGE_REFRESH_S = 2.0
+# Where a turn's memory section goes (gateway_http.messages.PLACEMENTS).
+MEMORY_PLACEMENTS = ("first", "after_system")
 
 
 class ConfigError(ValueError):
@@ -83,6 +92,9 @@ class Settings:
     memory_max_query_chars: int = DEFAULT_QUERY_CHARS
     # "shared": one memory pool (the default); "user": each caller's own scope only.
     memory_scope: str = SCOPE_SHARED
+    # Where the memory section goes: "first" (index 0, the default) or "after_system" (after
+    # the client's leading system/developer messages, keeping their prefix cacheable).
+    memory_placement: str = "first"
     upstream_url: str | None = None
     upstream_api_key: str | None = field(default=None, repr=False)
     # The backends file (ARONA_BACKENDS): named upstreams and the models each serves, read and
@@ -127,6 +139,8 @@ class Settings:
     # how long a request's head and its body may take to arrive, and how long an idle
     # connection is kept.
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A POST /api/rpc body and a JSON-RPC WebSocket message.
+    rpc_max_body_bytes: int = DEFAULT_RPC_MAX_BODY_BYTES
     http_max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
@@ -151,6 +165,19 @@ class Settings:
     def memory_enabled(self) -> bool:
         """The gateway talks to Philia iff both the URL and the token are non-empty."""
         return bool(self.memory_urls) and bool(self.memory_token)
+
+    @property
+    def short_memory_token_warning(self) -> str | None:
+        """One line warning of a memory token shorter than :data:`SHORT_MEMORY_TOKEN_CHARS`
+        (its length only, never the token); None when it is longer, or unset."""
+        token = self.memory_token
+        if token is None or len(token) >= SHORT_MEMORY_TOKEN_CHARS:
+            return None
+        return (
+            f"ARONA_MEMORY_TOKEN is {len(token)} character(s) long, easy to guess: use at least "
+            f"{SHORT_MEMORY_TOKEN_CHARS} random ones (python3 -c 'import secrets; "
+            "print(secrets.token_urlsafe(24))')"
+        )
 
     @property
     def user_scoped(self) -> bool:
@@ -210,6 +237,7 @@ class Settings:
                 env, "ARONA_MEMORY_MAX_QUERY_CHARS", DEFAULT_QUERY_CHARS
             ),
             memory_scope=_memory_scope(env),
+            memory_placement=_memory_placement(env),
             upstream_url=_str(env, "ARONA_UPSTREAM_URL"),
             upstream_api_key=_str(env, "ARONA_UPSTREAM_API_KEY"),
             backends_file=backends_file,
@@ -240,6 +268,9 @@ class Settings:
             writeback_journal=_strict_bool(env, "ARONA_WRITEBACK_JOURNAL", True),
             http_max_body_bytes=_positive_int(
                 env, "ARONA_HTTP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES
+            ),
+            rpc_max_body_bytes=_positive_int(
+                env, "ARONA_RPC_MAX_BODY_BYTES", DEFAULT_RPC_MAX_BODY_BYTES
             ),
             http_max_header_bytes=_positive_int(
                 env, "ARONA_HTTP_MAX_HEADER_BYTES", DEFAULT_MAX_HEADER_BYTES
@@ -408,6 +439,13 @@ def _memory_scope(env: Mapping[str, str]) -> str:
     raw = _str(env, "ARONA_MEMORY_SCOPE") or SCOPE_SHARED
     if raw not in SCOPE_MODES:
         raise ConfigError(f"ARONA_MEMORY_SCOPE must be 'shared' or 'user', got {raw!r}")
+    return raw
+
+
+def _memory_placement(env: Mapping[str, str]) -> str:
+    raw = _str(env, "ARONA_MEMORY_PLACEMENT") or MEMORY_PLACEMENTS[0]
+    if raw not in MEMORY_PLACEMENTS:
+        raise ConfigError(f"ARONA_MEMORY_PLACEMENT must be 'first' or 'after_system', got {raw!r}")
     return raw
 
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from arona_grpc.database import (
+from arona_common.database import (
     database_answered,
     is_unavailable,
     sqlite_erase,
     sqlite_migrate,
     unavailable,
 )
-from arona_grpc.storage import StorageFaults
+from arona_common.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +473,7 @@ class PostgresEpisodeIndex:
 
     async def erase(self) -> None:
         # The rows are deleted; PostgreSQL's own files (dead tuples until vacuumed, its
-        # write-ahead log) are the database's to clean (see the README's "What is kept").
+        # write-ahead log) are the database's to clean (see docs/forgetting.md).
         await self._read("VACUUM episodes")
 
     async def note_erasure(self, whose: Whose | None, node_ids: Sequence[str]) -> None:

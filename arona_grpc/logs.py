@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import orjson
 
-from arona_grpc.redact import redact_text
+from arona_common.redact import redact_text
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "arona_request_id", default=None

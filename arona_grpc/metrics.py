@@ -33,13 +33,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from arona_common.storage import StorageFaults
 from arona_grpc.breaker import BreakerState, CircuitBreaker
-from arona_grpc.storage import StorageFaults
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 PHILIA_METHODS = ("query", "store", "delete")
-# The gRPC service's files (arona_grpc.storage).
+# The gRPC service's files (arona_common.storage).
 SERVICE_STORAGE_PARTS = ("outbox", "episode index")
 PHILIA_OUTCOMES = ("ok", "error", "timeout", "cancelled")
 # Seconds: from half a millisecond (a loopback call) to the longest RPC timeout one expects.

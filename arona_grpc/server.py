@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -22,10 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from arona_common.database import open_pool
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings
-from arona_grpc.database import open_pool
 from arona_grpc.metrics import start_metrics_server
 from arona_grpc.security import BearerTokenInterceptor, check_exposure, server_credentials
 from arona_grpc.service import MemoryDomain, ScopeModeRefused
@@ -113,7 +114,7 @@ class GrpcServer:
         """Bind ``settings.grpc_host:settings.grpc_port`` and start serving.
 
         With ``ARONA_DATABASE_URL`` the episode index and the outbox use ``pool``, or a pool
-        opened here (:class:`~arona_grpc.database.DatabaseUnavailable` when the database
+        opened here (:class:`~arona_common.database.DatabaseUnavailable` when the database
         cannot be reached). Raises :class:`~arona_grpc.security.GrpcSecurityError` before
         binding anything when the address is not loopback and no token is set, or the TLS
         files are unusable; :class:`~arona_grpc.service.ScopeModeRefused` when shared mode
@@ -144,6 +145,12 @@ class GrpcServer:
         servicer = MemoryServicer(domain)
         server = build_server(domain, health_servicer, token=settings.grpc_token, servicer=servicer)
         address = _bind_address(settings.grpc_host, settings.grpc_port)
+        problem = _bind_problem(settings.grpc_host, settings.grpc_port)
+        if problem is not None:
+            await domain.aclose()
+            if owned_pool is not None:
+                await owned_pool.close()
+            raise GrpcBindError(f"cannot listen for gRPC on {address}: {problem}")
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)
@@ -222,6 +229,30 @@ class GrpcServer:
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (in use, no such address), tried with a plain socket
+    first: gRPC's own failure prints a C-core log line to stderr before it raises, and a
+    port in use is one line of ours. None when it can be (gRPC's bind may still fail: it
+    then raises as before)."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        return f"no such address ({exc.strerror or exc})"
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                # As gRPC binds: a port whose last connections linger in TIME_WAIT is free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(sockaddr)
+        except OSError as exc:
+            return (exc.strerror or str(exc)).lower()
+    return None
 
 
 def _bind_address(host: str, port: int) -> str:

@@ -6,7 +6,7 @@ table) and their own, secret-free message; anything else is ``INTERNAL`` with a
 generic message while the traceback goes to the log.
 
 Each Recall and Writeback, unary or on an ``Exchange`` stream, is a server span
-(arona_grpc.tracing) in the caller's trace: its ``traceparent`` comes as metadata on a unary
+(arona_common.tracing) in the caller's trace: its ``traceparent`` comes as metadata on a unary
 call and in the ``trace_context`` of a stream's call.
 """
 
@@ -23,7 +23,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.batching import BatchWriter

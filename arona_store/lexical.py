@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_store.retrieval import Field, NodeTable, WordIndex
 from arona_store.scoring import (
     CONTEXT_WEIGHT,

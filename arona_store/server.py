@@ -24,7 +24,7 @@ the deletes that arrive meanwhile are erased together next.
 Connections idle for ``idle_timeout_s`` are closed with code 4000, as Philia does.
 The handshake's result lists the ``trace_context`` capability: a query, store or delete whose
 params carry a ``traceparent`` is a server span in the caller's trace, a recall's retrieval and
-ranking its children (arona_grpc.tracing), ended before the reply goes out.
+ranking its children (arona_common.tracing), ended before the reply goes out.
 A store's ``properties["occurred_at"]`` (RFC 3339 with its offset, e.g.
 ``2023-05-08T13:56:00Z``) is the memory's time, the one recency is measured from; absent, the
 memory is dated now; malformed or out of range, the store is refused as invalid params.
@@ -59,38 +59,56 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import datetime
 from http import HTTPStatus
-from importlib import metadata
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from opentelemetry.trace import Span
 
-from arona_grpc import tracing
-from arona_grpc.database import DatabaseUnavailable
-from arona_grpc.storage import StorageFaults, write_error
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable
+from arona_common.storage import StorageFaults, write_error
 from arona_store import jsonrpc
 from arona_store.base import StoreBase
 from arona_store.jsonrpc import Call, JsonId, RpcError
-from arona_store.nodes import StoreError, key_of
+from arona_store.nodes import StoreError
 from arona_store.ranking import Ranking, check_ranking, ranking_from_env
-from arona_store.store import DEFAULT_LIMIT, MAX_LIMIT, MemoryHit, MemoryStore, NewNode
+from arona_store.store import MemoryStore, NewNode
 
 if TYPE_CHECKING:
     from arona_store.embedding import Embedder
+from arona_store.calls import (
+    DATABASE_AWAY,
+    DELETE,
+    HANDSHAKE,
+    HEARTBEAT,
+    HEARTBEAT_ACK,
+    QUERY,
+    SERVER_VERSION,
+    STORE,
+    IdleWatch,
+    Session,
+    T,
+    answer_all,
+    bad_params,
+    occurred_at_of,
+    optional_str,
+    query_params,
+    query_result,
+    refuse_all,
+    served,
+    server_version,
+    traced_hits,
+)
 
 logger = logging.getLogger(__name__)
 
 WS_PATH = "/ws"
 MAX_FRAME_BYTES = 2**20
-IDLE_CLOSE_CODE = 4000
 # Writes between two WAL checkpoints: a transaction adds a few pages to the log, and each
 # store in it a few more.
 CHECKPOINT_COMMITS = 100
@@ -118,172 +136,12 @@ RECALL_THREADS = 2
 EMBED_THREAD = "arona-store-embed"
 EMBED_BATCH_MAX = 64
 
-HANDSHAKE = "Sync.ConnectHandshake"
-QUERY = "Sync.MemoryQueryRequest"
-STORE = "Sync.MemoryStoreRequest"
-# What a call answers while the store's database (PostgreSQL) does not.
-DATABASE_AWAY = RpcError(jsonrpc.INTERNAL_ERROR, "the memory store's database is unavailable")
-DELETE = "Sync.MemoryDeleteRequest"
-HEARTBEAT = "Base.Heartbeat"
-HEARTBEAT_ACK = "Base.HeartbeatAck"
-SERVER_VERSION = "Sync.ServerVersion"
-# The store property holding when a memory happened (RFC 3339); absent: now.
-OCCURRED_AT = "occurred_at"
-
-_T = TypeVar("_T")
-TRACER = tracing.Tracer("arona_store")
-# The methods whose calls get a span: those the gateway makes.
-_TRACED = frozenset({QUERY, STORE, DELETE})
 _Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # Methods answered in the background, out of order: those that wait for the write queue.
 _IN_BACKGROUND = frozenset({STORE, DELETE})
 
 
 @dataclass
-class _Session:
-    """Per-connection state."""
-
-    session_id: str | None = None
-    refused: bool = False
-
-
-def _version() -> str:
-    try:
-        return metadata.version("arona-memory-gateway")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
-
-
-def _bad_params(message: str) -> RpcError:
-    return RpcError(jsonrpc.INVALID_PARAMS, f"Invalid params: {message}")
-
-
-def _query_params(params: Mapping[str, Any]) -> tuple[str, int, str | None]:
-    """``query``, ``limit`` and ``node_type_filter`` (None or absent: every node type)."""
-    query = params.get("query")
-    if not isinstance(query, str):
-        raise _bad_params("query must be a string")
-    limit = params.get("limit", DEFAULT_LIMIT)
-    if limit is None:
-        limit = DEFAULT_LIMIT
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise _bad_params(f"limit must be an integer between 1 and {MAX_LIMIT}")
-    node_type = params.get("node_type_filter")
-    if node_type is not None and (not isinstance(node_type, str) or not node_type):
-        raise _bad_params("node_type_filter must be a non-empty string or null")
-    return query, limit, node_type
-
-
-def _query_result(query: str, hits: list[MemoryHit]) -> dict[str, Any]:
-    return {
-        "query": query,
-        "total": len(hits),
-        "results": [
-            {"node_type": hit.node_type, "text": hit.text, "score": round(hit.score, 6)}
-            for hit in hits
-        ],
-    }
-
-
-class _IdleWatch:
-    """Closes a connection with code 4000 once no frame came for ``idle_s``, as Philia does.
-
-    One timer per connection, moved only when it fires: noting a frame is one assignment,
-    where a timeout around every receive would make and cancel a timer per frame.
-    """
-
-    def __init__(self, ws: web.WebSocketResponse, idle_s: float) -> None:
-        self._ws = ws
-        self._idle_s = idle_s
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + idle_s, self._check
-        )
-        self._closing: asyncio.Task[bool] | None = None
-
-    def seen(self) -> None:
-        self._last = self._loop.time()
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _check(self) -> None:
-        due = self._last + self._idle_s
-        if self._loop.time() < due:
-            self._timer = self._loop.call_at(due, self._check)
-            return
-        self._timer = None
-        logger.debug("closing an idle memory store connection")
-        # Closing makes the pending receive end, and with it the connection's handler.
-        self._closing = asyncio.create_task(
-            self._ws.close(code=IDLE_CLOSE_CODE, message=b"idle timeout")
-        )
-
-
-def _served(call: Call) -> AbstractContextManager[Span]:
-    """The server span of a query, store or delete: the child of the caller's span when its
-    params carry a ``traceparent`` (see the handshake's capabilities). Ended before the reply
-    is sent, so a caller that has its answer finds the span ended."""
-    if call.method not in _TRACED or not tracing.active():
-        return tracing.NO_SPAN
-    return TRACER.span(
-        call.method,
-        kind=tracing.SERVER,
-        parent=tracing.context_of(call.params),
-        attributes={"rpc.system": "jsonrpc", "rpc.method": call.method},
-    )
-
-
-def _traced_hits(hits: Sequence[MemoryHit]) -> None:
-    span = tracing.current_span()
-    if span.is_recording():
-        span.set_attribute("arona.store.hits", len(hits))
-
-
-def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
-    value = params.get(key)
-    if value is None or isinstance(value, str):
-        return value
-    raise _bad_params(f"{key} must be a string")
-
-
-def _occurred_at(properties: Mapping[str, str]) -> datetime | None:
-    """When the memory happened: ``properties["occurred_at"]`` (an RFC 3339 time with its
-    offset, e.g. ``2023-05-08T13:56:00Z``); None (now) when absent."""
-    value = properties.get(OCCURRED_AT)
-    if value is None:
-        return None
-    try:
-        when = datetime.fromisoformat(value.strip())
-        if value.strip()[10:11] not in ("T", "t", " ") or when.utcoffset() is None:
-            raise ValueError("not an RFC 3339 time with its offset")
-        key_of(when.timestamp())
-    except (ValueError, OverflowError, StoreError):
-        raise _bad_params(
-            f"properties.{OCCURRED_AT} must be an RFC 3339 time with its offset,"
-            " e.g. 2023-05-08T13:56:00Z"
-        ) from None
-    return when
-
-
-def _answer(batch: Sequence[tuple[object, asyncio.Future[_T]]], results: Sequence[_T]) -> None:
-    """Answer each waiting call of a write or delete batch with its result (a call its
-    caller gave up on is skipped)."""
-    for (_, done), result in zip(batch, results, strict=True):
-        if not done.done():
-            done.set_result(result)
-
-
-def _refuse(batch: Sequence[tuple[object, asyncio.Future[_T]]], error: Exception) -> None:
-    """Answer each waiting call of a batch that failed with ``error``."""
-    for _, done in batch:
-        if not done.done():
-            done.set_exception(error)
-
-
 class StoreServer:
     """The embedded Philia-compatible store, listening. Build with :meth:`start`."""
 
@@ -334,7 +192,7 @@ class StoreServer:
         self.port = 0
         self._greeting = jsonrpc.notification_frame(
             SERVER_VERSION,
-            {"version": _version(), "build_info": f"arona-store ({store.backend})"},
+            {"version": server_version(), "build_info": f"arona-store ({store.backend})"},
         )
         self._methods: dict[str, _Handler] = {
             QUERY: self._query,
@@ -536,8 +394,8 @@ class StoreServer:
         )
         await ws.prepare(request)
         self._connections.add(ws)
-        session = _Session()
-        idle = _IdleWatch(ws, self._idle_timeout_s)
+        session = Session()
+        idle = IdleWatch(ws, self._idle_timeout_s)
         try:
             await ws.send_str(self._greeting)
             while True:
@@ -552,7 +410,7 @@ class StoreServer:
                     replies = answer
                 elif answer[0].method == QUERY and self._recall_executor is None:
                     # Answered at once unless another thread holds the reader.
-                    with _served(answer[0]):
+                    with served(answer[0]):
                         now = self._query_now(answer[0])
                         replies = now if now is not None else await self._run(*answer)
                 elif answer[0].method in _IN_BACKGROUND or answer[0].method == QUERY:
@@ -578,7 +436,7 @@ class StoreServer:
         return ws
 
     async def _answer_later(self, ws: web.WebSocketResponse, call: Call, handler: _Handler) -> None:
-        with _served(call):
+        with served(call):
             replies = await self._run(call, handler)
         try:
             for reply in replies:
@@ -588,7 +446,7 @@ class StoreServer:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _dispatch(self, frame: str | bytes, session: _Session) -> list[str] | tuple[Call, _Handler]:
+    def _dispatch(self, frame: str | bytes, session: Session) -> list[str] | tuple[Call, _Handler]:
         """The frames to send back for one received frame (possibly none), or the method
         call to run for it."""
         if isinstance(frame, bytes):
@@ -631,14 +489,14 @@ class StoreServer:
     def _query_now(self, call: Call) -> list[str] | None:
         """A recall's reply frames, computed right here; None if it has to wait."""
         try:
-            query, limit, node_type = _query_params(call.params)
+            query, limit, node_type = query_params(call.params)
             hits = self.store.try_query(query, limit, node_type=node_type)
         except Exception as exc:
             return self._failed(call, exc)
         if hits is None:
             return None
-        _traced_hits(hits)
-        return self._reply(call, _query_result(query, hits))
+        traced_hits(hits)
+        return self._reply(call, query_result(query, hits))
 
     def _failed(self, call: Call, exc: Exception) -> list[str]:
         tracing.failed(tracing.current_span(), type(exc).__name__)
@@ -658,10 +516,10 @@ class StoreServer:
             return [jsonrpc.error_frame(request_id, outcome.code, outcome.message)]
         return [jsonrpc.result_frame(request_id, outcome)]
 
-    def _handshake(self, call: Call, session: _Session) -> dict[str, Any] | RpcError:
+    def _handshake(self, call: Call, session: Session) -> dict[str, Any] | RpcError:
         token = call.params.get("token")
         if token is not None and not isinstance(token, str):
-            return _bad_params("token must be a string")
+            return bad_params("token must be a string")
         if token is None or not hmac.compare_digest(token.encode("utf-8"), self._token):
             session.refused = True
             return {"ok": False, "error": "invalid token", "session_id": None, "reconnect": False}
@@ -677,48 +535,48 @@ class StoreServer:
             "capabilities": [tracing.TRACE_CONTEXT],
         }
 
-    async def _in_db(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _in_db(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, tracing.carried(fn), *args)
 
     async def _query(self, params: dict[str, Any]) -> dict[str, Any]:
         """A recall that another thread's recall holds up: it waits on the worker thread (a
         hybrid recall always runs on the recall thread)."""
-        query, limit, node_type = _query_params(params)
+        query, limit, node_type = query_params(params)
         recall = functools.partial(self.store.query, query, limit, node_type=node_type)
         if self._recall_executor is not None:
             loop = asyncio.get_running_loop()
             hits = await loop.run_in_executor(self._recall_executor, tracing.carried(recall))
         else:
             hits = await self._in_db(recall)
-        _traced_hits(hits)
-        return _query_result(query, hits)
+        traced_hits(hits)
+        return query_result(query, hits)
 
     async def _store(self, params: dict[str, Any]) -> dict[str, Any]:
         text = params.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise _bad_params("text must be a non-empty string")
+            raise bad_params("text must be a non-empty string")
         node_type = params.get("node_type", "episode")
         if not isinstance(node_type, str) or not node_type.strip():
-            raise _bad_params("node_type must be a non-empty string")
-        source_episode_id = _optional_str(params, "source_episode_id")
+            raise bad_params("node_type must be a non-empty string")
+        source_episode_id = optional_str(params, "source_episode_id")
         related = params.get("related_node_ids")
         if related is None:
             related = []
         if not isinstance(related, list) or not all(isinstance(x, str) for x in related):
-            raise _bad_params("related_node_ids must be a list of strings")
+            raise bad_params("related_node_ids must be a list of strings")
         properties = params.get("properties")
         if properties is None:
             properties = {}
         if not isinstance(properties, dict) or not all(
             isinstance(v, str) for v in properties.values()
         ):
-            raise _bad_params("properties must be an object of strings")
+            raise bad_params("properties must be an object of strings")
 
         node = NewNode(
             text=text,
             node_type=node_type,
-            created_at=_occurred_at(properties),
+            created_at=occurred_at_of(properties),
             source_episode_id=source_episode_id,
             related_node_ids=related,
             properties=properties,
@@ -753,10 +611,10 @@ class StoreServer:
                         functools.partial(self.store.add_many, refresh=True, embed=False), nodes
                     )
             except Exception as exc:
-                _refuse(batch, self._write_failure(exc))
+                refuse_all(batch, self._write_failure(exc))
                 continue
             self._storage.succeeded(STORE_PART)
-            _answer(batch, ids)
+            answer_all(batch, ids)
             if self._embed_executor is not None:
                 self._embed_later(ids)
             self._commits += 1
@@ -863,7 +721,7 @@ class StoreServer:
         deletes that arrive while others are being erased share the next erasure."""
         node_id = params.get("node_id")
         if not isinstance(node_id, str) or not node_id:
-            raise _bad_params("node_id must be a non-empty string")
+            raise bad_params("node_id must be a non-empty string")
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._deletes.append((node_id, done))
         if self._deleter is None or self._deleter.done():
@@ -879,9 +737,9 @@ class StoreServer:
             try:
                 found = await self._in_db(self.store.delete_many, [node for node, _ in batch])
             except Exception as exc:
-                _refuse(batch, self._write_failure(exc))
+                refuse_all(batch, self._write_failure(exc))
                 continue
-            _answer(batch, found)
+            answer_all(batch, found)
 
 
 async def serve_forever(

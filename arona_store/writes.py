@@ -18,7 +18,7 @@ import sqlite3
 import uuid
 from collections.abc import Iterable
 
-from arona_grpc.database import LogInUse, sqlite_erase
+from arona_common.database import LogInUse, sqlite_erase
 from arona_store import context
 from arona_store.cjk import INSERT_CJK, cjk_index_text
 from arona_store.nodes import NewNode, Row, StoreError, Timestamp, digest, epoch, key_of
@@ -160,7 +160,7 @@ def erase_deleted(conn: sqlite3.Connection) -> None:
     is merged, and the write-ahead log keeps the pages written until it is reset. So every
     full-text index is merged into one segment (``optimize``; the connection zeroes the pages
     it frees, ``PRAGMA secure_delete``), and the log is copied into the database and truncated
-    (:func:`~arona_grpc.database.sqlite_erase`, which waits a little for a reader to finish).
+    (:func:`~arona_common.database.sqlite_erase`, which waits a little for a reader to finish).
     :class:`StoreError` if a reader kept the log from being reset (the next delete tries again).
     """
     for index in FULL_TEXT_INDEXES:

@@ -6,7 +6,7 @@ client, the conversation database and the usage meter, and closes them on shutdo
 after giving pending writebacks a short grace period.
 
 Every HTTP request gets its request id in :class:`GatewayApp` (returned as
-``X-Request-Id``), every REST chat turn its server span there (arona_grpc.tracing), and
+``X-Request-Id``), every REST chat turn its server span there (arona_common.tracing), and
 ``GET /metrics`` serves the Prometheus exposition of :mod:`gateway_http.metrics` (unless
 ``ARONA_METRICS=false``).
 """
@@ -20,7 +20,6 @@ from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
 import grpc
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -30,11 +29,11 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable, open_pool
+from arona_common.storage import StorageFaults
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, open_pool
 from arona_grpc.logs import REQUEST_ID, request_id_or_new
-from arona_grpc.storage import StorageFaults
 from gateway_http.auth import ApiKeys, AuthError, JwtVerifier, RestAuth, RpcAuth, bearer
 from gateway_http.bodies import DisconnectLog
 from gateway_http.conversations import open_conversations
@@ -80,8 +79,8 @@ _TURN_ROUTES: dict[str, _TurnRoute] = {
 
 def _error_response(error: GatewayError) -> Response:
     return Response(
-        orjson.dumps(error.openai_body()),
-        status_code=error.mapping.http_status,
+        error.response_body(),
+        status_code=error.http_status,
         media_type="application/json",
         headers=error.headers,
     )
@@ -325,6 +324,7 @@ def create_app(
             metrics=metrics,
             storage=storage,
             usage=usage,
+            placement=settings.memory_placement,
         )
         api_keys = ApiKeys(settings.api_keys)
         if api_keys.open:
@@ -371,7 +371,7 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(responses.router)
     app.include_router(
-        rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
+        rpc_router(lambda: app.state.gateway.dispatcher, settings.rpc_max_body_bytes)
     )
     app.include_router(console.router)
     if settings.metrics:
@@ -407,7 +407,7 @@ def create_app(
 
     @app.exception_handler(DatabaseUnavailable)
     async def _database_unavailable(request: Request, exc: DatabaseUnavailable) -> Response:
-        # Said once per outage by arona_grpc.database; here only its answer.
+        # Said once per outage by arona_common.database; here only its answer.
         return _error_response(database_unavailable())
 
     @app.exception_handler(rest.ClientGone)

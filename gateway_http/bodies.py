@@ -12,13 +12,15 @@ import logging
 
 from starlette.requests import ClientDisconnect, Request
 
-from arona_grpc.config import DEFAULT_MAX_BODY_BYTES
+from arona_grpc.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RPC_MAX_BODY_BYTES
 from arona_grpc.failure_log import FailureLog
 
 logger = logging.getLogger(__name__)
 
-# The default of ARONA_HTTP_MAX_BODY_BYTES; the app reads its own from the settings.
+# The defaults of ARONA_HTTP_MAX_BODY_BYTES and ARONA_RPC_MAX_BODY_BYTES; the app reads its
+# own from the settings.
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
+RPC_MAX_BODY_BYTES = DEFAULT_RPC_MAX_BODY_BYTES
 DISCONNECT_LOG_EVERY_S = 10.0
 
 

@@ -11,7 +11,7 @@ picks the backend. :class:`SqliteConversationStore` keeps one file (``conversati
 one worker thread that owns the connection: a commit may wait on the disk and must never
 stall the event loop. :class:`PostgresConversationStore` uses the process's connection pool;
 when the database is unreachable its calls raise
-:class:`~arona_grpc.database.DatabaseUnavailable` at once.
+:class:`~arona_common.database.DatabaseUnavailable` at once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from arona_grpc.database import (
+from arona_common.database import (
     DatabaseUnavailable,
     SqliteThread,
     run_on,
@@ -329,7 +329,7 @@ class SqliteConversationStore:
 
 
 # Deleted rows leave the tables' pages at once rather than at autovacuum's next pass (what
-# PostgreSQL's own write-ahead log keeps is the database's: README, "What is kept").
+# PostgreSQL's own write-ahead log keeps is the database's: docs/forgetting.md).
 _VACUUM = "VACUUM conversations, messages"
 
 

@@ -14,11 +14,12 @@ enforced before the data is buffered:
 - **an idle connection**, one that has never sent a request included, is closed after
   ``ARONA_HTTP_KEEPALIVE_S``.
 
-The body's size (``ARONA_HTTP_MAX_BODY_BYTES``) is enforced by the routes while they read it
-(:mod:`gateway_http.bodies`); uvicorn stops reading the socket while a body waits unread, so
-nothing piles up. A WebSocket message's size is the same limit, given to uvicorn's WebSocket
-protocol (``ws_max_size``), which refuses a larger frame from its header, before its payload
-is read and before the app (and so authentication) runs: close code 1009.
+The body's size (``ARONA_HTTP_MAX_BODY_BYTES``, ``ARONA_RPC_MAX_BODY_BYTES`` for JSON-RPC) is
+enforced by the routes while they read it (:mod:`gateway_http.bodies`); uvicorn stops reading
+the socket while a body waits unread, so nothing piles up. A WebSocket message (JSON-RPC's) is
+held to ``ARONA_RPC_MAX_BODY_BYTES``, given to uvicorn's WebSocket protocol (``ws_max_size``),
+which refuses a larger frame from its header, before its payload is read and before the app
+(and so authentication) runs: close code 1009.
 :class:`EdgeWebSocketProtocol` lets go of what the refusal kept: the parser's exception held
 the last piece of the frame read (about 1 MiB) in a reference cycle until the cycle
 collector came by, so ten refused sockets grew the process by 11 MiB.
@@ -72,7 +73,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {
         "http": protocol,
         "ws": EdgeWebSocketProtocol,
-        "ws_max_size": settings.http_max_body_bytes,
+        "ws_max_size": settings.rpc_max_body_bytes,
         # EdgeProtocol keeps its own (fractional) idle timeout; this is uvicorn's copy.
         "timeout_keep_alive": max(1, math.ceil(settings.http_keepalive_s)),
     }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import orjson
 
 
 class ErrorKind(enum.Enum):
@@ -89,7 +90,12 @@ def is_rest(path: str) -> bool:
 
 
 class GatewayError(Exception):
-    """A failure with a message that is safe to show to the client."""
+    """A failure with a message that is safe to show to the client.
+
+    Most take their REST status and body from the table. One that passes on an upstream's own
+    answer (gateway_http.routes.rest.upstream_failure) has its ``status`` and its ``body``
+    (bytes, sent as they are) instead; its ``headers`` then carry the content type.
+    """
 
     def __init__(
         self,
@@ -98,6 +104,9 @@ class GatewayError(Exception):
         code: str | None = None,
         *,
         headers: dict[str, str] | None = None,
+        status: int | None = None,
+        body: bytes | None = None,
+        data: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
@@ -106,18 +115,39 @@ class GatewayError(Exception):
         self.code = code or kind.value
         # Headers of the REST answer (a turn's memory state when it failed after recalling).
         self.headers = headers
+        self._status = status
+        self._body = body
+        # More for the JSON-RPC error's data than its code (an upstream's status, ...).
+        self._data = data
 
     @property
     def mapping(self) -> Mapping:
         return TABLE[self.kind]
 
+    @property
+    def http_status(self) -> int:
+        """The REST answer's status."""
+        return self._status if self._status is not None else self.mapping.http_status
+
+    def response_body(self) -> bytes:
+        """The REST answer's body."""
+        return self._body if self._body is not None else orjson.dumps(self.openai_body())
+
     def openai_body(self) -> dict[str, Any]:
+        if self._body is not None:
+            # An upstream's own answer (a JSON object, or it would not be passed on as is).
+            try:
+                answer = orjson.loads(self._body)
+            except orjson.JSONDecodeError:
+                answer = None
+            if isinstance(answer, dict):
+                return answer
         return {
             "error": {"message": self.message, "type": self.mapping.openai_type, "code": self.code}
         }
 
-    def jsonrpc_error(self) -> tuple[int, str, dict[str, str]]:
-        return self.mapping.jsonrpc_code, self.message, {"code": self.code}
+    def jsonrpc_error(self) -> tuple[int, str, dict[str, Any]]:
+        return self.mapping.jsonrpc_code, self.message, {"code": self.code, **(self._data or {})}
 
 
 def bad_input(message: str) -> GatewayError:

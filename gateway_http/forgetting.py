@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import sqlite3
 
+from arona_common.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.scopes import principal_error, scope_error
+from arona_grpc.service import DATABASE_UNAVAILABLE
 from gateway_http.conversations import open_conversations
-from gateway_http.errors import GatewayError
+from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.grpc_channel import open_memory_channel
-from gateway_http.memory_client import ForgetTarget, command_client
+from gateway_http.memory_client import ForgetTarget, MemoryClient, command_client
 
 
 class ForgetRefused(Exception):
@@ -54,13 +55,11 @@ async def forget(settings: Settings, target: ForgetTarget, *, keep_conversations
     _check(target)
     channel = open_memory_channel(settings)
     client = command_client(settings, channel)
+    where = settings.grpc_targets[0]
     try:
         deleted = await client.forget(target)
     except GatewayError as exc:
-        raise ForgetRefused(
-            f"the memory service did not finish: {exc.message} (nothing is reported done; "
-            "run the same command again)"
-        ) from None
+        raise ForgetRefused(await _failed(client, where, exc)) from None
     finally:
         await channel.close(None)
     done = f"forgot {deleted:,} episode(s) of {_described(target)}"
@@ -69,6 +68,27 @@ async def forget(settings: Settings, target: ForgetTarget, *, keep_conversations
         return done + "; conversations kept"
     gone = await _forget_conversations(settings, owner)
     return f"{done} and {gone:,} conversation(s)"
+
+
+async def _failed(client: MemoryClient, where: str, exc: GatewayError) -> str:
+    """Why the memory service at ``where`` did not forget, naming it: the command may have
+    dialled another address than the one the gateway serves on."""
+    if exc.kind is ErrorKind.AUTH:
+        return f"the memory service at {where} refused the credentials (ARONA_GRPC_TOKEN)"
+    if exc.kind is ErrorKind.UNAVAILABLE and exc.code != DATABASE_UNAVAILABLE:
+        # Unavailable is also Philia's failure half-way; Status, which never asks Philia,
+        # tells an unreachable service from it.
+        try:
+            await client.status(1)
+        except GatewayError:
+            return (
+                f"cannot reach the memory service at {where} (is `arona-gateway up` or "
+                "`serve` running there? ARONA_GRPC_TARGET names it); nothing was forgotten"
+            )
+    return (
+        f"the memory service at {where} did not finish: {exc.message} (nothing is reported "
+        "done; run the same command again)"
+    )
 
 
 async def _forget_conversations(settings: Settings, owner: str | None) -> int:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arona_grpc.storage import StorageFaults
+from arona_common.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 

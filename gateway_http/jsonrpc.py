@@ -35,7 +35,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc.config import DEFAULT_RPC_MAX_BATCH
 from arona_grpc.logs import REQUEST_ID, new_request_id
 from gateway_http.auth import (
@@ -45,7 +45,7 @@ from gateway_http.auth import (
     Principal,
     bearer,
 )
-from gateway_http.bodies import MAX_BODY_BYTES, read_limited
+from gateway_http.bodies import RPC_MAX_BODY_BYTES, read_limited
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class _RpcSocket:
 
 
 def rpc_router(
-    get_dispatcher: Callable[[], Dispatcher], max_body_bytes: int = MAX_BODY_BYTES
+    get_dispatcher: Callable[[], Dispatcher], max_body_bytes: int = RPC_MAX_BODY_BYTES
 ) -> APIRouter:
     """Routes for ``/api/rpc`` over HTTP POST and WebSocket, serving ``get_dispatcher()``;
     a body or WebSocket message over ``max_body_bytes`` is refused."""

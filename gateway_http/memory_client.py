@@ -26,7 +26,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2 as pb
 from arona_grpc._gen.arona.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from arona_grpc.config import Settings

@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from arona_common.storage import StorageFaults
 from arona_grpc.metrics import LATENCY_BUCKETS, OwnMetrics, storage_gauge
-from arona_grpc.storage import StorageFaults
 
 logger = logging.getLogger(__name__)
 
-# This process's files (arona_grpc.storage).
+# This process's files (arona_common.storage).
 HTTP_STORAGE_PARTS = ("journal",)
 SURFACES = ("rest", "rest_stream", "rpc", "rpc_ws", "responses", "responses_stream")
 MEMORY_STATES = ("enabled", "disabled", "offline")

@@ -55,7 +55,9 @@ _WHY = {
     "(code model_not_found)",
     ErrorKind.TOO_LARGE: "The body is over ARONA_HTTP_MAX_BODY_BYTES",
     ErrorKind.UNSUPPORTED_MEDIA: "The body is not sent as Content-Type: application/json",
-    ErrorKind.UPSTREAM: "The upstream model failed or could not be reached",
+    ErrorKind.UPSTREAM: "The upstream model failed, could not be reached or refused the "
+    "gateway's key (an upstream's own 400, 404, 409, 413, 422 or 429 is answered with its status "
+    "and body instead)",
     ErrorKind.QUOTA: "The caller's monthly budget is used up (insufficient_quota)",
     ErrorKind.UNAVAILABLE: "The conversation database is unavailable",
     ErrorKind.REQUEST_TIMEOUT: "The request's head or body did not arrive in time",
@@ -369,7 +371,7 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
                     "The answer (errors too, as JSON-RPC error objects)",
                 ),
                 "204": {"description": "Only notifications: nothing to answer"},
-                "413": _json(_RPC_RESPONSE, "The body is over ARONA_HTTP_MAX_BODY_BYTES"),
+                "413": _json(_RPC_RESPONSE, "The body is over ARONA_RPC_MAX_BODY_BYTES"),
                 **_errors(),
             },
         },

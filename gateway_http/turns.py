@@ -5,13 +5,17 @@ recall -> persist -> forward -> writeback:
 1. assemble the context: the stored history of ``conversation_id`` (if any)
    followed by the request's messages;
 2. recall memories for the last user message through the gRPC
-   ``MemoryService`` and prepend them as one ``system`` message (idempotent:
-   a context that already carries an injected section, a ``system`` message that is
+   ``MemoryService`` and inject them as one message, first or after the client's leading
+   system/developer messages (``ARONA_MEMORY_PLACEMENT``), in each backend's role
+   (idempotent: a context that already carries an injected section, a message that is
    exactly one, is left alone; a message that merely quotes the header is not one);
 3. persist the request's messages to the conversation;
 4. forward the turn upstream (whole or streamed);
 5. once the reply is complete, persist it and write the turn back as an
-   episode in a background task that never blocks or alters the response.
+   episode in a background task that never blocks or alters the response. A tool loop is
+   one turn (gateway_http.tool_loops): a reply calling tools is a step, not written back;
+   the loop's final answer is, with the loop's user message. Of several choices (``n``),
+   choice 0 is the one kept, streamed or not.
 
 The model is routed before anything else (:class:`~gateway_http.upstream.routing.Router`):
 a model no backend serves is refused before recall or persistence. Recall runs once per
@@ -37,15 +41,22 @@ from typing import Any
 
 from opentelemetry.trace import Span
 
-from arona_grpc import tracing
-from arona_grpc.database import DatabaseUnavailable
-from arona_grpc.storage import StorageFaults
+from arona_common import tracing
+from arona_common.database import DatabaseUnavailable
+from arona_common.storage import StorageFaults
 from gateway_http.conversations import ConversationStore
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.journal import JOURNAL_COST, JOURNAL_PART, Journal, Journaled
 from gateway_http.memory_client import DISABLED, MemoryClient
-from gateway_http.messages import is_memory_section, last_user_text, message_text
+from gateway_http.messages import (
+    is_memory_section,
+    last_user_message,
+    message_text,
+    section_index,
+    stored_user_text,
+)
 from gateway_http.metrics import GatewayMetrics, NoMetrics
+from gateway_http.tool_loops import stored_answer
 from gateway_http.upstream.routing import MAX_TRACED_MODEL_CHARS, OK, Attempt, Route, Router
 from gateway_http.usage.meter import EndedTurn
 from gateway_http.usage.metering import Metering
@@ -77,7 +88,8 @@ class PreparedTurn:
     request: TurnRequest
     upstream_body: dict[str, Any]
     memory_state: str
-    # The last user message of the assembled context ("" when there is none).
+    # The text of the last user message of the assembled context ("" when there is none):
+    # what was recalled for.
     user_text: str
     # Memories injected, and the time the recall took (0 when there was none).
     memory_count: int = 0
@@ -93,6 +105,11 @@ class PreparedTurn:
     # The memory section injected ("" for none), and the reply as far as it came: what the
     # meter counts when the upstream reports no usage.
     section: str = ""
+    # Where the section is in upstream_body["messages"] (None: none was injected).
+    section_at: int | None = None
+    # What an episode keeps of the user's message: its text, or markers for a message of
+    # parts without text (gateway_http.messages.stored_user_text).
+    stored_user: str = ""
     reply: StreamedReply | None = None
     reply_message: dict[str, Any] | None = None
     # The turn's server span (REST, or chat.send): what finished() describes, and what the
@@ -130,9 +147,10 @@ class TurnReply:
 def has_memory_section(messages: list[dict[str, Any]]) -> bool:
     """Whether the context already carries an injected section (then none is added).
 
-    Only a ``system`` message that is exactly a section counts: with the ``echo`` model a
-    conversation's stored assistant replies quote the sections they were given, and those
-    must not switch memory off for the rest of the conversation.
+    Only a message that is exactly a section counts, in whatever role and place it was
+    injected: with the ``echo`` model a conversation's stored assistant replies quote the
+    sections they were given, and those must not switch memory off for the rest of the
+    conversation.
     """
     return any(is_memory_section(m) for m in messages)
 
@@ -149,8 +167,11 @@ class TurnPipeline:
         metrics: GatewayMetrics | None = None,
         storage: StorageFaults | None = None,
         usage: Metering | None = None,
+        placement: str = "first",
     ) -> None:
         self._memory = memory
+        # Where the memory section goes (ARONA_MEMORY_PLACEMENT).
+        self._placement = placement
         # This process's files that cannot be written now (the journal): said once, shown
         # by memory.status.
         self.storage = storage or StorageFaults()
@@ -192,12 +213,16 @@ class TurnPipeline:
             with conversation_errors():
                 history = await self._conversations.messages(request.conversation_id)
         messages = [*history, *new_messages]
-        user_text = last_user_text(messages)
+        # A step of a tool loop ends with tool results: its last user message is the loop's,
+        # so every step recalls for it (and is written back with it once the loop ends).
+        user_message = last_user_message(messages)
+        user_text = message_text(user_message)
 
         state = DISABLED
         count = 0
         recall_s = 0.0
         section = ""
+        section_at: int | None = None
         if (
             request.memory is not False
             and self._has_memory(request)
@@ -211,7 +236,10 @@ class TurnPipeline:
             state = recall.state
             if recall.section:
                 section = recall.section
-                messages.insert(0, {"role": "system", "content": section})
+                # As a system message here; each backend gets it in its own role
+                # (routing.Target.body).
+                section_at = section_index(messages, self._placement)
+                messages.insert(section_at, {"role": "system", "content": section})
                 count = recall.count
 
         if request.conversation_id is not None:
@@ -221,7 +249,16 @@ class TurnPipeline:
         upstream_body = dict(request.body)
         upstream_body["messages"] = messages
         return PreparedTurn(
-            request, upstream_body, state, user_text, count, recall_s, route=route, section=section
+            request,
+            upstream_body,
+            state,
+            user_text,
+            count,
+            recall_s,
+            route=route,
+            section=section,
+            section_at=section_at,
+            stored_user=stored_user_text(user_message),
         )
 
     def finished(self, turn: PreparedTurn, surface: str, outcome: str) -> None:
@@ -245,7 +282,9 @@ class TurnPipeline:
     async def complete(self, turn: PreparedTurn) -> TurnReply:
         """Forward the turn and wait for the whole reply (UpstreamError propagates)."""
         turn.upstream_start = time.perf_counter()
-        completion = await self._router.complete(turn.route, turn.upstream_body, turn.attempts)
+        completion = await self._router.complete(
+            turn.route, turn.upstream_body, turn.attempts, turn.section_at
+        )
         turn.upstream_first = turn.upstream_end = time.perf_counter()
         choice = first_choice(completion)
         returned = choice.get("message")
@@ -253,7 +292,7 @@ class TurnPipeline:
         content = message_text(message) if message else ""
         reply = message or {"role": "assistant", "content": content}
         turn.reply_message = reply
-        await self._finish(turn, content, reply, writeback=True)
+        await self._finish(turn, reply, writeback=True)
         usage = completion.get("usage")
         return TurnReply(
             completion,
@@ -272,7 +311,9 @@ class TurnPipeline:
 
         With metering on, the upstream is asked for its usage
         (``stream_options.include_usage``); a client that did not ask for it does not see
-        it (the extra chunk is left out, and the ``usage`` member of the others).
+        it (the extra chunk is left out, and the ``usage`` member of the others). When the
+        client sent no ``stream_options`` at all, a backend that refuses them gets the turn
+        without (the router retries it at once and remembers); the meter then estimates.
         """
         reply = turn.reply = StreamedReply()
         body = turn.upstream_body
@@ -280,8 +321,13 @@ class TurnPipeline:
         if self._usage is not None and not _asks_usage(body):
             body = {**body, "stream_options": {**_stream_options(body), "include_usage": True}}
             strip_usage = True
+        # Only the gateway's own stream_options may be dropped: a client's reaches the backend,
+        # and the backend's answer to it reaches the client.
+        optional = strip_usage and "stream_options" not in turn.upstream_body
         turn.upstream_start = time.perf_counter()
-        upstream = self._router.stream(turn.route, body, turn.attempts)
+        upstream = self._router.stream(
+            turn.route, body, turn.attempts, turn.section_at, usage_optional=optional
+        )
         try:
             async for chunk in upstream:
                 if not turn.upstream_first:
@@ -295,7 +341,7 @@ class TurnPipeline:
         finally:
             await upstream.aclose()
         turn.upstream_end = time.perf_counter()
-        await self._finish(turn, reply.text, reply.message(), writeback=writeback)
+        await self._finish(turn, reply.message(), writeback=writeback)
 
     async def drain(self, grace_s: float) -> None:
         """Give pending writebacks up to ``grace_s`` seconds to finish."""
@@ -322,9 +368,7 @@ class TurnPipeline:
         with conversation_errors():
             await self._conversations.get(conversation_id, owner)
 
-    async def _finish(
-        self, turn: PreparedTurn, content: str, reply: dict[str, Any], *, writeback: bool
-    ) -> None:
+    async def _finish(self, turn: PreparedTurn, reply: dict[str, Any], *, writeback: bool) -> None:
         conversation_id = turn.request.conversation_id
         if conversation_id is not None:
             try:
@@ -332,14 +376,20 @@ class TurnPipeline:
                 await self._conversations.append(conversation_id, reply)
             except DatabaseUnavailable as exc:
                 # The answer exists; losing its copy in the history must not lose the answer.
-                # (The outage is said once, by arona_grpc.database.)
+                # (The outage is said once, by arona_common.database.)
                 logger.debug("the reply was not added to its conversation: %s", exc)
-        if writeback and (turn.user_text or content) and self.writes_back(turn.request):
+        if not writeback:
+            return
+        # None: a step of a tool loop (the loop's final answer is stored, with its question).
+        content = stored_answer(turn.request.body, reply)
+        # A side of markers alone ([image]) is kept only beside an answer.
+        if content is not None and (turn.user_text or content) and self.writes_back(turn.request):
+            user = turn.stored_user
             scope = turn.request.scope or ""
             # Journaled before the reply's last byte leaves: a hard kill from here on loses
             # nothing.
-            entry = self._journal_add(turn.user_text, content, scope)
-            task = asyncio.create_task(self._writeback(turn.user_text, content, scope, entry))
+            entry = self._journal_add(user, content, scope)
+            task = asyncio.create_task(self._writeback(user, content, scope, entry))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             writing = self._writing.setdefault(scope, set())
@@ -482,7 +532,15 @@ class TurnPipeline:
             prompt = [{"role": "system", "content": section}, *prompt]
         metered = {"model": request.body["model"], "messages": prompt}
         return PreparedTurn(
-            request, metered, state, user_text, count, recall_s, route=route, section=section
+            request,
+            metered,
+            state,
+            user_text,
+            count,
+            recall_s,
+            route=route,
+            section=section,
+            stored_user=user_text,
         )
 
     async def finish_response(self, turn: PreparedTurn, output_text: str) -> None:
@@ -491,7 +549,7 @@ class TurnPipeline:
         as a chat turn is."""
         reply = {"role": "assistant", "content": output_text}
         turn.reply_message = reply
-        await self._finish(turn, output_text, reply, writeback=True)
+        await self._finish(turn, reply, writeback=True)
 
 
 def _log_answer(turn: PreparedTurn, outcome: str) -> None:
@@ -581,15 +639,20 @@ def _ended(turn: PreparedTurn, surface: str, outcome: str) -> EndedTurn:
     )
 
 
-def first_choice(completion: dict[str, Any]) -> dict[str, Any]:
-    choices = completion.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0]
+def first_choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """Choice 0 of a reply or a chunk (``{}`` when it has none): the one a turn keeps when
+    ``n`` asks for several. A stream's chunk carries one choice, of any index."""
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                return choice
     return {}
 
 
 class StreamedReply:
-    """The assistant message a stream of chunks adds up to: text and tool calls assembled."""
+    """The assistant message a stream of chunks adds up to: text and tool calls assembled,
+    of choice 0 only (by each chunk's ``index``), as the JSON answer keeps."""
 
     def __init__(self) -> None:
         self._parts: list[str] = []

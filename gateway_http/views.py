@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from arona_grpc.database import DatabaseUnavailable
+from arona_common.database import DatabaseUnavailable
 from gateway_http.conversations import (
     PAGE_DEFAULT_MESSAGES,
     PAGE_MAX_MESSAGES,
@@ -81,7 +81,7 @@ def conversation_errors() -> Iterator[None]:
     try:
         yield
     except DatabaseUnavailable:
-        # The outage is said once, by arona_grpc.database.
+        # The outage is said once, by arona_common.database.
         raise database_unavailable() from None
     except ConversationNotFound:
         raise GatewayError(

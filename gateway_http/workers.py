@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from arona_grpc.config import Settings
 
-# What a child logs once it serves: the gRPC service its address (gateway_http.cli._serve),
-# an HTTP worker uvicorn's end of start-up.
+# What a child logs once it serves: the gRPC service its address
+# (gateway_http.commands.serving.serve), an HTTP worker uvicorn's end of start-up.
 _GRPC_READY = re.compile(r"serving on (\S+)")
 _HTTP_READY = re.compile(r"Application startup (complete)")
 START_TIMEOUT_S = 60.0

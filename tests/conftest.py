@@ -94,7 +94,7 @@ async def pool(backend: str | None) -> AsyncIterator[Any]:
     if backend is None:
         yield None
         return
-    from arona_grpc.database import open_pool
+    from arona_common.database import open_pool
 
     opened = await open_pool(backend)
     yield opened

@@ -6,11 +6,15 @@ level, inside a function (a late import is still a dependency, only a deferred o
 ``if TYPE_CHECKING:`` (an import made only for a type annotation still ties the two modules
 together, and is how a circle hides). ``from package import name`` is an edge to the module
 ``package.name`` when that is a module, else to ``package`` itself. Importing a module also
-runs its packages' ``__init__``; those implicit edges are left out (the packages' ``__init__``
-modules import nothing; an import one made would be an edge like any other).
+runs its packages' ``__init__``; those implicit edges are left out (a package's ``__init__``
+imports nothing but, for a facade such as ``arona_grpc.service``, its own modules; each such
+import is an edge like any other).
 
-On that graph: no import circle anywhere, and the HTTP layer reaches memory only through the
-gRPC stub (STYLE.md).
+On that graph: no import circle anywhere; the HTTP layer reaches memory only through the gRPC
+stub (STYLE.md); the ground floor (``arona_common``) imports none of the layers, and the memory
+store, a server of its own, none of the layers above it. Beside it, the rooms' sizes: no
+hand-written module over :data:`MAX_MODULE_LINES` lines (the ones still over it may only
+shrink), and no module of the memory service's domain over :data:`MAX_DOMAIN_MODULE_LINES`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("arona_grpc", "gateway_http", "arona_store")
+PACKAGES = ("arona_common", "arona_grpc", "gateway_http", "arona_store")
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,13 @@ MEMORY_SIDE = (
     "arona_grpc.outbox",
     "arona_grpc.episodes",
 )
-# The command line starts that side itself (`arona-gateway up`, `store`, `check-memory`).
-ENTRY_POINT = "gateway_http.cli"
+# The command line starts that side itself (`arona-gateway up`, `store`, `check-memory`): its
+# entry point and the commands' package.
+COMMAND_LINE = ("gateway_http.cli", "gateway_http.commands")
+
+
+def _command_line(module: str) -> bool:
+    return any(module == part or module.startswith(f"{part}.") for part in COMMAND_LINE)
 
 
 def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
@@ -158,7 +167,7 @@ def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
     crossings = [
         edge
         for source, edges in graph.items()
-        if source.startswith("gateway_http.") and source != ENTRY_POINT
+        if source.startswith("gateway_http.") and not _command_line(source)
         for edge in edges
         if any(edge.target == side or edge.target.startswith(f"{side}.") for side in MEMORY_SIDE)
         and not (edge.names and all(name.isupper() for name in edge.names))
@@ -171,3 +180,68 @@ def test_the_http_layer_reaches_memory_only_through_the_grpc_stub() -> None:
         for edge in edges
     }
     assert "arona_grpc._gen.arona.memory.v1.memory_service_pb2_grpc" in reached
+
+
+# Each layer and what it may import of the project's packages besides itself.
+ALLOWED_BELOW = {
+    "arona_common": set(),
+    "arona_store": {"arona_common"},
+}
+
+
+def test_the_ground_floor_and_the_store_import_nothing_above_them() -> None:
+    known = modules()
+    graph = import_graph(known)
+    upward = [
+        edge
+        for source, edges in graph.items()
+        for edge in edges
+        if (layer := source.split(".")[0]) in ALLOWED_BELOW
+        and (target := edge.target.split(".")[0]) != layer
+        and target not in ALLOWED_BELOW[layer]
+    ]
+    assert not upward, "imports from a layer above:\n" + describe(upward, known)
+
+
+# A module one can hold in one's head; generated stubs and the console's script aside.
+MAX_MODULE_LINES = 800
+# The memory service's domain is one module per concern behind a facade, each smaller still.
+DOMAIN_PACKAGE = "arona_grpc/service"
+MAX_DOMAIN_MODULE_LINES = 500
+# Modules still over MAX_MODULE_LINES, with the most lines each may have until it is split.
+STILL_OVER = {
+    "bench/run.py": 1567,
+}
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def _hand_written() -> Iterator[Path]:
+    for package in (*PACKAGES, "bench", "scripts"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            relative = path.relative_to(REPO)
+            if "_gen" in relative.parts or ".venv" in relative.parts:
+                continue
+            yield path
+
+
+def test_no_hand_written_module_is_over_800_lines() -> None:
+    over = {
+        str(path.relative_to(REPO)): lines
+        for path in _hand_written()
+        if (lines := _line_count(path)) > MAX_MODULE_LINES
+    }
+    grown = {name: lines for name, lines in over.items() if lines > STILL_OVER.get(name, 0)}
+    assert not grown, f"modules over {MAX_MODULE_LINES} lines: {grown}"
+
+
+def test_each_module_of_the_memory_domain_owns_one_concern_and_says_which() -> None:
+    paths = sorted((REPO / DOMAIN_PACKAGE).glob("*.py"))
+    assert len(paths) >= 6
+    for path in paths:
+        lines = _line_count(path)
+        assert lines <= MAX_DOMAIN_MODULE_LINES, f"{path.name}: {lines} lines"
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        assert docstring, f"{path.name} does not say what it owns"

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from arona_common.redact import redact_url
 from arona_grpc.config import ConfigError, Settings
-from arona_grpc.redact import redact_url
+from tests.support.readme import DOCS, VARIABLE, gateway_variables
 
 
 def test_defaults() -> None:
@@ -251,3 +252,49 @@ def test_several_memory_urls_in_order_each_once(caplog: pytest.LogCaptureFixture
     assert "names a store more than once" in caplog.text and "token=x" not in caplog.text
     assert not Settings(memory_url=" , ", memory_token="t0k3n").memory_enabled
     assert Settings(memory_url="ws://a:1/ws").memory_urls == ("ws://a:1/ws",)
+
+
+def test_memory_placement_is_first_unless_after_system() -> None:
+    assert Settings.from_env({}).memory_placement == "first"
+    env = {"ARONA_MEMORY_PLACEMENT": "after_system"}
+    assert Settings.from_env(env).memory_placement == "after_system"
+    for wrong in ("last", "After_System", "system"):
+        with pytest.raises(ConfigError) as raised:
+            Settings.from_env({"ARONA_MEMORY_PLACEMENT": wrong})
+        assert "ARONA_MEMORY_PLACEMENT" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_v1_body_fits_openais_and_json_rpc_keeps_its_own_limit() -> None:
+    s = Settings.from_env({})
+    # OpenAI takes images of up to 20 MB (27 MB as a base64 data URL) and 25 MB audio uploads.
+    assert s.http_max_body_bytes >= 20 * 10**6 * 4 // 3 + 1024
+    assert s.rpc_max_body_bytes == 1 << 20
+    s = Settings.from_env({"ARONA_HTTP_MAX_BODY_BYTES": "5000", "ARONA_RPC_MAX_BODY_BYTES": "7000"})
+    assert (s.http_max_body_bytes, s.rpc_max_body_bytes) == (5000, 7000)
+
+
+# Read only to say they are no longer used (a warning names the replacement).
+RETIRED = {"ARONA_MEMORY_OUTBOX_MAX"}
+
+
+def _documented_rows() -> dict[str, str]:
+    """The configuration reference's table rows that document variables: each variable of a
+    row's first cell, and that row's default cell."""
+    rows: dict[str, str] = {}
+    for line in (DOCS / "reference" / "configuration.md").read_text().splitlines():
+        if not line.startswith("| `ARONA_"):
+            continue
+        cells = line.split(" | ")
+        for name in VARIABLE.findall(cells[0]):
+            rows[name] = cells[1]
+    return rows
+
+
+def test_the_configuration_reference_documents_every_variable_the_gateway_reads() -> None:
+    rows = _documented_rows()
+    assert sorted(gateway_variables() - RETIRED - set(rows)) == []
+    # The defaults of the limits a chat body meets, as the settings have them.
+    defaults = Settings()
+    assert rows["ARONA_HTTP_MAX_BODY_BYTES"].startswith(f"`{defaults.http_max_body_bytes}`")
+    assert rows["ARONA_RPC_MAX_BODY_BYTES"].startswith(f"`{defaults.rpc_max_body_bytes}`")
+    assert rows["ARONA_MEMORY_PLACEMENT"] == f"`{defaults.memory_placement}`"

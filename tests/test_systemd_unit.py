@@ -1,4 +1,4 @@
-"""deploy/arona-gateway.service: what the README shows, systemd accepts, and it runs the real
+"""deploy/arona-gateway.service: what docs/deploying.md shows, systemd accepts, and it runs the real
 command with variables the gateway reads, stopping as ``serve --workers`` needs."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway_http import cli, workers
+from gateway_http import workers
+from gateway_http.commands import build_parser
 from tests.support.readme import ROOT, VARIABLE, fenced_blocks, gateway_variables, region
 
 UNIT = ROOT / "deploy" / "arona-gateway.service"
@@ -35,9 +36,9 @@ def _settings(text: str) -> dict[str, list[str]]:
     return found
 
 
-def test_the_readme_shows_the_unit_file_as_it_is() -> None:
+def test_the_docs_show_the_unit_file_as_it_is() -> None:
     shown = fenced_blocks(region("file", "deploy/arona-gateway.service"), "ini")
-    assert shown == [UNIT.read_text()], "README.md's unit differs from deploy/arona-gateway.service"
+    assert shown == [UNIT.read_text()], "docs/deploying.md's unit differs from the file"
 
 
 def test_the_unit_runs_the_real_command_with_variables_the_gateway_reads() -> None:
@@ -46,7 +47,7 @@ def test_the_unit_runs_the_real_command_with_variables_the_gateway_reads() -> No
     argv = shlex.split(exec_start)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert Path(argv[0]).name in scripts
-    args = cli._parser().parse_args(argv[1:])
+    args = build_parser().parse_args(argv[1:])
     assert (args.command, args.workers) == ("serve", 4)
     # Secrets come from a file, never from the unit (which anyone may read).
     assert service["EnvironmentFile"] == ["/etc/arona/arona.env"]

@@ -40,8 +40,8 @@ import psycopg
 from pgvector import HalfVector
 from pgvector.psycopg import register_vector
 
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused
-from arona_grpc.redact import redact_text, redact_url, url_password
+from arona_common.database import DatabaseUnavailable, SchemaRefused
+from arona_common.redact import redact_text, redact_url, url_password
 from arona_store.nodes import Row, digest
 from arona_store.pg import schema
 from arona_store.pg.schema import WRITE_LOCK

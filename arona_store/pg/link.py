@@ -2,8 +2,8 @@
 
 A store on PostgreSQL holds two connections (its writer and its reader) for as long as it runs.
 When the database restarts or the network drops them, :class:`Link` says so once per outage
-(:func:`arona_grpc.database.unavailable`: one WARNING, then one INFO line when it answers again),
-every call meanwhile raises :class:`~arona_grpc.database.DatabaseUnavailable` at once (the
+(:func:`arona_common.database.unavailable`: one WARNING, then one INFO line when it answers again),
+every call meanwhile raises :class:`~arona_common.database.DatabaseUnavailable` at once (the
 gateway's memory call fails, and its turns go on without memory: nothing waits on a dead
 socket), and the first call after the database is back opens a new connection. Nothing the
 process holds is lost with the connection: the node table and the word engine follow the
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from arona_grpc.database import DatabaseUnavailable, database_answered, unavailable
+from arona_common.database import DatabaseUnavailable, database_answered, unavailable
 
 # What the store answers while its database is away (said once per outage).
 EFFECT = "the memory store's calls fail, so gateways answer without memory,"

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from arona_grpc.database import DatabaseUnavailable, Migration, SchemaRefused
-from arona_grpc.redact import redact_text, redact_url, url_password
+from arona_common.database import DatabaseUnavailable, Migration, SchemaRefused
+from arona_common.redact import redact_text, redact_url, url_password
 
 logger = logging.getLogger(__name__)
 

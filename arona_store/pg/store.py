@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from arona_grpc.redact import redact_url
+from arona_common.redact import redact_url
 from arona_store.base import StoreBase, hit
 from arona_store.hybrid import vector_model_id
 from arona_store.nodes import MemoryHit, Row
@@ -209,7 +209,7 @@ class PgMemoryStore(StoreBase):
         """Remove nodes in one transaction; for each, whether it existed. Every store
         process's next recall is without them (module docstring). PostgreSQL keeps a deleted
         row's bytes in its data files until they are vacuumed and overwritten, and in its
-        write-ahead log until it is recycled (see the README on erasure)."""
+        write-ahead log until it is recycled (see docs/forgetting.md)."""
         with self._lock:
             self._check_open()
             with self._writer.transaction() as conn:

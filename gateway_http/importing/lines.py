@@ -17,7 +17,10 @@ A **turn** is a chat completion as the OpenAI API logs it, its request and its r
      "choices": [{"message": {"role": "assistant", "content": "Noted!"}}]}}
 
 one episode: the request's last user message and the response's first choice, at the
-line's ``time``, else the response's ``created``, else now.
+line's ``time``, else the response's ``created``, else now; as a chat turn is written back, a
+response that calls tools is a step of a tool loop and no episode (the line of the loop's final
+answer is), and one calling the function the request forced stores the call's arguments
+(gateway_http.tool_loops).
 
 A time is RFC 3339 with a time zone (``"2023-05-08T13:56:00Z"``, ``"…+02:00"``) or POSIX
 seconds; the memory service's rule applies (not before 1970, not in the future). ``user`` is
@@ -43,6 +46,7 @@ from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import user_error, validate_messages
 from gateway_http.errors import GatewayError
 from gateway_http.messages import message_text
+from gateway_http.tool_loops import stored_answer
 
 # Roles whose messages carry no part of a turn's episode.
 _SKIPPED_ROLES = frozenset({"system", "developer", "tool", "function"})
@@ -107,11 +111,13 @@ def parse_line(
     if conversation_id is not None and not (isinstance(conversation_id, str) and conversation_id):
         raise BadLine("'conversation_id' must be a non-empty string")
     line_time = _time(record.get("time"), "time", now)
+    # A logged step of a tool loop: a line of no episode, and not a bad one.
+    step = False
     if "messages" in record:
         user = record.get("user")
         pairs = _conversation(record["messages"], line_time, now)
     elif "request" in record or "response" in record:
-        user, pair = _completion(record, line_time, now)
+        user, pair, step = _completion(record, line_time, now)
         pairs = [pair] if pair is not None else []
     else:
         raise BadLine(
@@ -120,7 +126,7 @@ def parse_line(
     problem = user_error(user)
     if problem is not None:
         raise BadLine(problem)
-    if not pairs:
+    if not pairs and not step:
         raise BadLine("no user or assistant text to import")
     for i, (user_text, reply, _) in enumerate(pairs):
         try:
@@ -192,7 +198,8 @@ def _conversation(
 
 def _completion(
     record: dict[str, Any], line_time: float | None, now: float
-) -> tuple[Any, tuple[str, str, float | None] | None]:
+) -> tuple[Any, tuple[str, str, float | None] | None, bool]:
+    """The line's ``user``, its turn (None: none), and whether it is a step of a tool loop."""
     request, response = record.get("request"), record.get("response")
     if not isinstance(request, dict):
         raise BadLine("'request' must be a chat completion request (an object)")
@@ -215,10 +222,13 @@ def _completion(
     user = record["user"] if "user" in record else request.get("user")
     asked = next((m for m in reversed(messages) if m.get("role") == "user"), None)
     user_text = message_text(asked) if asked is not None else ""
-    reply_text = message_text(reply)
+    reply_text = stored_answer(request, reply)
+    if reply_text is None:
+        # A step of a tool loop: the line of its final answer holds the turn.
+        return user, None, True
     if not (user_text.strip() or reply_text.strip()):
-        return user, None
-    return user, (user_text, reply_text, at)
+        return user, None, False
+    return user, (user_text, reply_text, at), False
 
 
 def _messages(messages: Any, where: str, *, single: bool = False) -> None:

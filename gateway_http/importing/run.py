@@ -282,7 +282,12 @@ class _Importer:
         window); its outcome is counted and shown once they have all ended."""
         pending = [turn for turn in line.turns if not self._ledger.done(turn.key)]
         if not pending:
-            self.tally.skipped += 1
+            # Turns all in memory: an earlier run imported the line. No turns at all (a tool
+            # loop's step, stored with the loop's last line): imported as it is.
+            if line.turns:
+                self.tally.skipped += 1
+            else:
+                self.tally.imported += 1
             self._shown.line_done()
             return
         state = _Line(file, number, line)

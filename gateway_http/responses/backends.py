@@ -64,7 +64,8 @@ def responses_route(route: Route, body: dict[str, Any]) -> Route:
         if not checked:
             problem, checked = untranslatable(body), True
         if problem is None:
-            targets.append(Target(target.name, Translated(backend), target.model))
+            translated = Translated(backend, target.memory_role)
+            targets.append(Target(target.name, translated, target.model))
         elif not targets:
             raise GatewayError(
                 ErrorKind.BAD_INPUT,
@@ -137,12 +138,15 @@ class Forwarded(_Wrapped):
 class Translated(_Wrapped):
     """A backend that serves chat completions only: a text turn translated both ways."""
 
-    def __init__(self, backend: ChatBackend) -> None:
+    def __init__(self, backend: ChatBackend, section_role: str = "system") -> None:
         super().__init__(backend.name)
         self._backend = backend
+        # The role the backend takes the memory section in (its memory_role).
+        self._role = section_role
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        completion = await self._backend.complete(chat_body(body, stream=False))
+        chat = chat_body(body, stream=False, section_role=self._role)
+        completion = await self._backend.complete(chat)
         response = response_of(body, completion)
         try:
             raw = orjson.dumps(response)
@@ -155,7 +159,7 @@ class Translated(_Wrapped):
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         translation = StreamTranslation(body)
-        chunks = self._backend.stream(chat_body(body, stream=True))
+        chunks = self._backend.stream(chat_body(body, stream=True, section_role=self._role))
         usage: Any = None
         try:
             async for chunk in chunks:

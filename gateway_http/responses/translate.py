@@ -90,17 +90,19 @@ def untranslatable(body: dict[str, Any]) -> str | None:
     return None
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(body: dict[str, Any], section_role: str = "system") -> list[dict[str, Any]]:
     """The request as chat messages: ``instructions`` first (the memory section they start
-    with a system message of its own, as a chat turn's), then the text of each message item
-    (what the meter counts when a backend reports no usage, too)."""
+    with a message of its own, as a chat turn's, in ``section_role``: the backend's
+    ``memory_role``), then the text of each message item (what the meter counts when a
+    backend reports no usage, too)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str):
         section, own = split_section(instructions)
-        for text in (section, own):
-            if text:
-                messages.append({"role": "system", "content": text})
+        if section:
+            messages.append({"role": section_role, "content": section})
+        if own:
+            messages.append({"role": "system", "content": own})
     given = body.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
@@ -112,9 +114,14 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_body(body: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+def chat_body(
+    body: dict[str, Any], *, stream: bool, section_role: str = "system"
+) -> dict[str, Any]:
     """The chat request of a translatable ``body`` (:func:`untranslatable` said None)."""
-    chat: dict[str, Any] = {"model": body["model"], "messages": chat_messages(body)}
+    chat: dict[str, Any] = {
+        "model": body["model"],
+        "messages": chat_messages(body, section_role),
+    }
     for key in ("temperature", "top_p", "user"):
         if body.get(key) is not None:
             chat[key] = body[key]

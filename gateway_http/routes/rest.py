@@ -116,9 +116,78 @@ def rest_owner(gw: Gateway, request: Request) -> str:
 
 
 def upstream_failure(exc: UpstreamError, turn: PreparedTurn | None = None) -> GatewayError:
-    """The 502 of an upstream that failed; on REST it says what memory did for the turn."""
-    headers = None if turn is None else memory_headers(turn)
-    return GatewayError(ErrorKind.UPSTREAM, str(exc), "upstream_error", headers=headers)
+    """What the client gets for an upstream that failed (every surface maps it here); on REST
+    the answer says what memory did for the turn.
+
+    An upstream's 4xx about the request (:data:`~gateway_http.upstream.backend.PASSED_THROUGH`)
+    is answered with its status and its body byte for byte (a body that is not a JSON object
+    becomes an OpenAI-shaped one), with its content type, ``retry-after`` and
+    ``x-ratelimit-*``, and ``X-Arona-Backend`` naming the backend that said it. Anything else
+    is the gateway's own 502: a 401 or 403 is the operator's key, never the client's, so it
+    names the backend and not the upstream's words about the key. The JSON-RPC error's data
+    carries the upstream's status and error code either way.
+    """
+    headers = {} if turn is None else memory_headers(turn)
+    data = _upstream_data(exc)
+    if exc.passed_through:
+        assert exc.status is not None
+        kept = dict(exc.headers)
+        body = exc.body
+        if exc.answer is None:
+            # Not an answer a client can read (a proxy's page, a cut-off body): said in
+            # OpenAI's shape, under the upstream's status.
+            body = orjson.dumps(
+                {
+                    "error": {
+                        "message": exc.message,
+                        "type": "upstream_error",
+                        "code": "upstream_error",
+                        "param": None,
+                    }
+                }
+            )
+            kept["content-type"] = JSON_MEDIA_TYPE
+        if exc.backend is not None:
+            headers[BACKEND_HEADER] = exc.backend
+        return GatewayError(
+            ErrorKind.UPSTREAM,
+            exc.message,
+            "upstream_error",
+            headers={**kept, **headers},
+            status=exc.status,
+            body=body,
+            data=data,
+        )
+    message = exc.message
+    if exc.credentials_refused:
+        message = (
+            f"backend {exc.backend or 'upstream'} refused the gateway's credentials "
+            f"(HTTP {exc.status}): the operator's key for that backend needs attention"
+        )
+    return GatewayError(
+        ErrorKind.UPSTREAM, message, "upstream_error", headers=headers or None, data=data
+    )
+
+
+def _upstream_data(exc: UpstreamError) -> dict[str, Any]:
+    """What a JSON-RPC error's data says of an upstream's failure besides its code: the
+    upstream's HTTP status, its error's ``code`` and ``param``, when to try again, and the
+    backend (for an HTTP error)."""
+    if exc.status is None:
+        return {}
+    data: dict[str, Any] = {"status": exc.status}
+    # What an upstream says about the operator's key is not the client's to read.
+    error = {} if exc.credentials_refused else exc.error_object
+    for key, name in (("code", "upstream_code"), ("param", "param")):
+        value = error.get(key)
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            data[name] = value
+    retry_after = exc.header("retry-after")
+    if retry_after is not None:
+        data["retry_after"] = retry_after
+    if exc.backend is not None:
+        data["backend"] = exc.backend
+    return data
 
 
 def turn_outcome(exc: GatewayError) -> str:

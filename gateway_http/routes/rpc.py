@@ -27,13 +27,13 @@ from pydantic import (
     model_validator,
 )
 
-from arona_grpc import tracing
+from arona_common import tracing
 from arona_grpc.logs import REQUEST_ID
 from gateway_http.auth import Principal, memory_scope
 from gateway_http.chat_request import ChatOptions, NonEmpty, User, validate_messages
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_MESSAGES
 from gateway_http.errors import ErrorKind, GatewayError
-from gateway_http.jsonrpc import APPLICATION_ERROR, INVALID_PARAMS, Dispatcher, RpcContext, RpcError
+from gateway_http.jsonrpc import INVALID_PARAMS, Dispatcher, RpcContext, RpcError
 from gateway_http.memory_client import (
     DISABLED,
     NOT_INDEXED,
@@ -41,7 +41,7 @@ from gateway_http.memory_client import (
     ForgetTarget,
     storage_fault_view,
 )
-from gateway_http.routes.rest import turn_outcome
+from gateway_http.routes.rest import turn_outcome, upstream_failure
 from gateway_http.state import Gateway
 from gateway_http.turns import (
     RECALL_LIMIT,
@@ -61,6 +61,13 @@ P = TypeVar("P", bound=BaseModel)
 # the id is not one of theirs (another's, or nobody's).
 NOT_YOURS = "not_yours"
 CHAT_SEND = "chat.send"
+# What a shared-mode forget of a scope or principal adds: the turns of REST callers without a
+# bearer (the banner's chat line) are no caller's, and erased only by name.
+SHARED_FORGET_HINT = (
+    "shared mode: turns sent to REST without a bearer belong to no principal, and a forget "
+    'of a scope or principal does not reach them: memory.forget {"anonymous": true} erases '
+    'them, memory.list {"anonymous": true} lists them'
+)
 TRACER = tracing.Tracer("gateway_http")
 
 
@@ -210,7 +217,8 @@ def _translated(
             code, message, data = exc.jsonrpc_error()
             raise RpcError(code, message, data) from None
         except UpstreamError as exc:
-            raise RpcError(APPLICATION_ERROR, str(exc), {"code": "upstream_error"}) from None
+            code, message, data = upstream_failure(exc).jsonrpc_error()
+            raise RpcError(code, message, data) from None
 
     return run
 
@@ -417,7 +425,21 @@ def register_methods(dispatcher: Dispatcher, gw: Gateway) -> None:
         conversations = 0
         if not params.keep_conversations and target.owner != "":
             conversations = await gw.conversations.forget(target.owner)
-        return {"deleted": deleted, "conversations": conversations}
+        return {"deleted": deleted, "conversations": conversations, **forget_report(target)}
+
+    def forget_report(target: ForgetTarget) -> dict[str, Any]:
+        """What a forget acted on and, in shared mode, where the turns of no principal are:
+        an open REST's turns are nobody's, so a caller's forget does not reach them."""
+        if target.everything:
+            return {"target": {"everything": True}}
+        if target.anonymous:
+            return {"target": {"anonymous": True}}
+        acted: dict[str, Any] = (
+            {"principal": target.principal} if target.principal else {"scope": target.scope}
+        )
+        if user_scoped:
+            return {"target": acted}
+        return {"target": acted, "hint": SHARED_FORGET_HINT}
 
     async def conversations_create(
         params: CreateConversationParams, ctx: RpcContext

@@ -13,6 +13,8 @@ The file is TOML (read with the standard library's ``tomllib``)::
     aliases = { fast = "gpt-4o-mini" }                 # asked as `fast`, sent as gpt-4o-mini
     # Per million tokens, by the name sent (exact or glob): usage cost and cost budgets.
     prices = { "gpt-4o" = { input = 2.50, output = 10.00 } }
+    stream_usage = true                   # false: never sent stream_options (usage estimated)
+    memory_role = "system"                # the injected memory section's role (or developer, user)
 
     [fallbacks]
     "gpt-4o" = ["openrouter", { backend = "local", model = "llama3.1:8b" }]
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 from yarl import URL
 
@@ -95,6 +97,12 @@ class _BackendTable(BaseModel):
     aliases: dict[NonEmpty, NonEmpty] = {}
     # Per model name as sent to this backend (exact, or a glob): usage cost and cost budgets.
     prices: dict[NonEmpty, _PriceTable] = {}
+    # Whether a stream is asked for its usage (stream_options.include_usage); false for a
+    # backend that refuses stream_options (older Azure OpenAI deployments).
+    stream_usage: StrictBool = True
+    # The role the memory section is sent in: `developer` or `user` for models that refuse
+    # `system` (o1-class).
+    memory_role: Literal["system", "developer", "user"] = "system"
     # What it serves of /v1/responses: the Responses API (forwarded as is) or, with "chat",
     # chat completions only (text turns translated).
     api: Literal["responses", "chat"] = "responses"
@@ -138,6 +146,10 @@ class BackendSpec:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # Model name as sent (or glob) -> its price, in file order.
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # False: its streams are sent without the gateway's stream_options (usage estimated).
+    stream_usage: bool = True
+    # The role of the memory section sent to it (gateway_http.messages.SECTION_ROLES).
+    memory_role: str = "system"
     # "responses" or "chat" (gateway_http.upstream.client.RESPONSES_API, CHAT_API).
     api: str = RESPONSES_API
 
@@ -320,7 +332,7 @@ def load_backends(path: Path, env: Mapping[str, str]) -> BackendsFile:
         raise BackendsFileError(
             [
                 f"{where}: the backends file is TOML (a {path.suffix} file is not read); "
-                "the README shows a LiteLLM config.yaml's parts in TOML"
+                "docs/backends.md shows a LiteLLM config.yaml's parts in TOML"
             ]
         )
     try:
@@ -467,6 +479,8 @@ class _Checker:
                 model: Price(price["input"], price["output"])
                 for model, price in fields.get("prices", {}).items()
             },
+            stream_usage=bool(fields.get("stream_usage", True)),
+            memory_role=fields.get("memory_role", "system"),
             api=fields.get("api", RESPONSES_API),
         )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -21,9 +21,9 @@ import orjson
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.redact import redact_text, redact_url
 from arona_grpc.config import ConfigError
-from arona_grpc.redact import redact_text, redact_url
 from gateway_http.upstream.backend import (
     BROKEN,
     INVALID,
@@ -51,6 +51,10 @@ _MAX_CONNECTIONS = 1000
 # request sent on one just as the server closes it fails with nothing received.
 _KEEPALIVE_S = 4.0
 _USER_AGENT = "arona-gateway"
+# What an error's answer keeps of the upstream's headers (see _kept_headers); its request id
+# is not one of them: the client's answer carries the gateway's own.
+_KEPT_HEADERS = frozenset({"content-type", "retry-after", "retry-after-ms"})
+_RATE_LIMIT_PREFIX = "x-ratelimit-"
 _WHITESPACE = re.compile(r"\s+")
 # What a host may be made of once yarl has IDNA-encoded it (IPv6 literals and zone ids included).
 _HOST = re.compile(r"[A-Za-z0-9._~%:-]+")
@@ -144,7 +148,7 @@ class OpenAIUpstream:
         # request go away at once.
         try:
             if response.status >= 400:
-                raise self._http_error(response.status, await _read_capped(response))
+                raise self._http_error(response, await _read_capped(response))
             async with contextlib.aclosing(self._chunks(response.content.iter_any())) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -180,7 +184,7 @@ class OpenAIUpstream:
         try:
             async with await self._send(method, url, headers, payload) as response:
                 if response.status >= 400:
-                    raise self._http_error(response.status, await _read_capped(response))
+                    raise self._http_error(response, await _read_capped(response))
                 content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
@@ -236,7 +240,7 @@ class OpenAIUpstream:
                 "POST", self._responses_url, self._json_headers, payload
             ) as response:
                 if response.status >= 400:
-                    raise self._http_error(response.status, await _read_capped(response))
+                    raise self._http_error(response, await _read_capped(response))
                 content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._transport_error(exc) from None
@@ -257,7 +261,7 @@ class OpenAIUpstream:
             raise self._transport_error(exc) from None
         try:
             if response.status >= 400:
-                raise self._http_error(response.status, await _read_capped(response))
+                raise self._http_error(response, await _read_capped(response))
             async with contextlib.aclosing(_sse_events(response.content.iter_any())) as events:
                 async for event in events:
                     yield event
@@ -338,7 +342,8 @@ class OpenAIUpstream:
             raise UpstreamError(message, None, INVALID)
         return chunk
 
-    def _http_error(self, status: int, content: bytes) -> UpstreamError:
+    def _http_error(self, response: aiohttp.ClientResponse, content: bytes) -> UpstreamError:
+        status = response.status
         logger.warning("upstream %s answered HTTP %d", self._safe_url, status)
         detail = None
         try:
@@ -346,7 +351,17 @@ class OpenAIUpstream:
         except orjson.JSONDecodeError:
             pass
         message = f"upstream returned HTTP {status}"
-        return UpstreamError(f"{message}: {detail}" if detail else message, status)
+        key = self._api_key
+        if key and key.encode() in content:
+            # The body may be shown to the client: never with the backend's key in it.
+            content = redact_text(content.decode("utf-8", "replace"), (key,)).encode()
+        return UpstreamError(
+            f"{message}: {detail}" if detail else message,
+            status,
+            body=content,
+            headers=_kept_headers(response.headers),
+            backend=self.name,
+        )
 
     def _detail(self, data: Any) -> str | None:
         """The upstream's own error message from an OpenAI-shaped error body, made safe."""
@@ -418,6 +433,17 @@ def _env_proxy(url: URL) -> tuple[URL | None, str | None]:
             f"the proxy set in the environment for {url.scheme}:// is not a valid URL"
         ) from None
     return proxy, (proxy_auth.encode() if proxy_auth is not None else None)
+
+
+def _kept_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The headers of an upstream's error a client may act on: its content type, when to try
+    again, and its rate limits (names in lower case)."""
+    kept = []
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _KEPT_HEADERS or lower.startswith(_RATE_LIMIT_PREFIX):
+            kept.append((lower, value))
+    return tuple(kept)
 
 
 async def _read_capped(response: aiohttp.ClientResponse) -> bytes:

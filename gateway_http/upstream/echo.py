@@ -1,18 +1,27 @@
 """The built-in ``echo`` model: the development backend used when no upstream is configured.
 
 It is deterministic and needs nothing: it repeats the last user message and shows the memory
-section it received, so recall is visible without an LLM.
+section it received, so recall is visible without an LLM. Its usage is counted as the gateway
+counts the memory section's share (``cl100k_base``, gateway_http.usage.tokens), so the share
+is a part of the prompt it reports, as with an upstream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from gateway_http.messages import last_user_text, memory_section, message_text
+from gateway_http.messages import (
+    is_memory_section,
+    last_user_text,
+    memory_section,
+    message_text,
+)
+from gateway_http.usage import tokens
 
 _ECHO_CREATED = 1735689600  # 2025-01-01T00:00:00Z: a fixed date keeps /v1/models stable
 _WORDS = re.compile(r"\s*\S+\s*")
@@ -22,16 +31,31 @@ class EchoModel:
     """The built-in development model: deterministic, no dependencies, model id ``echo``.
 
     Its reply is ``Echo: <last user text>``, followed by a blank line and the memory section
-    when a system message carries one.
+    when a message carries one: a system or developer message, or a message (``user`` too)
+    that is exactly one.
     """
 
     name = "echo"
 
+    def __init__(self) -> None:
+        self._tokens = tokens.TokenCounter()
+
+    async def _usage(self, messages: list[Any], content: str) -> dict[str, int]:
+        if not tokens.loaded():
+            # Once per process, off the event loop (the usage meter has usually loaded it).
+            await asyncio.to_thread(self._tokens.load)
+        prompt_tokens = self._tokens.prompt(messages)
+        completion_tokens = self._tokens.reply(content)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = _messages(body)
         content = _echo_content(messages)
-        prompt_tokens = _prompt_tokens(messages)
-        completion_tokens = len(content.split())
+        usage = await self._usage(messages, content)
         return {
             "id": _completion_id(),
             "object": "chat.completion",
@@ -44,11 +68,7 @@ class EchoModel:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage,
         }
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
@@ -72,17 +92,7 @@ class EchoModel:
         yield chunk({}, "stop")
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
-            prompt_tokens = _prompt_tokens(messages)
-            completion_tokens = len(content.split())
-            yield {
-                **base,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
-            }
+            yield {**base, "choices": [], "usage": await self._usage(messages, content)}
 
     async def models(self) -> dict[str, Any]:
         return {
@@ -110,14 +120,14 @@ def _completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def _prompt_tokens(messages: list[Any]) -> int:
-    return sum(len(message_text(m).split()) for m in messages)
-
-
 def _echo_content(messages: list[Any]) -> str:
     content = f"Echo: {last_user_text(messages)}"
     for message in messages:
-        if isinstance(message, dict) and message.get("role") == "system":
+        if not isinstance(message, dict):
+            continue
+        # The section in whatever role a backend has it sent in: inside a system or developer
+        # prompt, or a message that is exactly one (a user quoting the header is not).
+        if message.get("role") in ("system", "developer") or is_memory_section(message):
             section = memory_section(message_text(message))
             if section:
                 # The header and the first line of each memory. A memory's

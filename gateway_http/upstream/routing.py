@@ -1,7 +1,9 @@
 """Which backend answers a turn, and the fallback to the next one when it cannot.
 
 A :class:`Router` turns the model a client asked for into a :data:`Route`: the backends to ask,
-in order, each with the model name to send it (:class:`Target`). With a backends file
+in order, each with the model name to send it and the role its memory section takes
+(:class:`Target`; a backends file's ``memory_role``, so a fallback to a backend whose models
+refuse ``system`` gets the section as ``developer`` or ``user``). With a backends file
 (``ARONA_BACKENDS``) that is the model's backend then its fallbacks; without one, the one
 upstream of ``ARONA_UPSTREAM_URL`` (or the ``echo`` model) answers every model, as before.
 
@@ -9,6 +11,11 @@ A turn's targets are tried in order while the failure is worth another backend
 (:attr:`~gateway_http.upstream.backend.UpstreamError.retryable`: unreachable, timed out, 5xx,
 429) **and nothing of the answer has reached the client**: a whole reply counts once it
 arrived, a stream once its first chunk arrived; a stream that has started is never replayed.
+Any other 4xx ends the turn on that backend (a context-length 400 would fail everywhere).
+
+A stream asks for its usage with the gateway's own ``stream_options`` unless the backend is
+known not to take them (``stream_usage = false``, or a refusal seen before): a backend that
+refuses them is asked the same turn again at once without them, and remembered.
 
 Every try is one :class:`Attempt` appended to the list the caller passes in: the backend, the
 model sent, when it started, answered and ended, its outcome and HTTP status, and the upstream's
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +40,7 @@ from typing import Any
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
-from arona_grpc import tracing
+from arona_common import tracing
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.upstream.backend import (
     BROKEN,
@@ -70,9 +77,16 @@ class Target:
     name: str
     backend: ChatBackend
     model: str | None = None
+    # The role the turn's memory section is sent in (the backends file's memory_role).
+    memory_role: str = "system"
 
-    def body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` as this backend gets it: a shallow copy with its model name, if it differs."""
+    def body(self, body: dict[str, Any], section_at: int | None = None) -> dict[str, Any]:
+        """``body`` as this backend gets it: a shallow copy with its model name, if it differs,
+        and the memory section at ``messages[section_at]`` (None: none injected) in its role."""
+        if section_at is not None and self.memory_role != "system":
+            messages = list(body["messages"])
+            messages[section_at] = {**messages[section_at], "role": self.memory_role}
+            body = {**body, "messages": messages}
         if self.model is None:
             return body
         return {**body, "model": self.model}
@@ -135,8 +149,12 @@ class Router:
         listing: list[dict[str, Any]] | None = None,
         owns_backends: bool = True,
         metrics: GatewayMetrics | None = None,
+        no_stream_usage: Iterable[str] = (),
     ) -> None:
         self._backends = tuple(backends)
+        # The backends not to ask for a stream's usage (stream_usage = false in the backends
+        # file, or learned from a refusal): the gateway's own stream_options is left out.
+        self._no_stream_usage = set(no_stream_usage)
         self._by_name = {backend.name: backend for backend in self._backends}
         self._routes: dict[str, Route] = dict(routes or {})
         self._table = table
@@ -175,7 +193,12 @@ class Router:
             )
             for spec in backends.backends
         }
-        router = cls(list(clients.values()), table=backends, metrics=metrics)
+        router = cls(
+            list(clients.values()),
+            table=backends,
+            metrics=metrics,
+            no_stream_usage=[spec.name for spec in backends.backends if not spec.stream_usage],
+        )
         listed = backends.listed()
         for model, _ in listed:
             router._routes[model] = router._route_of(model)
@@ -211,22 +234,27 @@ class Router:
     def _route_of(self, model: str) -> Route:
         assert self._table is not None
         return tuple(
-            Target(spec.name, self._by_name[spec.name], sent)
+            Target(spec.name, self._by_name[spec.name], sent, spec.memory_role)
             for spec, sent in self._table.chain(model)
         )
 
     async def complete(
-        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+        self,
+        route: Route,
+        body: dict[str, Any],
+        attempts: list[Attempt],
+        section_at: int | None = None,
     ) -> dict[str, Any]:
         """The whole reply of the first target that gives one, trying the next on a failure
-        worth it; the last failure propagates."""
+        worth it; the last failure propagates. ``section_at``: where the turn's memory section
+        is in ``body["messages"]``, sent to each target in its own role."""
         for index, target in enumerate(route):
             attempt = _attempt(target, body)
             attempts.append(attempt)
             # Current while the request goes out, so that it carries the attempt's traceparent.
             with _attempt_span(attempt, body, index) as span:
                 try:
-                    completion = await target.backend.complete(target.body(body))
+                    completion = await target.backend.complete(target.body(body, section_at))
                 except UpstreamError as exc:
                     self._end(attempt, exc.reason, exc)
                     _traced(span, attempt)
@@ -246,15 +274,33 @@ class Router:
         raise AssertionError("a route has at least one target")
 
     async def stream(
-        self, route: Route, body: dict[str, Any], attempts: list[Attempt]
+        self,
+        route: Route,
+        body: dict[str, Any],
+        attempts: list[Attempt],
+        section_at: int | None = None,
+        *,
+        usage_optional: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """The chunks of the first target whose stream starts, trying the next while no chunk
         has arrived; once one has, the stream is that backend's to its end (a failure then
-        propagates, never a replay). Close it to stop early: the upstream request ends too."""
-        for index, target in enumerate(route):
-            attempt = _attempt(target, body)
+        propagates, never a replay). Close it to stop early: the upstream request ends too.
+
+        ``section_at`` as for :meth:`complete`. ``usage_optional``: the ``stream_options`` of
+        ``body`` is the gateway's own (asking for the usage), not the client's. A backend known
+        not to take it gets the turn without it; one that refuses it
+        (:func:`refuses_stream_options`) is asked the same turn again at once without it, and
+        remembered as such.
+        """
+        index = 0
+        while index < len(route):
+            target = route[index]
+            sent = body
+            if usage_optional and target.name in self._no_stream_usage:
+                sent = {key: value for key, value in body.items() if key != "stream_options"}
+            attempt = _attempt(target, sent)
             attempts.append(attempt)
-            chunks = target.backend.stream(target.body(body))
+            chunks = target.backend.stream(target.body(sent, section_at))
             # Lasts as long as the stream; current only while the request goes out (the first
             # chunk), since a generator's caller runs between its chunks.
             span = _started_attempt(attempt, body, index)
@@ -268,7 +314,12 @@ class Router:
                     return
                 except UpstreamError as exc:
                     self._end(attempt, exc.reason, exc)
+                    if usage_optional and "stream_options" in sent and refuses_stream_options(exc):
+                        # Once per backend: from now on it is sent none, so this is not again.
+                        self._stream_usage_refused(target.name)
+                        continue
                     if self._fall_back(attempt, exc, route, index):
+                        index += 1
                         continue
                     raise
                 attempt.first = time.perf_counter()
@@ -296,6 +347,14 @@ class Router:
                 _traced(span, attempt, reasons)
                 span.end()
                 await chunks.aclose()  # type: ignore[attr-defined]
+
+    def _stream_usage_refused(self, backend: str) -> None:
+        logger.warning(
+            "backend %s refused stream_options; its streams are sent without it from now on "
+            "(their usage is estimated; set stream_usage = false for it in the backends file)",
+            backend,
+        )
+        self._no_stream_usage.add(backend)
 
     def _end(self, attempt: Attempt, outcome: str, error: UpstreamError | None = None) -> None:
         attempt.end(outcome, error)
@@ -327,6 +386,20 @@ class Router:
         if self._owns_backends:
             for backend in self._backends:
                 await backend.aclose()
+
+
+def refuses_stream_options(exc: UpstreamError) -> bool:
+    """Whether ``exc`` is a backend refusing ``stream_options`` (older Azure OpenAI
+    deployments: 400 "Unrecognized request argument supplied: stream_options"; servers that
+    check their schema strictly: 400 or 422 naming it)."""
+    if exc.reason != HTTP_ERROR or exc.status not in (400, 422):
+        return False
+    error = exc.error_object
+    named = (error.get("param"), error.get("message"))
+    if any(isinstance(text, str) and "stream_options" in text for text in named):
+        return True
+    # A body of another shape (FastAPI's "detail", a plain text): its words.
+    return b"stream_options" in exc.body
 
 
 def attempt_outcome(attempt: Attempt) -> str:

@@ -12,7 +12,7 @@ usage, once the meter counted it when it did not). The store is read by a backgr
 ``ARONA_USAGE_REFRESH_S`` (2 s), so a chat turn makes no query; with 0 the store is read on
 every turn of a principal who has a budget (one or two queries a turn, and no staleness but
 the meter's). A turn is let through while the budget is not used up, and its own tokens are
-known only once it ended: how far a principal can go over is in the README (Budgets).
+known only once it ended: how far a principal can go over is in docs/usage.md (Budgets).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
-from arona_grpc.database import DatabaseUnavailable
+from arona_common.database import DatabaseUnavailable
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.usage.records import (
@@ -159,7 +159,7 @@ class Budgets:
 
 
 def _unread(exc: Exception) -> None:
-    # A database outage is said once, by arona_grpc.database; anything else here.
+    # A database outage is said once, by arona_common.database; anything else here.
     level = logging.DEBUG if isinstance(exc, DatabaseUnavailable) else logging.WARNING
     logger.log(level, "budgets could not be read: %s", exc)
 

@@ -10,8 +10,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from arona_common.database import DatabaseUnavailable, SchemaRefused, command_pool
 from arona_grpc.config import Settings
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused, command_pool
 from gateway_http.usage import report
 from gateway_http.usage.records import DEFAULT_BUDGET, MICRO, Budget, month_of
 from gateway_http.usage.store import UsageStore, open_usage_store

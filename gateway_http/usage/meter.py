@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from arona_grpc.database import DatabaseUnavailable
+from arona_common.database import DatabaseUnavailable
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.usage.budgets import Budgets
 from gateway_http.usage.records import Price, Spent, UsageRecord, micros_now, spent_of
@@ -195,7 +195,7 @@ class UsageMeter:
                 self._budgets.stored(spent)
         except (DatabaseUnavailable, sqlite3.Error, OSError) as exc:
             if not self._failing:
-                # A database outage is said once, by arona_grpc.database.
+                # A database outage is said once, by arona_common.database.
                 logger.log(
                     logging.DEBUG if isinstance(exc, DatabaseUnavailable) else logging.WARNING,
                     "usage records could not be stored (they wait, %d now): %s",

@@ -1,7 +1,7 @@
 """:class:`~gateway_http.usage.store.UsageStore` in PostgreSQL, shared by every replica.
 
 Its tables come with the other shared state's migrations
-(:data:`arona_grpc.database.PG_MIGRATIONS`, number 5). A batch is one statement: the records
+(:data:`arona_common.database.PG_MIGRATIONS`, number 5). A batch is one statement: the records
 go in with ``ON CONFLICT (turn_id) DO NOTHING`` and only those that went in are added to their
 months' spending, so a batch sent again after a lost commit counts each turn once. Two
 replicas adding to the same principal's month wait on its row in turn; a deadlock between
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from arona_grpc.database import run_on
+from arona_common.database import run_on
 from gateway_http.usage.records import (
     Budget,
     Spent,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from arona_grpc.database import SqliteThread, sqlite_open
+from arona_common.database import SqliteThread, sqlite_open
 from gateway_http.usage.records import (
     Budget,
     Spent,

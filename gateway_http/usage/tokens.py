@@ -69,6 +69,11 @@ def _encoding() -> Any:
     return _loaded or None
 
 
+def loaded() -> bool:
+    """Whether the process has tried to load the encoding already (counting cannot block)."""
+    return _loaded is not None
+
+
 class TokenCounter:
     """Counts tokens with ``cl100k_base``; thread-safe."""
 

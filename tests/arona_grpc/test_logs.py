@@ -79,3 +79,37 @@ def test_json_lines_are_one_object_with_the_fields() -> None:
     assert SECRET not in line
     # Outside a request (the task above had its own context): no id.
     assert json.loads(JsonFormatter().format(_record("idle")))["request_id"] is None
+
+
+@pytest.mark.parametrize(
+    ("secret", "line", "shown"),
+    [
+        # A one-letter token: the words that hold the letter are left alone.
+        (
+            "x",
+            "embedding model all-MiniLM-L6-v2-onnx-int8 loaded (plaintext, x-arona-memory)",
+            "embedding model all-MiniLM-L6-v2-onnx-int8 loaded (plaintext, x-arona-memory)",
+        ),
+        (
+            "x",
+            "connecting to ws://h/ws?token=x&a=1 with x",
+            "connecting to ws://h/ws?token=***&a=1 with ***",
+        ),
+        (
+            "CHANGE_ME",
+            "token CHANGE_ME, not CHANGE_MEANT or NOCHANGE_ME",
+            "token ***, not CHANGE_MEANT or NOCHANGE_ME",
+        ),
+        # A secret whose ends are not word characters is masked wherever it is.
+        ("p@ss!", "password=p@ss!word", "password=***word"),
+    ],
+)
+def test_a_secret_is_masked_where_it_stands_whole(secret: str, line: str, shown: str) -> None:
+    formatted = TextFormatter([secret]).format(_record("%s", line))
+    assert formatted.endswith(f"arona.test: {shown}")
+
+
+def test_a_url_is_masked_whole_before_the_password_in_it() -> None:
+    url = "postgresql://arona:pw-1234567890@db/arona"
+    line = TextFormatter(["pw-1234567890", url]).format(_record("opened %s; pw-1234567890", url))
+    assert line.endswith("arona.test: opened ***; ***")

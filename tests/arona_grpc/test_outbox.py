@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from arona_grpc import outbox as outbox_module
+from arona_common.database import sqlite_migrate
 from arona_grpc.config import Settings
-from arona_grpc.database import sqlite_migrate
 from arona_grpc.outbox import AnyOutbox, Outbox, OutboxClosed, entry_bytes, open_outbox
+from arona_grpc.outbox import sqlite as outbox_module
 from arona_grpc.service import InvalidArgument, MemoryDomain, MemoryUnavailable
 from tests.support.fake_philia import STORE, FakePhilia, Step
 from tests.support.log_watch import watching

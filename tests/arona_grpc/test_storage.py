@@ -7,7 +7,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from arona_grpc.storage import StorageFaults
+from arona_common.storage import StorageFaults
 from tests.support.log_watch import watching
 
 FULL = OSError(28, "No space left on device")
@@ -29,7 +29,7 @@ def said(seen: list[logging.LogRecord]) -> list[tuple[str, str]]:
 def test_a_fault_is_one_error_then_one_a_period_then_one_line_when_it_ends() -> None:
     clock = Clock()
     storage = StorageFaults(60.0, clock, wall=lambda: 1_700_000_000.0)
-    with watching("arona_grpc.storage") as seen:
+    with watching("arona_common.storage") as seen:
         assert storage.failed("outbox", "/data/outbox.db", FULL, COST)
         for _ in range(99):
             clock.now += 0.1
@@ -60,7 +60,7 @@ def test_a_fault_is_one_error_then_one_a_period_then_one_line_when_it_ends() -> 
 def test_a_fault_that_comes_back_within_the_period_is_not_said_again() -> None:
     clock = Clock()
     storage = StorageFaults(60.0, clock)
-    with watching("arona_grpc.storage") as seen:
+    with watching("arona_common.storage") as seen:
         storage.failed("journal", "/data/journal.log", FULL, COST)
         storage.succeeded("journal")
         for _ in range(5):  # flapping

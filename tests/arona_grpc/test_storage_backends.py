@@ -14,18 +14,13 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from arona_common.database import PG_MIGRATIONS, apply_migrations, open_pool
+from arona_common.redact import redact_url
 from arona_grpc.config import Settings
-from arona_grpc.database import PG_MIGRATIONS, apply_migrations, open_pool
 from arona_grpc.episodes import EpisodeIndex, Whose, open_index
-from arona_grpc.outbox import (
-    PG_PUT_UNLESS_QUEUED,
-    SQLITE_HAS,
-    OutboxEntry,
-    PostgresOutbox,
-    entry_bytes,
-    open_outbox,
-)
-from arona_grpc.redact import redact_url
+from arona_grpc.outbox import OutboxEntry, PostgresOutbox, entry_bytes, open_outbox
+from arona_grpc.outbox.postgres import PG_PUT_UNLESS_QUEUED
+from arona_grpc.outbox.sqlite import SQLITE_HAS
 from arona_grpc.service import MemoryDomain, MemoryUnavailable, ScopeModeRefused
 from tests.support.erasure import files_holding, tables_holding
 from tests.support.fake_philia import STORE, FakePhilia, Step

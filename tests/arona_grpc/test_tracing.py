@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from arona_grpc import tracing
+from arona_common import tracing
+from arona_common.tracing import TracingSettings, build_provider
 from arona_grpc.philia import PhiliaClient
-from arona_grpc.tracing import TracingSettings, build_provider
 from tests.support.fake_philia import HANDSHAKE, QUERY, STORE, FakePhilia, Step
 from tests.support.otlp_receiver import spans_in_memory
 
@@ -101,7 +101,7 @@ def test_a_setting_that_cannot_be_honoured_turns_tracing_off_with_one_warning(
     env: dict[str, str], said: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with (
-        caplog.at_level(logging.WARNING, logger="arona_grpc.tracing"),
+        caplog.at_level(logging.WARNING, logger="arona_common.tracing"),
         tracing.started({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **env}, "svc"),
     ):
         assert not tracing.active()
@@ -145,7 +145,7 @@ def test_the_endpoint_is_logged_without_its_credentials(
 ) -> None:
     endpoint = "http://user:pa55word@127.0.0.1:9/v1/traces?token=t0ken"
     with (
-        caplog.at_level(logging.INFO, logger="arona_grpc.tracing"),
+        caplog.at_level(logging.INFO, logger="arona_common.tracing"),
         tracing.started({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}, "svc"),
     ):
         assert tracing.active()
@@ -177,13 +177,13 @@ def test_a_collector_that_never_answers_does_not_hold_up_the_stop(
         finally:
             tracing.install(None)
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="arona_grpc.tracing"):
+        with caplog.at_level(logging.WARNING, logger="arona_common.tracing"):
             tracing.shutdown(provider, timeout_s=0.5)
         assert time.monotonic() - started < 2.0
         for left in [t for t in threading.enumerate() if t.name == "trace-shutdown"]:
             left.join(10)
             assert not left.is_alive()
-    said = [r.getMessage() for r in caplog.records if r.name == "arona_grpc.tracing"]
+    said = [r.getMessage() for r in caplog.records if r.name == "arona_common.tracing"]
     assert said == [
         "the last spans were not all exported within 0.5 s (the collector did not take them); "
         "the rest are dropped"
@@ -261,11 +261,11 @@ def test_a_sampler_that_never_samples_is_tracing_off(
 ) -> None:
     name = sampler["OTEL_TRACES_SAMPLER"]
     with (
-        caplog.at_level(logging.INFO, logger="arona_grpc.tracing"),
+        caplog.at_level(logging.INFO, logger="arona_common.tracing"),
         tracing.started({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **sampler}, "svc"),
     ):
         assert_tracing_off()
-    said = [r.getMessage() for r in caplog.records if r.name == "arona_grpc.tracing"]
+    said = [r.getMessage() for r in caplog.records if r.name == "arona_common.tracing"]
     assert said == [
         f"OTEL_TRACES_SAMPLER={name} samples nothing: no spans are made and no trace context "
         "is passed on"

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from arona_grpc.database import DatabaseUnavailable, SchemaRefused
+from arona_common.database import DatabaseUnavailable, SchemaRefused
 from arona_store.pg import schema
 from tests.support.postgres import PgCluster
 

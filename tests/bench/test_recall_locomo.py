@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench import recall_locomo
+from bench import locomo_data
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ def _rows(section: str) -> dict[str, list[str]]:
 def test_the_sample_is_read_as_locomo_is(tmp_path: Path) -> None:
     path = tmp_path / "sample.json"
     path.write_text(json.dumps(sample()))
-    alpha, beta = recall_locomo.load(path)
+    alpha, beta = locomo_data.load(path)
     assert [t.dia_id for t in alpha.turns][:5] == ["D1:1", "D1:2", "D1:3", "D1:4", "D2:1"]
     assert alpha.turns[1].text == (
         "Ben: Congratulations! I spent Saturday repairing my old sailboat hull."
@@ -125,7 +125,7 @@ def test_the_sample_is_read_as_locomo_is(tmp_path: Path) -> None:
     ]
     assert beta.questions[1].evidence == ("D2:1",)
     # Dated: sessions keep their spacing, the last one ending a day before the questions.
-    times = recall_locomo.turn_times(alpha, asked_at=1_800_000_000.0)
+    times = locomo_data.turn_times(alpha, asked_at=1_800_000_000.0)
     assert (times["D2:1"] - times["D1:1"]).days == 49
     assert times["D2:4"].timestamp() == 1_800_000_000.0 - 86400
 
@@ -146,15 +146,15 @@ def test_public_questions_are_read_and_a_bad_line_is_named(tmp_path: Path) -> No
     good.write_text(
         "\n".join(json.dumps({"question": q, "answer": ["-"]}) for q in PUBLIC) + "\n\n"
     )
-    assert recall_locomo.load_public(good) == PUBLIC
+    assert locomo_data.load_public(good) == PUBLIC
     path = tmp_path / "sample.json"
     path.write_text(json.dumps(sample()))
-    conversations = recall_locomo.load(path)
+    conversations = locomo_data.load(path)
     # Each conversation gets every other question: none is asked of both.
     asked = [
         [
             text
-            for kind, text in recall_locomo.unrelated_questions(conversations, i, PUBLIC)
+            for kind, text in locomo_data.unrelated_questions(conversations, i, PUBLIC)
             if kind == "public"
         ]
         for i in range(2)
@@ -164,7 +164,7 @@ def test_public_questions_are_read_and_a_bad_line_is_named(tmp_path: Path) -> No
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"question": "fine"}) + "\n" + line + "\n")
         with pytest.raises(ValueError, match=f"line 2: {reason}"):
-            recall_locomo.load_public(bad)
+            locomo_data.load_public(bad)
 
 
 @pytest.mark.timeout(600)

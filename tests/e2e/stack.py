@@ -20,8 +20,8 @@ import httpx
 import orjson
 from websockets.asyncio.client import connect
 
+from arona_common.database import open_pool
 from arona_grpc.config import Settings
-from arona_grpc.database import open_pool
 from arona_grpc.server import GrpcServer
 from arona_grpc.service import MemoryDomain
 from gateway_http.app import create_app

@@ -63,7 +63,11 @@ async def test_a_key_lists_deletes_and_forgets_its_own_memories(tmp_path: Path) 
         )
         assert gone == {"deleted": True}
         assert all("4417" not in text for text in stack.stored_texts())
-        assert await stack.result(TEAM_A_KEY, "memory.forget") == {"deleted": 1, "conversations": 0}
+        assert await stack.result(TEAM_A_KEY, "memory.forget") == {
+            "deleted": 1,
+            "conversations": 0,
+            "target": {"scope": "key:team-a"},
+        }
         assert (await stack.result(TEAM_A_KEY, "memory.list"))["memories"] == []
         # The other key's episode is untouched.
         assert any("someone else's" in text for text in stack.stored_texts())

@@ -210,6 +210,38 @@ def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args", [["up"], ["serve", "--only", "grpc"]])
+def test_a_busy_grpc_port_is_one_line(tmp_path: Path, args: list[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = _env(tmp_path, ARONA_GRPC_PORT=str(port), ARONA_HTTP_PORT="0")
+        env["ARONA_LOG_LEVEL"] = "warning"
+        result = _run(args, env)
+    assert result.returncode == 2
+    # gRPC's own log line (its C core's, on stderr) is not printed before ours.
+    assert result.stderr.strip().splitlines() == [
+        f"arona-gateway: error: cannot listen for gRPC on 127.0.0.1:{port}: address already in use"
+    ]
+
+
+def test_forget_names_the_address_it_could_not_reach(tmp_path: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        result = _run(
+            ["forget", "--anonymous"], _env(tmp_path, ARONA_GRPC_TARGET=f"127.0.0.1:{port}")
+        )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"arona-gateway: error: cannot reach the memory service at 127.0.0.1:{port} (is "
+        "`arona-gateway up` or `serve` running there? ARONA_GRPC_TARGET names it); nothing "
+        "was forgotten"
+    )
+
+
 def test_writeback_must_be_exactly_true_or_false(tmp_path: Path) -> None:
     result = _run(
         ["token", "--sub", "a"],

@@ -114,7 +114,7 @@ async def open_console(stack: ScopedStack, context: BrowserContext, shots: Path)
 
 
 async def sign_in(page: Page, token: str) -> None:
-    field_ = page.get_by_label("Admin JWT")
+    field_ = page.get_by_label("JWT", exact=True)
     await field_.fill(token)
     await field_.press("Enter")
 
@@ -168,7 +168,7 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         page = watched.page
 
         # Sign in: the token field has the focus; a user's token and a forged one are refused.
-        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        await expect(page.get_by_label("JWT", exact=True)).to_be_focused()
         await watched.shot("01-sign-in")
         await sign_in(page, ALICE)
         await expect(page.get_by_role("alert")).to_have_text("This token is not an admin's.")
@@ -194,7 +194,7 @@ async def test_sign_in_recall_delete_and_the_breaker_opening(tmp_path: Path) -> 
         icon = await page.locator("link[rel=icon]").get_attribute("href")
         assert icon == "/console/favicon.svg"
         assert await loaded_images(page, [icon, "/favicon.ico"]) == [[32, 32], [32, 32]]
-        await expect(page.get_by_label("Admin JWT")).to_have_value("")
+        await expect(page.get_by_label("JWT", exact=True)).to_have_value("")
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") == ADMIN
         assert "token" not in page.url
         await watched.shot("03-signed-in")
@@ -421,7 +421,7 @@ async def test_the_console_is_usable_with_the_keyboard_alone(tmp_path: Path) -> 
         # Sign out is a button too; the token is gone from the tab.
         await page.get_by_role("button", name="Sign out").focus()
         await keyboard.press("Enter")
-        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        await expect(page.get_by_label("JWT", exact=True)).to_be_focused()
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
         watched.assert_clean(ADMIN)
         await context.close()
@@ -497,7 +497,7 @@ async def test_an_expired_token_signs_the_console_out(tmp_path: Path) -> None:
             "Token refused", timeout=SHORT_TTL_S * 1000 + WAIT_MS
         )
         await expect(page.locator("#console")).to_be_hidden()
-        await expect(page.get_by_label("Admin JWT")).to_be_focused()
+        await expect(page.get_by_label("JWT", exact=True)).to_be_focused()
         assert await page.evaluate("() => sessionStorage.getItem('arona.console.jwt')") is None
 
         # A tab that still holds a refused token starts signed out and says why.
@@ -636,6 +636,9 @@ async def test_the_turns_of_no_principal_are_listed_searched_and_forgotten(tmp_p
         context = await browser.new_context(viewport={"width": 1280, "height": 900})
         watched = await open_console(stack, context, shots)
         page = watched.page
+        # The sign-in asks for the JWT the banner printed, not for an admin's.
+        await expect(page.locator("label[for=token]")).to_have_text("JWT")
+        await expect(page.locator("#token-hint")).to_contain_text("arona-gateway up")
         await sign_in(page, DEV)
         await expect(page.locator("#scope-mode")).to_have_text("shared")
 

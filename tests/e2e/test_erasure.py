@@ -65,6 +65,7 @@ class Up:
     http: str
     grpc: str
     store: str
+    banner: str = ""
     stderr: list[str] = field(default_factory=list)
 
 
@@ -109,7 +110,7 @@ async def running(env: dict[str, str], *, kill: bool = False) -> AsyncIterator[U
         ]
         assert all(found), text
         http, grpc_target, store = (m.group(1) for m in found if m is not None)
-        up = Up(process, http, grpc_target, store)
+        up = Up(process, http, grpc_target, store, text)
         yield up
     finally:
         if process.returncode is None:
@@ -247,6 +248,9 @@ async def _forgotten_nowhere(
     logs: list[str] = []
     async with httpx.AsyncClient(timeout=60) as client:
         async with running(env, kill=stop == "sigkill") as up:
+            # The banner names the store's database (never its password).
+            kept_in = "PostgreSQL postgresql://***@127.0.0.1" if store_url else "SQLite"
+            assert f"(embedded Philia-compatible store, memories in {kept_in}" in up.banner
             await _tell_everything(client, up, env)
             listed = await _rpc(client, up, ALICE, "memory.list")
             assert len(listed["memories"]) == 5
@@ -264,7 +268,7 @@ async def _forgotten_nowhere(
                 assert set(await tables_holding(store_url, words)) == {"memory_nodes"}
 
             forgotten = await _rpc(client, up, ALICE, "memory.forget")
-            assert forgotten == {"deleted": 5, "conversations": 1}
+            assert forgotten == {"deleted": 5, "conversations": 1, "target": {"scope": "alice"}}
 
             assert (await _rpc(client, up, ALICE, "memory.list"))["memories"] == []
             status = json.dumps(await _rpc(client, up, ADMIN, "memory.status", {"limit": 100}))

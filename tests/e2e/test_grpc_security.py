@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.e2e.stack import ASK_TEXT, SURFACES, running_stack
-from tests.e2e.test_up import gateway_up, wait_for_writebacks
+from tests.e2e.test_up import forget_hint, gateway_up, run_in_shell, wait_for_writebacks
 from tests.support.fake_philia import QUERY, STORE
 from tests.support.grpcurl import run_grpcurl
 from tests.support.tls import make_tls_files
@@ -271,5 +271,12 @@ async def test_up_serves_grpc_over_tls_with_a_token_and_still_remembers(tmp_path
         )
         assert plaintext.returncode != 0
         assert "Failed to dial" in plaintext.stderr
+        # The banner's forget line reaches the service over TLS (its CA is on the line), with
+        # the token exported as the grpcurl line expects it.
+        await wait_for_writebacks(up, client, 2)
+        forget = forget_hint(up.banner)
+        assert GRPC_TOKEN not in forget
+        done = await run_in_shell(forget, {"ARONA_GRPC_TOKEN": GRPC_TOKEN})
+        assert done.startswith("forgot 2 episode(s) of the turns of no principal"), done
     assert "TLS, bearer token required" in up.stderr
     assert GRPC_TOKEN not in up.stderr

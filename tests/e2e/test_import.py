@@ -500,3 +500,42 @@ async def test_an_unreachable_service_is_one_clear_line(tmp_path: Path) -> None:
         f"arona-gateway: error: cannot reach the memory service at 127.0.0.1:{port} "
         "(is `arona-gateway up` or `serve` running? ARONA_GRPC_TARGET names it)"
     )
+
+
+async def test_a_logged_tool_loop_is_one_episode(tmp_path: Path, service: Service) -> None:
+    asked = {"role": "user", "content": "What's the weather in Lyon?"}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Lyon"}'},
+            }
+        ],
+    }
+    result = {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}
+    history = write_lines(
+        tmp_path / "loop.jsonl",
+        # The loop's first step, as a request log has it: the model calls a tool.
+        {
+            "request": {"model": "m", "messages": [asked]},
+            "response": {"created": MAY_8, "choices": [{"message": call}]},
+        },
+        # Its last: the tool's result sent back, the final answer.
+        {
+            "request": {"model": "m", "messages": [asked, call, result]},
+            "response": {
+                "created": MAY_8 + 5,
+                "choices": [{"message": {"role": "assistant", "content": "Sunny, 21 °C."}}],
+            },
+        },
+    )
+    run = await run_import(tmp_path, service.grpc.target, str(history))
+    assert run.code == 0, run.err
+    # The step is no bad line: it is the loop's, stored with its final answer.
+    assert run.out.strip() == "imported 2 lines (1 episode)"
+    assert [s["text"] for s in service.philia.stored] == [
+        "User: What's the weather in Lyon?\nAssistant: Sunny, 21 °C."
+    ]

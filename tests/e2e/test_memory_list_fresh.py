@@ -41,10 +41,9 @@ async def test_a_turn_is_listed_as_soon_as_it_is_answered(
             assert previews == [_preview(f"zebra note number {n}") for n in reversed(range(i + 1))]
         # Forgetting right after a turn takes that turn too.
         assert (await stack.say(surface, ALICE, "one more zebra note")).status == 200
-        assert await stack.result(ALICE, "memory.forget") == {
-            "deleted": ROUNDS + 1,
-            "conversations": 0,
-        }
+        forgot = await stack.result(ALICE, "memory.forget")
+        assert (forgot["deleted"], forgot["conversations"]) == (ROUNDS + 1, 0)
+        assert forgot["target"] == {"scope": "alice"}
         assert (await stack.result(ALICE, "memory.list"))["memories"] == []
 
 

@@ -1,4 +1,4 @@
-"""The README's PostgreSQL recipe, run exactly as written.
+"""The PostgreSQL recipe of docs/deploying.md, run exactly as written.
 
 The ```` ```sh ```` blocks between ``<!-- recipe:postgres -->`` and ``<!-- /recipe -->`` are
 joined into one bash script (what pasting them into one shell does) and run against a
@@ -8,10 +8,10 @@ password and the URL the recipe writes must agree. The only inputs are the varia
 recipe's step 0 reads with a default (``PGHOST``, ``PGPORT`` and the gateway's ports, all free
 ports on 127.0.0.1).
 
-The recipe becomes the ``postgres`` system user with ``sudo -u postgres``. This machine's
-tests run as root without sudo, so a ``sudo`` of the test's own (first on ``PATH``) does what
-sudo does for root there: ``runuser -u postgres``. Not root, the cluster belongs to the test's
-own user and the command runs as is.
+The recipe reaches PostgreSQL as its superuser with the ``psql.env`` that ``make postgres``
+writes (``POSTGRES_ENV``): here one written for the throwaway cluster (its socket directory, its
+port, its own ``psql``). It assumes no ``sudo``: a ``sudo`` of the test's own, first on
+``PATH``, fails the recipe if it is ever called.
 
 The script runs in a process group of its own; whatever it left running is killed with the
 group at the end, whether it passed or not.
@@ -48,12 +48,9 @@ host all all 127.0.0.1/32 scram-sha-256
 """
 SUDO = """\
 #!/bin/sh
-# sudo -u USER COMMAND...: what sudo does for root, on a machine without sudo.
-[ "$1" = "-u" ] || { echo "this test's sudo takes -u USER COMMAND only" >&2; exit 64; }
-user=$2
-shift 2
-if [ "$(id -u)" -eq 0 ]; then exec runuser -u "$user" -- "$@"; fi
-exec "$@"
+# The recipe assumes no sudo: a call to it fails the recipe.
+echo "the recipe called sudo $*, which it must not need" >&2
+exit 97
 """
 LOGS = ("store.log", "replica-a.log", "replica-b.log")
 
@@ -91,8 +88,8 @@ def cluster() -> Iterator[PgCluster]:
 
 
 def recipe_workdir(tmp_path: Path, text: str) -> tuple[Path, Path, Path]:
-    """The test's ``sudo`` (a directory for ``PATH``), the recipe's working directory, and
-    the recipe ``text`` as a script: made under ``tmp_path``."""
+    """The test's ``sudo`` that refuses (a directory for ``PATH``), the recipe's working
+    directory, and the recipe ``text`` as a script: made under ``tmp_path``."""
     tools = tmp_path / "tools"
     tools.mkdir()
     (tools / "sudo").write_text(SUDO)
@@ -108,7 +105,8 @@ def recipe_environment(
     cluster: PgCluster, tools: Path, ports: Sequence[str], path: Sequence[Path] = ()
 ) -> dict[str, str]:
     """The test runner's environment without its ARONA_* and PG* settings, and step 0's
-    variables pointing at the throwaway cluster and (each of ``ports``) at a free port;
+    variables pointing at the throwaway cluster (``POSTGRES_ENV``, a ``psql.env`` written in
+    ``tools``) and (each of ``ports``) at a free port;
     ``path``: more directories for ``PATH``, after the project's own."""
     env = {
         name: value
@@ -119,7 +117,13 @@ def recipe_environment(
     env["PATH"] = os.pathsep.join(
         [str(tools), str(Path(sys.executable).parent), *map(str, path), env["PATH"]]
     )
-    env.update(PGHOST=str(cluster.socket_dir), PGPORT=str(cluster.port))
+    # What `make postgres` writes to .postgres/psql.env, for the throwaway cluster.
+    psql_env = tools / "psql.env"
+    psql_env.write_text(
+        f"PGHOST={cluster.socket_dir}\nPGPORT={cluster.port}\nPGUSER=postgres\n"
+        f"PGDATABASE=postgres\nPSQL={cluster.psql_binary}\n"
+    )
+    env["POSTGRES_ENV"] = str(psql_env)
     env.update((name, str(_free_port())) for name in ports)
     return env
 

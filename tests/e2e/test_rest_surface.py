@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from arona_grpc.config import DEFAULT_MAX_BODY_BYTES
 from gateway_http.usage.records import Budget
 from tests.e2e.stack import ASK_TEXT, running_stack
 from tests.support.fake_philia import STORE
@@ -119,9 +120,11 @@ async def test_a_chat_body_that_is_not_declared_json_is_415_and_writes_nothing(
         assert accepted.status_code == 200
 
 
-async def test_body_over_one_mib_is_413(tmp_path: Path) -> None:
+async def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
-        big = {"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}
+        # The default limit (32 MiB) takes a 20 MB photo as a data URL; one byte more is refused.
+        content = "x" * DEFAULT_MAX_BODY_BYTES
+        big = {"model": "m", "messages": [{"role": "user", "content": content}]}
         response = await stack.http.post("/v1/chat/completions", json=big)
         assert response.status_code == 413
         assert _error(response)["code"] == "request_too_large"
@@ -159,10 +162,10 @@ async def test_unknown_fields_are_forwarded_untouched(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_upstream_http_error_is_502(tmp_path: Path, stream: bool) -> None:
+async def test_upstream_server_error_is_502(tmp_path: Path, stream: bool) -> None:
     async with running_stack(tmp_path) as stack:
         stack.philia.memories = [{"node_type": "episode", "text": "likes oolong", "score": 0.5}]
-        stack.upstream.script(Fail(status=429, message="slow down"))
+        stack.upstream.script(Fail(status=503, message="overloaded"))
         response = await stack.http.post(
             "/v1/chat/completions", json={"model": "m", "messages": ASK, "stream": stream}
         )

@@ -5,7 +5,8 @@ service and a scripted Philia.
 What a client sees: its model answered by the backend that serves it (by exact name, glob or
 alias, the upstream getting the rewritten name), in ``X-Arona-Backend``; a backend that is down,
 answers 5xx or 429 replaced by the next one while nothing was sent to the client, never once a
-stream has started; 404 ``model_not_found`` for a model no backend serves; ``/v1/models``
+stream has started, and never after another 4xx (the client gets that one as the backend said
+it); 404 ``model_not_found`` for a model no backend serves; ``/v1/models``
 listing what is routable; one recall per turn however many backends were asked; every attempt
 counted on ``/metrics`` by backend and outcome.
 """
@@ -230,12 +231,31 @@ async def test_a_4xx_is_not_retried_elsewhere(tmp_path: Path, surface: str) -> N
         turn = await routed.chat(surface, "gpt-4o")
         if surface == "rpc":
             error = turn.body["error"]
-            assert (error["code"], error["data"]) == (-32000, {"code": "upstream_error"})
+            assert error["code"] == -32000
+            assert error["data"] == {"code": "upstream_error", "status": 400, "backend": "a"}
         else:
-            assert turn.status == 502
-            assert turn.body["error"]["code"] == "upstream_error"
-            assert "context length exceeded" in turn.body["error"]["message"]
+            # a's own answer, from a.
+            assert turn.status == 400
+            assert turn.body["error"]["message"] == "context length exceeded"
+            assert turn.headers is not None and turn.headers["x-arona-backend"] == "a"
         assert routed.b.chat_requests == []
+
+
+async def test_when_every_backend_is_rate_limited_the_client_gets_the_last_429(
+    tmp_path: Path,
+) -> None:
+    async with routed_stack(tmp_path) as routed:
+        routed.a.script(Fail(429, "a is busy"))
+        routed.b.script(Fail(429, "b is busy"))
+        client = openai.AsyncOpenAI(
+            base_url=f"{routed.stack.base_url}/v1", api_key="unused", max_retries=0
+        )
+        async with client:
+            with pytest.raises(openai.RateLimitError) as raised:
+                await client.chat.completions.create(model="gpt-4o", messages=ASK)  # type: ignore[arg-type]
+        assert len(routed.a.chat_requests) == len(routed.b.chat_requests) == 1
+    assert raised.value.body == {"message": "b is busy", "type": "server_error", "code": None}
+    assert raised.value.response.headers["x-arona-backend"] == "b"
 
 
 async def test_a_backend_that_says_nothing_in_time_is_replaced(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ async def test_status_reports_events_newest_first(tmp_path: Path) -> None:
         ]
         assert all(RFC3339_MS.match(e["at"]) for e in events)
         # The anonymous REST turn concerns no scope: its events are {kind, detail, at}, as the
-        # README shows them; the JWT holder's delete names the caller's scope id.
+        # docs show them; the JWT holder's delete names the caller's scope id.
         assert [sorted(e) for e in events[1:]] == [["at", "detail", "kind"]]
         assert events[0]["scope_id"] == scope_id(stack.user)
         assert PHILIA_TOKEN not in str(reply)

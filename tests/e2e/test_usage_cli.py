@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from arona_grpc.database import open_pool
+from arona_common.database import open_pool
 from gateway_http.usage.records import Budget, UsageRecord
 from gateway_http.usage.store import USAGE_FILE, open_usage_store
 from tests.support.usage import usage_record

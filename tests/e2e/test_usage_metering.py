@@ -8,7 +8,8 @@ share of the prompt, the backend that answered; an upstream that reports nothing
 marked estimated; nobody reads another principal's usage; a principal over its monthly budget
 is refused with OpenAI's 429 insufficient_quota before any upstream call, on every surface and
 across two replicas sharing PostgreSQL; clients spending one budget concurrently on both
-replicas overshoot it by no more than the README's bound (the figure measured is printed).
+replicas overshoot it by no more than the bound docs/usage.md states (the figure measured is
+printed).
 """
 
 from __future__ import annotations
@@ -408,7 +409,7 @@ MARGIN = 2
 
 
 def overshoot_bound() -> int:
-    """The README's bound (Budgets, "How far a budget can be overshot") with this test's
+    """The bound of docs/usage.md (Budgets, "How far a budget can be overshot") with this test's
     figures: the turns in flight at the crossing (one per client) plus what the other replica's
     clients can spend while a replica cannot see it (stored within FLUSH_S, read within
     ARONA_USAGE_REFRESH_S)."""
@@ -481,3 +482,5 @@ async def test_the_echo_model_reports_its_usage_like_an_upstream(tmp_path: Path)
     # The same turn three times: the same counts each time, as the JSON answer reported them.
     assert rows[0]["prompt_tokens"] == 3 * reported["prompt_tokens"]
     assert rows[0]["completion_tokens"] == 3 * reported["completion_tokens"]
+    # Counted alike (cl100k_base), the memory section is a part of the prompt it was in.
+    assert 0 < rows[0]["memory_tokens"] < rows[0]["prompt_tokens"]

@@ -129,7 +129,11 @@ async def test_forget_removes_all_of_one_users_episodes_and_none_of_anothers(
         await stack.settle()
         refused = await stack.rpc(BOB, "memory.forget", {"scope": "alice"})
         assert refused["error"]["code"] == -32007
-        assert await stack.result(ALICE, "memory.forget") == {"deleted": 3, "conversations": 0}
+        assert await stack.result(ALICE, "memory.forget") == {
+            "deleted": 3,
+            "conversations": 0,
+            "target": {"scope": "alice"},
+        }
         assert (await stack.result(ALICE, "memory.list"))["memories"] == []
         assert len((await stack.result(BOB, "memory.list"))["memories"]) == 2
         assert sorted(stack.stored_texts()) == [
@@ -137,7 +141,11 @@ async def test_forget_removes_all_of_one_users_episodes_and_none_of_anothers(
             for i in range(2)
         ]
         # Safe to say again: nothing left to delete.
-        assert await stack.result(ALICE, "memory.forget") == {"deleted": 0, "conversations": 0}
+        assert await stack.result(ALICE, "memory.forget") == {
+            "deleted": 0,
+            "conversations": 0,
+            "target": {"scope": "alice"},
+        }
         assert (await stack.say("rest", ALICE, "zebra fact?")).memory == "disabled"
         assert (await stack.say("rest", BOB, "zebra fact?")).memory == "enabled"
         await stack.settle()
@@ -145,6 +153,7 @@ async def test_forget_removes_all_of_one_users_episodes_and_none_of_anothers(
         assert await stack.result(ADMIN, "memory.forget", {"scope": "bob"}) == {
             "deleted": 3,
             "conversations": 0,
+            "target": {"scope": "bob"},
         }
         assert [t for t in stack.stored_texts() if "bob" in t] == []
 

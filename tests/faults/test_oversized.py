@@ -127,7 +127,7 @@ async def test_three_oversized_questions_leave_the_breaker_closed(
     async with others_chatting(gateway) as load:
         async with httpx.AsyncClient(timeout=60) as client:
             for i in range(3):
-                # Just under the 1 MiB request body: a question of a million characters.
+                # A question of a million characters, far past what a recall asks with.
                 asked = await turn(client, gateway, "q" * 1_000_000 + f" which tea {i}?")
                 assert asked.status_code == 200
                 assert asked.headers["x-arona-memory"] != "offline"

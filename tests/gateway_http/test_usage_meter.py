@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client import generate_latest
 
-from arona_grpc.database import DatabaseUnavailable, open_pool
+from arona_common.database import DatabaseUnavailable, open_pool
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.usage.budgets import Budgets

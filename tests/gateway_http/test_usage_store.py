@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from arona_grpc.database import open_pool
+from arona_common.database import open_pool
 from gateway_http.usage.records import (
     DEFAULT_BUDGET,
     Budget,

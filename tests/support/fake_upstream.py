@@ -17,8 +17,12 @@ the request asks for a stream. ``up.script(...)`` queues replies consumed one pe
   with neither (``"truncated"``), an OpenAI error event (``"error"``), a dropped connection
   (``"break"``), a malformed event (``"garbage"``) or no end at all (``"hang"``);
 * :class:`Fail` — an HTTP error status with an OpenAI-shaped (or raw) body;
+* :class:`Refuse` — an HTTP error with the whole error body and headers given (an OpenAI error
+  with its ``code`` and ``param``, ``retry-after``, ``x-ratelimit-*``), sent byte for byte;
 * :class:`Garbage` — a 200 whose body is not JSON;
-* :class:`Hang` — never answers.
+* :class:`Hang` — never answers;
+* :class:`Choices` — several choices (``n``), streamed with their chunks interleaved (each
+  chunk one choice, by its ``index``) or whole.
 
 Both answers report ``usage`` (word counts, unless scripted otherwise or left out with
 ``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
@@ -27,6 +31,10 @@ as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no cho
 ``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
 model's time to think would: a floor under each turn's duration, for tests that bound how many
 turns a client can make in a given time.
+
+``up.refuses_stream_options`` (False by default) makes it answer any chat request carrying
+``stream_options`` as older Azure OpenAI deployments do (:data:`STREAM_OPTIONS_REFUSAL`), before
+the script is consulted.
 
 ``Stream.closed`` and ``Hang.closed`` are set when the client goes away before the reply was
 finished: the proof a test needs that a disconnect cancelled the upstream request.
@@ -94,6 +102,8 @@ class RecordedRequest:
     body: Any  # the parsed JSON body, or None when there was none or it was not JSON
     raw_body: bytes
     client_port: int | None = None  # the same port twice = a reused keep-alive connection
+    # time.monotonic() when it was recorded: how long a client waited between two tries.
+    received: float = field(default_factory=time.monotonic)
 
     @property
     def authorization(self) -> str | None:
@@ -124,6 +134,35 @@ class Fail(Reply):
     status: int = 500
     message: str = "the fake upstream failed on purpose"
     raw: bytes | None = None  # sent instead of the OpenAI-shaped error body
+
+
+@dataclass
+class Refuse(Reply):
+    """An HTTP error answered exactly as given: ``body`` (a JSON value, encoded once, or bytes
+    sent as they are) and ``headers`` beside its content type."""
+
+    status: int = 400
+    body: Any = None
+    headers: Sequence[tuple[str, str]] = ()
+    content_type: str = "application/json"
+
+    @property
+    def raw(self) -> bytes:
+        """The body's bytes as sent."""
+        return self.body if isinstance(self.body, bytes) else orjson.dumps(self.body)
+
+
+def openai_error(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI error body with all four of its members."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# What an older Azure OpenAI deployment answers a request carrying stream_options.
+STREAM_OPTIONS_REFUSAL = openai_error(
+    "Unrecognized request argument supplied: stream_options", "invalid_request_error"
+)
 
 
 @dataclass
@@ -165,6 +204,7 @@ class FakeUpstream:
         self.requests: list[RecordedRequest] = []
         self.base_url = ""
         self.latency_s = 0.0
+        self.refuses_stream_options = False
         self._script: deque[Reply] = deque()
         self._recorded = asyncio.Condition()
         # POST /v1/responses (its own script: tests.support.fake_responses).
@@ -261,6 +301,9 @@ class FakeUpstream:
             await _send_json(send, 400, _error("body must be a JSON object"))
             return
 
+        if self.refuses_stream_options and "stream_options" in body:
+            await _refuse(Refuse(400, STREAM_OPTIONS_REFUSAL), send)
+            return
         if self._script:
             reply = self._script.popleft()
         else:
@@ -281,11 +324,15 @@ async def _answer(reply: Reply, body: dict[str, Any], receive: Receive, send: Se
             await _send(send, reply.status, [(b"content-type", b"text/plain")], reply.raw)
         else:
             await _send_json(send, reply.status, _error(reply.message, type_="server_error"))
+    elif isinstance(reply, Refuse):
+        await _refuse(reply, send)
     elif isinstance(reply, Garbage):
         await _send(send, 200, [(b"content-type", b"text/html")], reply.body)
     elif isinstance(reply, Hang):
         await _until_disconnect(receive)
         reply.closed.set()
+    elif isinstance(reply, Choices):
+        await _choices(reply, body, send)
     else:
         raise TypeError(f"unknown scripted reply {reply!r}")
 
@@ -429,3 +476,53 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], dat
 
 async def _send_json(send: Send, status: int, payload: Any) -> None:
     await _send(send, status, _JSON, orjson.dumps(payload))
+
+
+async def _refuse(reply: Refuse, send: Send) -> None:
+    headers = [(b"content-type", reply.content_type.encode())]
+    headers += [(name.encode(), value.encode()) for name, value in reply.headers]
+    await _send(send, reply.status, headers, reply.raw)
+
+
+@dataclass
+class Choices(Reply):
+    """An answer with one choice per text (what ``n`` asks for): streamed, each chunk carries
+    one choice's next word, the choices taking turns, as OpenAI interleaves them."""
+
+    texts: Sequence[str] = ()
+
+
+async def _choices(reply: Choices, body: dict[str, Any], send: Send) -> None:
+    base = {
+        "id": "chatcmpl-fake-choices",
+        "created": int(time.time()),
+        "model": body.get("model") or "fake-model",
+    }
+    if body.get("stream") is not True:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+            for i, t in enumerate(reply.texts)
+        ]
+        await _send_json(send, 200, {**base, "object": "chat.completion", "choices": choices})
+        return
+    events: list[dict[str, Any]] = []
+    pieces = [split_words(text) for text in reply.texts]
+    for index in range(len(reply.texts)):
+        events.append({"index": index, "delta": {"role": "assistant", "content": ""}})
+    for step in range(max((len(p) for p in pieces), default=0)):
+        for index, words in enumerate(pieces):
+            if step < len(words):
+                events.append({"index": index, "delta": {"content": words[step]}})
+    for index in range(len(reply.texts)):
+        events.append({"index": index, "delta": {}, "finish_reason": "stop"})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    for choice in events:
+        chunk = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+        await send(_body(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+    await send(_body(b"data: [DONE]\n\n", more_body=False))

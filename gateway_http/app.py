@@ -52,7 +52,7 @@ from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.openapi import published
-from gateway_http.routes import console, rest
+from gateway_http.routes import console, passthrough, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
@@ -357,6 +357,7 @@ def create_app(
     )
     app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
+    app.include_router(passthrough.router)
     app.include_router(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
     )
@@ -378,6 +379,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405) and is_rest(request.url.path):
+            return passthrough.invalid_url(request)
         kind = {404: ErrorKind.NOT_FOUND, 401: ErrorKind.AUTH, 413: ErrorKind.TOO_LARGE}.get(
             exc.status_code, ErrorKind.BAD_INPUT
         )

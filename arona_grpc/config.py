@@ -40,6 +40,9 @@ DEFAULT_QUERY_CHARS = 4_000
 # The HTTP edge (gateway_http.edge): a request's head and body, a WebSocket message, and how
 # long each may take to arrive.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# An upload's body (/v1/audio/transcriptions, /v1/audio/translations): OpenAI takes files of up
+# to 25 MB, and the form's other fields come on top.
+DEFAULT_MAX_UPLOAD_BYTES = 26 << 20
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -127,6 +130,7 @@ class Settings:
     # how long a request's head and its body may take to arrive, and how long an idle
     # connection is kept.
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    http_max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     http_max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
@@ -240,6 +244,9 @@ class Settings:
             writeback_journal=_strict_bool(env, "ARONA_WRITEBACK_JOURNAL", True),
             http_max_body_bytes=_positive_int(
                 env, "ARONA_HTTP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES
+            ),
+            http_max_upload_bytes=_positive_int(
+                env, "ARONA_HTTP_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES
             ),
             http_max_header_bytes=_positive_int(
                 env, "ARONA_HTTP_MAX_HEADER_BYTES", DEFAULT_MAX_HEADER_BYTES

@@ -30,13 +30,16 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
 from gateway_http.auth import ANONYMOUS
+from gateway_http.bodies import read_limited
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.multipart import boundary_of, find_field, replaced
 from gateway_http.routes.rest import (
     BACKEND_HEADER,
+    ClientGone,
     _unless_disconnected,
     read_body,
     require_json,
@@ -133,7 +136,7 @@ async def _read_form(request: Request) -> tuple[bytes, str, Callable[[str], byte
             "the request body must be a form, sent with Content-Type: multipart/form-data",
             "unsupported_media_type",
         )
-    raw = await read_body(request)
+    raw = await _read_upload(request)
     field = find_field(raw, boundary, "model")
     if field is None:
         raise _model_error("the form field 'model' is required")
@@ -144,6 +147,21 @@ async def _read_form(request: Request) -> tuple[bytes, str, Callable[[str], byte
     if not model:
         raise _model_error("the form field 'model' is required")
     return raw, model, lambda name: replaced(raw, field, name)
+
+
+async def _read_upload(request: Request) -> bytes:
+    """An upload's body, under its own limit (``ARONA_HTTP_MAX_UPLOAD_BYTES``): audio files are
+    larger than any chat body."""
+    limit = gateway_of(request).settings.http_max_upload_bytes
+    try:
+        body = await read_limited(request, limit)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if body is None:
+        raise GatewayError(
+            ErrorKind.TOO_LARGE, f"the upload is larger than {limit} bytes", "request_too_large"
+        )
+    return body
 
 
 async def _asked(gw: Gateway, request: Request, route: PassRoute) -> tuple[Asked, Any]:

@@ -25,10 +25,11 @@ import orjson
 import pytest
 
 from gateway_http.usage.records import Budget, UsageQuery, micros
+from gateway_http.usage.tokens import TokenCounter
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_routing import routed_stack
 from tests.support.fake_philia import QUERY, STORE
-from tests.support.fake_upstream import SPEECH, Fail, Hang, embedding_of
+from tests.support.fake_upstream import SPEECH, Cut, Fail, Hang, embedding_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -350,3 +351,85 @@ async def test_a_client_that_leaves_cancels_the_upstream_request(tmp_path: Path)
             await asyncio.wait_for(hang.arrived.wait(), 5)
             request.cancel()
         await asyncio.wait_for(hang.closed.wait(), 5)
+
+
+async def test_completions_are_metered_reported_or_counted(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack:
+        client = sdk(stack)
+        await client.completions.create(model="whole", prompt="Say tea")
+        asked = await client.completions.create(
+            model="asked", prompt="Say tea", stream=True, stream_options={"include_usage": True}
+        )
+        said = [chunk async for chunk in asked]
+        counted = await client.completions.create(model="counted", prompt="Say tea", stream=True)
+        text = "".join([choice.text async for chunk in counted for choice in chunk.choices])
+        await client.close()
+        rows = await _rows(stack)
+        estimated = await _estimated(stack)
+    # The usage chunk the client asked for reached it.
+    assert said[-1].usage is not None and said[-1].usage.completion_tokens == 3
+    counter = TokenCounter()
+    assert rows == {
+        ("anonymous", "whole", "upstream"): (1, 2, 3),
+        ("anonymous", "asked", "upstream"): (1, 2, 3),
+        # No usage in the stream: counted by the gateway from the prompt and the text streamed.
+        ("anonymous", "counted", "upstream"): (
+            1,
+            counter.prompt([{"role": "user", "content": "Say tea"}]),
+            counter.reply(text),
+        ),
+    }
+    assert estimated == {"counted"}
+
+
+async def _estimated(stack: Stack) -> set[str]:
+    now = datetime.now(UTC)
+    summary = await stack.app.state.gateway.usage.summary(
+        UsageQuery(micros(now - timedelta(hours=1)), micros(now + timedelta(hours=1)), ("model",))
+    )
+    return {row.groups[0] for row in summary.rows if row.estimated_turns}
+
+
+async def test_a_stream_that_breaks_off_is_never_taken_for_whole(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack:
+        half = SPEECH[: len(SPEECH) // 2]
+        chunk = {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "Hel"}]}
+        event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        stack.upstream.script_routes(Cut(data=half), Cut(b"text/event-stream", event))
+        received = b""
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with stack.http.stream(
+                "POST", "/v1/audio/speech", json={"model": "tts-1", "input": "hi", "voice": "a"}
+            ) as speech:
+                async for piece in speech.aiter_bytes():
+                    received += piece
+        completion = await stack.http.post(
+            "/v1/completions", json={"model": "c", "prompt": "Hello", "stream": True}
+        )
+    # What arrived of the audio is the upstream's, and no more.
+    assert received and half.startswith(received)
+    events = [line for line in completion.text.split("\n\n") if line]
+    assert events[0] == event.decode().strip()
+    assert orjson.loads(events[1].removeprefix("data: "))["error"]["type"] == "upstream_error"
+    assert events[2] == "data: [DONE]"
+
+
+async def test_uploads_have_a_limit_of_their_own(tmp_path: Path) -> None:
+    async with running_stack(
+        tmp_path, http_overrides={"http_max_body_bytes": 1000, "http_max_upload_bytes": 20_000}
+    ) as stack:
+        client = sdk(stack)
+        small = await client.audio.transcriptions.create(
+            model="whisper-1", file=("a.mp3", AUDIO, "audio/mpeg")
+        )
+        with pytest.raises(openai.APIStatusError) as large:
+            await client.audio.transcriptions.create(
+                model="whisper-1", file=("a.mp3", AUDIO * 2, "audio/mpeg")
+            )
+        # A JSON body keeps the body limit.
+        with pytest.raises(openai.APIStatusError) as long_input:
+            await client.embeddings.create(model="e", input="tea " * 300)
+        await client.close()
+        assert len(stack.upstream.requests) == 1
+    assert len(AUDIO) > 1000 and small.text.startswith("transcriptions of")
+    assert large.value.status_code == long_input.value.status_code == 413

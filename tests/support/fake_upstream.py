@@ -24,6 +24,13 @@ Both answers report ``usage`` (word counts, unless scripted otherwise or left ou
 ``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
 as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no choices.
 
+The OpenAI routes beside chat (:data:`OTHER_ROUTES`: embeddings, completions, moderations,
+audio, image generation) get answers derived from the request (:func:`_route_answer`: an
+embedding per input, ``completed: <prompt>`` whole or streamed, :data:`SPEECH` as audio in
+pieces, ``<route> of <n> bytes`` for an upload); ``up.script_routes(...)`` queues
+:class:`Fail`, :class:`Hang`, :class:`Garbage` or :class:`Cut` (a 200 that breaks off) for
+them, and ``up.requests_to(route)`` lists what each received.
+
 ``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
 model's time to think would: a floor under each turn's duration, for tests that bound how many
 turns a client can make in a given time.
@@ -200,6 +207,8 @@ class FakeUpstream:
         reply.arrived.set()
         if isinstance(reply, Complete):
             await _route_answer(request, receive, send)
+        elif isinstance(reply, Cut):
+            await _cut(reply, send)
         else:
             await _answer(reply, {}, receive, send)
 
@@ -443,6 +452,21 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], dat
 
 async def _send_json(send: Send, status: int, payload: Any) -> None:
     await _send(send, status, _JSON, orjson.dumps(payload))
+
+
+@dataclass
+class Cut(Reply):
+    """A 200 of ``content_type`` that sends ``data`` and then drops the connection."""
+
+    content_type: bytes = b"audio/mpeg"
+    data: bytes = b""
+
+
+async def _cut(reply: Cut, send: Send) -> None:
+    start = {"type": "http.response.start", "status": 200}
+    await send({**start, "headers": [(b"content-type", reply.content_type)]})
+    await send(_body(reply.data))
+    # Returning without the final body message makes uvicorn drop the connection.
 
 
 # The OpenAI routes beside chat that the fake answers (see _route_answer).

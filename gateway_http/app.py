@@ -102,9 +102,10 @@ class GatewayApp(FastAPI):
 
     Under load, FastAPI's per-request middleware stack and routing (exception, body-limit,
     exit-stack and telemetry middleware, route matching, endpoint wrapping) cost more than
-    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
-    dependencies, so it is dispatched here straight to the same handler, with the same error
-    mapping as the exception handlers below; every other request goes through FastAPI.
+    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` and the
+    routes passed through to a backend (gateway_http.routes.passthrough) take no dependencies,
+    so they are dispatched here straight to the same handlers, with the same error mapping as
+    the exception handlers below; every other request goes through FastAPI.
 
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
@@ -122,6 +123,8 @@ class GatewayApp(FastAPI):
         try:
             if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
                 await self._chat_completions(scope, receive, send, request_id)
+            elif scope["method"] == "POST" and scope["path"] in passthrough.HANDLERS:
+                await self._pass_through(scope, receive, send, request_id)
             else:
                 added = _added_headers(request_id, rest=is_rest(scope["path"]))
                 await super().__call__(scope, receive, _with_headers(send, added))
@@ -153,6 +156,27 @@ class GatewayApp(FastAPI):
             if response.status_code >= 500:
                 tracing.failed(span, str(response.status_code))
             await response(scope, receive, send)
+
+    async def _pass_through(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> None:
+        """A route passed through to a backend (gateway_http.routes.passthrough), served
+        without the framework's layers like chat, with the same error mapping."""
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            response = await passthrough.HANDLERS[scope["path"]](request)
+        except GatewayError as exc:
+            response = _error_response(exc)
+        except DatabaseUnavailable:
+            response = _error_response(database_unavailable())
+        except rest.ClientGone:
+            # Nobody is left to answer.
+            return
+        except Exception:
+            response = _internal_error(request)
+        _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+        await response(scope, receive, send)
 
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from starlette.types import Send
 from gateway_http.auth import ANONYMOUS
 from gateway_http.bodies import read_limited
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
+from gateway_http.metrics import GatewayMetrics
 from gateway_http.multipart import boundary_of, find_field, replaced
 from gateway_http.routes.rest import (
     BACKEND_HEADER,
@@ -50,7 +51,7 @@ from gateway_http.routes.rest import (
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.upstream.backend import UpstreamError
 from gateway_http.upstream.raw import RawAnswer, RawRequest, forward
-from gateway_http.upstream.routing import Attempt
+from gateway_http.upstream.routing import Route
 from gateway_http.usage.meter import EndedTurn
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,17 @@ class Asked:
     # The parsed JSON body (None for a form).
     body: dict[str, Any] | None
     started: float
+
+
+async def _fetched(
+    routed: Route, asked: Asked, metrics: GatewayMetrics
+) -> tuple[RawAnswer, bytes | None]:
+    """The answer, and its whole body when it is JSON or an error (None: streamed as it
+    comes)."""
+    answer = await forward(routed, asked.request, [], metrics)
+    if answer.status >= 400 or answer.content_type.startswith(_JSON):
+        return answer, await answer.body()
+    return answer, None
 
 
 def _model_error(message: str) -> GatewayError:
@@ -205,36 +217,32 @@ async def _asked(gw: Gateway, request: Request, route: PassRoute) -> tuple[Asked
     return Asked(raw_request, owner, body, started), routed
 
 
-def _handler(route: PassRoute) -> Callable[[Request], Any]:
+def _handler(route: PassRoute) -> Callable[[Request], Awaitable[Response]]:
     async def passed(request: Request) -> Response:
         gw = gateway_of(request)
         asked, routed = await _asked(gw, request, route)
-        attempts: list[Attempt] = []
         try:
-            answer = await _unless_disconnected(
-                request, forward(routed, asked.request, attempts, gw.pipeline.metrics)
+            answer, content = await _unless_disconnected(
+                request, _fetched(routed, asked, gw.pipeline.metrics)
             )
         except UpstreamError as exc:
             raise upstream_failure(exc) from None
         answer.headers.append((BACKEND_HEADER, answer.backend))
-        if answer.status >= 400 or answer.content_type.startswith(_JSON):
-            try:
-                content = await _unless_disconnected(request, answer.body())
-            except UpstreamError as exc:
-                raise upstream_failure(exc) from None
-            if route.metered is not None and answer.status < 300:
-                _meter(gw, route, asked, answer, _parsed(content), "")
-            return _raw_response(answer.status, answer.headers, content)
-        return _Passed(gw, route, asked, answer)
+        if content is None:
+            return _Passed(gw, route, asked, answer)
+        if route.metered is not None and answer.status < 300:
+            _meter(gw, route, asked, answer, _parsed(content), "")
+        return _raw_response(answer.status, answer.headers, content)
 
     passed.__name__ = "passthrough_" + route.path.replace("/", "_")
     return passed
 
 
-for _route in ROUTES:
-    router.add_api_route(
-        f"/v1/{_route.path}", _handler(_route), methods=["POST"], include_in_schema=False
-    )
+# Each route's handler by path: dispatched directly by gateway_http.app.GatewayApp (as chat is),
+# and registered on the router too, for the app's routing table.
+HANDLERS = {f"/v1/{route.path}": _handler(route) for route in ROUTES}
+for _path, _passed in HANDLERS.items():
+    router.add_api_route(_path, _passed, methods=["POST"], include_in_schema=False)
 
 
 @router.get("/v1/models/{model_id:path}", include_in_schema=False)

@@ -242,10 +242,10 @@ def _handler(route: PassRoute) -> Callable[[Request], Awaitable[Response]]:
 # and registered on the router too, for the app's routing table.
 HANDLERS = {f"/v1/{route.path}": _handler(route) for route in ROUTES}
 for _path, _passed in HANDLERS.items():
-    router.add_api_route(_path, _passed, methods=["POST"], include_in_schema=False)
+    router.add_api_route(_path, _passed, methods=["POST"])
 
 
-@router.get("/v1/models/{model_id:path}", include_in_schema=False)
+@router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> Response:
     """One model of the ``GET /v1/models`` listing (OpenAI's 404 for a name not in it)."""
     gw = gateway_of(request)

@@ -50,6 +50,7 @@ from gateway_http.routes.rest import (
 )
 from gateway_http.state import Gateway, gateway_of
 from gateway_http.upstream.backend import UpstreamError
+from gateway_http.upstream.echo import EchoModel
 from gateway_http.upstream.raw import RawAnswer, RawRequest, forward
 from gateway_http.upstream.routing import Route
 from gateway_http.usage.meter import EndedTurn
@@ -113,6 +114,19 @@ async def _fetched(
     if answer.status >= 400 or answer.content_type.startswith(_JSON):
         return answer, await answer.body()
     return answer, None
+
+
+def _echo_embeddings(gw: Gateway, asked: Asked, echo: EchoModel) -> Response:
+    """The ``echo`` model's embeddings, metered like an upstream's."""
+    try:
+        answer = echo.embeddings(asked.body or {})
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
+    usage = gw.usage
+    if usage is not None:
+        reported = {"completion_tokens": 0, **answer["usage"]}
+        usage.record(_ended(asked, echo.name, asked.request.model, "embeddings", reported))
+    return Response(orjson.dumps(answer), media_type=_JSON, headers={BACKEND_HEADER: echo.name})
 
 
 def _model_error(message: str) -> GatewayError:
@@ -221,6 +235,9 @@ def _handler(route: PassRoute) -> Callable[[Request], Awaitable[Response]]:
     async def passed(request: Request) -> Response:
         gw = gateway_of(request)
         asked, routed = await _asked(gw, request, route)
+        echo = routed[0].backend
+        if route.path == "embeddings" and isinstance(echo, EchoModel):
+            return _echo_embeddings(gw, asked, echo)
         try:
             answer, content = await _unless_disconnected(
                 request, _fetched(routed, asked, gw.pipeline.metrics)
@@ -431,26 +448,42 @@ def _meter(
             )
     if not _has_both(reported):
         reported = None
-    user = body.get("user")
     streamed = route.metered == "completions" and body.get("stream") is True
+    surface = f"{route.metered}_stream" if streamed else str(route.metered)
     attempt = answer.attempt
     attempt.usage = reported
+    prompt = [{"role": "user", "content": prompt_text}] if prompt_text else []
     usage.record(
-        EndedTurn(
-            turn_id=os.urandom(16).hex(),
-            principal=asked.owner,
-            user=user if isinstance(user, str) else "",
-            model=attempt.model,
-            backend=attempt.backend,
-            surface=f"{route.metered}_stream" if streamed else str(route.metered),
-            outcome="ok",
-            latency_ms=(time.perf_counter() - asked.started) * 1000,
-            usage=reported,
-            prompt=[{"role": "user", "content": prompt_text}] if prompt_text else [],
-            reply=reply_text,
-            reply_message=None,
-            section="",
-        )
+        _ended(asked, attempt.backend, attempt.model, surface, reported, prompt, reply_text)
+    )
+
+
+def _ended(
+    asked: Asked,
+    backend: str,
+    model: str,
+    surface: str,
+    reported: Any,
+    prompt: list[Any] | None = None,
+    reply: str = "",
+) -> EndedTurn:
+    """What the meter takes of an answered request (its prompt and reply are counted only
+    when ``reported`` says nothing)."""
+    user = (asked.body or {}).get("user")
+    return EndedTurn(
+        turn_id=os.urandom(16).hex(),
+        principal=asked.owner,
+        user=user if isinstance(user, str) else "",
+        model=model,
+        backend=backend,
+        surface=surface,
+        outcome="ok",
+        latency_ms=(time.perf_counter() - asked.started) * 1000,
+        usage=reported,
+        prompt=prompt or [],
+        reply=reply,
+        reply_message=None,
+        section="",
     )
 
 

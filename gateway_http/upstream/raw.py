@@ -162,8 +162,12 @@ async def forward(
         name = route[0].name
         raise GatewayError(
             ErrorKind.NOT_FOUND,
-            f"The model '{request.model}' is served by backend '{name}', which answers chat "
-            f"completions only (POST /v1/chat/completions), not /v1/{request.path}",
+            f"The model '{request.model}' is served by backend '{name}', which does not "
+            f"answer POST /v1/{request.path} (the echo model answers chat completions and "
+            "embeddings)"
+            if name == "echo"
+            else f"The model '{request.model}' is served by backend '{name}', which does not "
+            f"answer POST /v1/{request.path}",
             "model_not_supported",
         )
     headers = {"Content-Type": request.content_type, "Accept": request.accept}

@@ -307,16 +307,33 @@ async def test_a_route_the_gateway_does_not_serve_is_openais_404_naming_it(
     assert unknown_model.value.code == "model_not_found"
 
 
-async def test_the_echo_model_says_it_serves_chat_only(tmp_path: Path) -> None:
+async def test_the_echo_model_embeds_and_says_it_serves_nothing_else(tmp_path: Path) -> None:
     async with running_stack(tmp_path, upstream_url=None) as stack:
         client = sdk(stack)
-        with pytest.raises(openai.NotFoundError) as raised:
-            await client.embeddings.create(model="echo", input="tea")
+        embedded = await client.embeddings.create(
+            model="echo", input=["green tea please", "Green TEA, please!", "the stock market"]
+        )
+        again = await client.embeddings.create(model="echo", input="green tea please")
+        small = await client.embeddings.create(model="echo", input="tea", dimensions=8)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.embeddings.create(model="echo", input=[{"not": "text"}])  # type: ignore[list-item]
+        with pytest.raises(openai.NotFoundError) as other:
+            await client.completions.create(model="echo", prompt="tea")
         echo = await client.models.retrieve("echo")
         await client.close()
-    assert raised.value.code == "model_not_supported"
-    assert "chat completions only" in raised.value.message
+        rows = await _rows(stack)
+    vectors = [e.embedding for e in embedded.data]
+    # Deterministic, unit length, and texts with the same words are the same vector.
+    assert again.data[0].embedding == vectors[0]
+    assert len(vectors[0]) == 1536 and len(small.data[0].embedding) == 8
+    assert sum(x * x for x in vectors[0]) == pytest.approx(1.0, abs=1e-5)
+    assert vectors[1] == vectors[0] and vectors[2] != vectors[0]
+    assert embedded.usage.prompt_tokens == 3 + 3 + 3
+    assert "'input'" in bad.value.message
+    assert other.value.code == "model_not_supported"
+    assert "does not answer POST /v1/completions" in other.value.message
     assert echo.owned_by == "arona"
+    assert rows == {("anonymous", "echo", "echo"): (3, 9 + 3 + 1, 0)}
 
 
 async def test_bad_bodies_get_clear_400s(tmp_path: Path) -> None:

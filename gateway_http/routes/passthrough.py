@@ -15,7 +15,8 @@ content type, its body byte for byte, a stream as it arrives (the first bytes ar
 before answering, so a backend that fails at once can still be replaced). A stream that
 breaks off is ended with an ``error`` event then ``[DONE]`` when it is server-sent events, as
 chat does; any other body (audio) is cut off, so the client sees an incomplete answer rather
-than a short file.
+than a short file. The ``echo`` development model answers embeddings itself
+(:meth:`~gateway_http.upstream.echo.EchoModel.embeddings`) and no other of these routes.
 """
 
 from __future__ import annotations

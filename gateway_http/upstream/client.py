@@ -23,7 +23,7 @@ from yarl import URL
 
 from arona_grpc import tracing
 from arona_grpc.config import ConfigError
-from arona_grpc.redact import redact_text, redact_url
+from arona_grpc.redact import REDACTED, redact_text, redact_url
 from gateway_http.upstream.backend import (
     BROKEN,
     INVALID,
@@ -242,6 +242,13 @@ class OpenAIUpstream:
     ) -> UpstreamError:
         """The :class:`UpstreamError` of a failure while a raw answer's body is read."""
         return self._transport_error(exc, mid_stream=mid_stream)
+
+    def raw_redacted(self, content: bytes) -> bytes:
+        """An error body as the upstream sent it, but for this backend's key, masked."""
+        key = self._api_key
+        if key and key.encode() in content:
+            return content.replace(key.encode(), REDACTED.encode())
+        return content
 
     async def aclose(self) -> None:
         self._closed = True

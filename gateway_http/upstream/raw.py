@@ -119,7 +119,9 @@ class RawAnswer:
             self.done(CANCELLED)
             raise
         self.done()
-        return self._first + rest
+        content = self._first + rest
+        # An error may quote the request's credentials: the backend's key is the operator's.
+        return self._upstream.raw_redacted(content) if self.status >= 400 else content
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives; UpstreamError if it breaks off. Closing the generator

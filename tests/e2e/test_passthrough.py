@@ -207,6 +207,17 @@ async def test_an_upstream_400_reaches_the_client_with_its_body(tmp_path: Path) 
     assert raised.value.body["message"] == "input is too long"
 
 
+async def test_an_upstream_error_never_shows_the_backends_key(tmp_path: Path) -> None:
+    async with routed_stack(tmp_path) as routed:
+        routed.a.script_routes(Fail(400, "bad request from sk-backend-a-0123456789 here"))
+        response = await routed.stack.http.post(
+            "/v1/embeddings", json={"model": "gpt-4o", "input": "tea"}
+        )
+    assert response.status_code == 400
+    assert "sk-backend-a" not in response.text
+    assert response.json()["error"]["message"].startswith("bad request from ")
+
+
 async def test_an_upstream_refusing_the_gateways_key_is_a_502_naming_the_backend(
     tmp_path: Path,
 ) -> None:

@@ -29,7 +29,7 @@ from gateway_http.usage.tokens import TokenCounter
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_routing import routed_stack
 from tests.support.fake_philia import QUERY, STORE
-from tests.support.fake_upstream import SPEECH, Cut, Fail, Hang, embedding_of
+from tests.support.fake_upstream import SPEECH, Cut, Fail, Hang, Trickle, embedding_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -461,3 +461,15 @@ async def test_uploads_have_a_limit_of_their_own(tmp_path: Path) -> None:
         assert len(stack.upstream.requests) == 1
     assert len(AUDIO) > 1000 and small.text.startswith("transcriptions of")
     assert large.value.status_code == long_input.value.status_code == 413
+
+
+async def test_a_client_that_leaves_a_stream_closes_the_upstream_request(tmp_path: Path) -> None:
+    async with running_stack(tmp_path) as stack:
+        trickle = Trickle(data=SPEECH[:4096])
+        stack.upstream.script_routes(trickle)
+        body = {"model": "tts-1", "input": "a long story", "voice": "alloy"}
+        async with stack.http.stream("POST", "/v1/audio/speech", json=body) as speech:
+            first = await anext(speech.aiter_raw())
+        # The client closed its response after the first bytes: the upstream request ends.
+        await asyncio.wait_for(trickle.closed.wait(), 5)
+    assert SPEECH.startswith(first)

@@ -28,8 +28,9 @@ The OpenAI routes beside chat (:data:`OTHER_ROUTES`: embeddings, completions, mo
 audio, image generation) get answers derived from the request (:func:`_route_answer`: an
 embedding per input, ``completed: <prompt>`` whole or streamed, :data:`SPEECH` as audio in
 pieces, ``<route> of <n> bytes`` for an upload); ``up.script_routes(...)`` queues
-:class:`Fail`, :class:`Hang`, :class:`Garbage` or :class:`Cut` (a 200 that breaks off) for
-them, and ``up.requests_to(route)`` lists what each received.
+:class:`Fail`, :class:`Hang`, :class:`Garbage`, :class:`Cut` (a 200 that breaks off) or
+:class:`Trickle` (a 200 that stops sending until the client leaves) for them, and
+``up.requests_to(route)`` lists what each received.
 
 ``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
 model's time to think would: a floor under each turn's duration, for tests that bound how many
@@ -209,6 +210,8 @@ class FakeUpstream:
             await _route_answer(request, receive, send)
         elif isinstance(reply, Cut):
             await _cut(reply, send)
+        elif isinstance(reply, Trickle):
+            await _trickle(reply, receive, send)
         else:
             await _answer(reply, {}, receive, send)
 
@@ -460,6 +463,24 @@ class Cut(Reply):
 
     content_type: bytes = b"audio/mpeg"
     data: bytes = b""
+
+
+@dataclass
+class Trickle(Reply):
+    """A 200 of ``content_type`` that sends ``data``, then nothing more until the client goes
+    away (``closed`` is set then)."""
+
+    content_type: bytes = b"audio/mpeg"
+    data: bytes = b""
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _trickle(reply: Trickle, receive: Receive, send: Send) -> None:
+    start = {"type": "http.response.start", "status": 200}
+    await send({**start, "headers": [(b"content-type", reply.content_type)]})
+    await send(_body(reply.data))
+    await _until_disconnect(receive)
+    reply.closed.set()
 
 
 async def _cut(reply: Cut, send: Send) -> None:

@@ -191,7 +191,9 @@ async def _read_upload(request: Request) -> bytes:
     return body
 
 
-async def _asked(gw: Gateway, request: Request, route: PassRoute) -> tuple[Asked, Any]:
+async def _asked(gw: Gateway, request: Request, route: PassRoute) -> tuple[Asked, Route]:
+    """The caller's request read, checked and routed, its budget checked: what goes upstream,
+    and to which backends."""
     started = time.perf_counter()
     principal = rest_caller(gw, request)
     owner = principal.id if principal is not None else ANONYMOUS

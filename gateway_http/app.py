@@ -164,19 +164,24 @@ class GatewayApp(FastAPI):
         without the framework's layers like chat, with the same error mapping."""
         scope["app"] = self
         request = Request(scope, receive, send)
-        try:
-            response = await passthrough.HANDLERS[scope["path"]](request)
-        except GatewayError as exc:
-            response = _error_response(exc)
-        except DatabaseUnavailable:
-            response = _error_response(database_unavailable())
-        except rest.ClientGone:
-            # Nobody is left to answer.
-            return
-        except Exception:
-            response = _internal_error(request)
-        _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
-        await response(scope, receive, send)
+        with _passed_span(scope, request_id) as span:
+            try:
+                response = await passthrough.HANDLERS[scope["path"]](request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except DatabaseUnavailable:
+                response = _error_response(database_unavailable())
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                tracing.failed(span, "cancelled")
+                return
+            except Exception:
+                response = _internal_error(request)
+            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, str(response.status_code))
+            await response(scope, receive, send)
 
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
@@ -191,6 +196,26 @@ def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
             "http.request.method": "POST",
             "http.route": rest.CHAT_COMPLETIONS_PATH,
             "url.path": rest.CHAT_COMPLETIONS_PATH,
+            "url.scheme": scope.get("scheme", "http"),
+            "arona.request_id": request_id,
+        },
+    )
+
+
+def _passed_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """The server span of a request passed through to a backend, continuing the client's
+    ``traceparent``; it lasts until the answer's last byte."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    path = scope["path"]
+    return TRACER.span(
+        f"POST {path}",
+        kind=tracing.SERVER,
+        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": path,
+            "url.path": path,
             "url.scheme": scope.get("scheme", "http"),
             "arona.request_id": request_id,
         },

@@ -13,7 +13,9 @@ key for the backend, never the client's, and come back as an :class:`UpstreamErr
 backend.
 
 Each try is an :class:`~gateway_http.upstream.routing.Attempt` in the list the caller passes,
-counted in ``arona_upstream_attempts_total`` when it ends (:meth:`RawAnswer.done`).
+counted in ``arona_upstream_attempts_total`` when it ends (:meth:`RawAnswer.done`), and a
+client span (``embeddings <model>``, ``text_completion <model>``, ``<route> <model>``) whose
+``traceparent`` the upstream request carries, ended with it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,26 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import aiohttp
+from opentelemetry.trace import Span
 
+from arona_grpc import tracing
 from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.upstream.backend import BROKEN, HTTP_ERROR, UpstreamError
 from gateway_http.upstream.client import OpenAIUpstream
-from gateway_http.upstream.routing import CANCELLED, OK, Attempt, Route, attempt_outcome
+from gateway_http.upstream.routing import (
+    CANCELLED,
+    MAX_TRACED_MODEL_CHARS,
+    OK,
+    Attempt,
+    Route,
+    attempt_outcome,
+)
 
 logger = logging.getLogger(__name__)
+TRACER = tracing.Tracer("gateway_http")
+# The GenAI semantic conventions' operation of a route, where they name one (else its path).
+_OPERATIONS = {"completions": "text_completion", "embeddings": "embeddings"}
 
 # Response headers that are not passed on: the connection's own (hop by hop, and the length and
 # encoding of a body aiohttp may have decoded), those the gateway sets itself (its request id,
@@ -90,8 +104,10 @@ class RawAnswer:
         first: bytes,
         attempt: Attempt,
         metrics: GatewayMetrics,
+        span: Span = tracing.INVALID_SPAN,
     ) -> None:
         self._upstream = upstream
+        self._span = span
         self._response = response
         self._first = first
         self.attempt = attempt
@@ -152,6 +168,7 @@ class RawAnswer:
         if outcome == HTTP_ERROR:
             attempt.status = self.status
         self._metrics.attempt(attempt.backend, attempt_outcome(attempt))
+        _span_ended(self._span, attempt)
 
 
 async def forward(
@@ -184,21 +201,24 @@ async def forward(
         attempt = Attempt(target.name, sent, time.perf_counter())
         attempts.append(attempt)
         last = index + 1 == len(targets)
+        span = _attempt_span(request.path, attempt, index)
         try:
-            response = await upstream.open_raw("POST", request.path, payload, headers)
+            # Current while the request goes out, so that it carries the attempt's traceparent.
+            with tracing.current(span):
+                response = await upstream.open_raw("POST", request.path, payload, headers)
         except UpstreamError as exc:
-            _ended(attempt, exc.reason, metrics)
+            _ended(attempt, exc.reason, metrics, span=span)
             if exc.retryable and not last:
                 _falling_back(attempt, exc, targets[index + 1].name)
                 continue
             raise
         except BaseException:
-            _ended(attempt, CANCELLED, metrics)
+            _ended(attempt, CANCELLED, metrics, span=span)
             raise
         status = response.status
         if status in _CREDENTIALS:
             response.release()
-            _ended(attempt, HTTP_ERROR, metrics, status)
+            _ended(attempt, HTTP_ERROR, metrics, status, span)
             logger.warning(
                 "backend %s refused the gateway's credentials (HTTP %d) on /v1/%s",
                 target.name,
@@ -211,7 +231,7 @@ async def forward(
             )
         if (status >= 500 or status == 429) and not last:
             response.release()
-            _ended(attempt, HTTP_ERROR, metrics, status)
+            _ended(attempt, HTTP_ERROR, metrics, status, span)
             _falling_back(attempt, UpstreamError("", status), targets[index + 1].name)
             continue
         # The first bytes before answering: an answer that breaks off at once may still be
@@ -221,26 +241,64 @@ async def forward(
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.release()
             error = upstream.raw_failure(exc, mid_stream=True)
-            _ended(attempt, error.reason, metrics)
+            _ended(attempt, error.reason, metrics, span=span)
             if not last:
                 _falling_back(attempt, error, targets[index + 1].name)
                 continue
             raise error from None
         except BaseException:
             response.release()
-            _ended(attempt, CANCELLED, metrics)
+            _ended(attempt, CANCELLED, metrics, span=span)
             raise
         attempt.first = time.perf_counter()
-        return RawAnswer(upstream, response, first, attempt, metrics)
+        if span.is_recording():
+            span.add_event("first bytes")
+        return RawAnswer(upstream, response, first, attempt, metrics, span)
     raise AssertionError("a route has at least one target")
 
 
 def _ended(
-    attempt: Attempt, outcome: str, metrics: GatewayMetrics, status: int | None = None
+    attempt: Attempt,
+    outcome: str,
+    metrics: GatewayMetrics,
+    status: int | None = None,
+    span: Span = tracing.INVALID_SPAN,
 ) -> None:
     attempt.end(outcome)
     attempt.status = status
     metrics.attempt(attempt.backend, attempt_outcome(attempt))
+    _span_ended(span, attempt)
+
+
+def _attempt_span(path: str, attempt: Attempt, index: int) -> Span:
+    """An attempt's client span (the GenAI semantic conventions' operation and model), ended
+    with the attempt."""
+    if not tracing.active():
+        return tracing.INVALID_SPAN
+    operation = _OPERATIONS.get(path, path)
+    model = attempt.model[:MAX_TRACED_MODEL_CHARS]
+    return TRACER.start(
+        f"{operation} {model}",
+        kind=tracing.CLIENT,
+        attributes={
+            "gen_ai.operation.name": operation,
+            "gen_ai.system": attempt.backend,
+            "gen_ai.request.model": model,
+            "arona.upstream.attempt": index + 1,
+        },
+    )
+
+
+def _span_ended(span: Span, attempt: Attempt) -> None:
+    if not span.is_recording():
+        return
+    outcome = attempt_outcome(attempt)
+    span.set_attribute("arona.upstream.outcome", outcome)
+    if attempt.status is not None:
+        span.set_attribute("http.response.status_code", attempt.status)
+    if outcome != "answered":
+        tracing.failed(span, outcome)
+    span.end()
 
 
 def _falling_back(attempt: Attempt, exc: UpstreamError, following: str) -> None:

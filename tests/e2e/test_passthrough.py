@@ -30,6 +30,7 @@ from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_routing import routed_stack
 from tests.support.fake_philia import QUERY, STORE
 from tests.support.fake_upstream import SPEECH, Cut, Fail, Hang, Trickle, embedding_of
+from tests.support.otlp_receiver import OtlpReceiver, exported, named, traced_here
 
 pytestmark = pytest.mark.asyncio
 
@@ -473,3 +474,31 @@ async def test_a_client_that_leaves_a_stream_closes_the_upstream_request(tmp_pat
         # The client closed its response after the first bytes: the upstream request ends.
         await asyncio.wait_for(trickle.closed.wait(), 5)
     assert SPEECH.startswith(first)
+
+
+async def test_a_passed_through_request_is_one_trace_with_its_upstream_call(
+    tmp_path: Path,
+) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    async with OtlpReceiver() as receiver, traced_here(receiver), running_stack(tmp_path) as stack:
+        response = await stack.http.post(
+            "/v1/embeddings",
+            json={"model": "text-embedding-3-small", "input": "tea"},
+            headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        )
+        await exported()
+        [upstream] = stack.upstream.requests_to("embeddings")
+    assert response.status_code == 200
+    assert receiver.tree(trace_id, show=lambda s: f"{s.name} [{s.kind}]") == "\n".join(
+        [
+            "POST /v1/embeddings [server]",
+            "  embeddings text-embedding-3-small [client]",
+        ]
+    )
+    [server] = named(receiver.spans, "POST /v1/embeddings")
+    [client] = named(receiver.spans, "embeddings text-embedding-3-small")
+    assert server.attributes["http.response.status_code"] == 200
+    assert client.attributes["gen_ai.system"] == "upstream"
+    assert client.attributes["arona.upstream.outcome"] == "answered"
+    # The upstream continues the same trace, under the attempt's span.
+    assert upstream.headers["traceparent"].split("-")[1:3] == [trace_id, client.span_id]

@@ -7,8 +7,11 @@ bytes as the upstream sent them), transcriptions and translations (the upload re
 upstream byte for byte), image generation and ``models.retrieve`` work through the gateway's
 base URL as they would against the upstream; the model is routed like chat's (an alias sent as
 the backend's name, a fallback after a 5xx); an upstream's 400 reaches the client with its
-body; API keys and budgets apply; embeddings' usage is metered; memory is never involved; a
-route the gateway does not serve is OpenAI's 404 naming it.
+body (the backend's key masked), a 401 from it a 502 naming it; API keys and budgets apply;
+embeddings' and completions' usage is metered; memory is never involved; a stream that breaks
+off is never taken for whole, and a client that leaves ends the upstream request; the echo
+model embeds; one trace holds the request and its upstream call; a route the gateway does not
+serve is OpenAI's 404 naming it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,32 @@ def form_fields(raw: bytes) -> dict[str, bytes]:
         name = head.split(b'name="', 1)[1].split(b'"', 1)[0].decode()
         fields[name] = value.removesuffix(b"\r\n")
     return fields
+
+
+async def _rows(stack: Stack) -> dict[tuple[str, str, str], tuple[int, int, int]]:
+    now = datetime.now(UTC)
+    summary = await stack.app.state.gateway.usage.summary(
+        UsageQuery(
+            micros(now - timedelta(hours=1)),
+            micros(now + timedelta(hours=1)),
+            ("principal", "model", "backend"),
+        )
+    )
+    return {
+        row.groups: (row.turns, row.prompt_tokens, row.completion_tokens) for row in summary.rows
+    }
+
+
+def _json() -> dict[str, str]:
+    return {"Content-Type": "application/json"}
+
+
+async def _estimated(stack: Stack) -> set[str]:
+    now = datetime.now(UTC)
+    summary = await stack.app.state.gateway.usage.summary(
+        UsageQuery(micros(now - timedelta(hours=1)), micros(now + timedelta(hours=1)), ("model",))
+    )
+    return {row.groups[0] for row in summary.rows if row.estimated_turns}
 
 
 async def test_every_route_answers_through_the_async_sdk_with_memory_left_out(
@@ -277,20 +306,6 @@ async def test_api_keys_and_budgets_apply(tmp_path: Path) -> None:
     }
 
 
-async def _rows(stack: Stack) -> dict[tuple[str, str, str], tuple[int, int, int]]:
-    now = datetime.now(UTC)
-    summary = await stack.app.state.gateway.usage.summary(
-        UsageQuery(
-            micros(now - timedelta(hours=1)),
-            micros(now + timedelta(hours=1)),
-            ("principal", "model", "backend"),
-        )
-    )
-    return {
-        row.groups: (row.turns, row.prompt_tokens, row.completion_tokens) for row in summary.rows
-    }
-
-
 async def test_a_route_the_gateway_does_not_serve_is_openais_404_naming_it(
     tmp_path: Path,
 ) -> None:
@@ -365,10 +380,6 @@ async def test_bad_bodies_get_clear_400s(tmp_path: Path) -> None:
     assert not_a_form.status_code == 415
 
 
-def _json() -> dict[str, str]:
-    return {"Content-Type": "application/json"}
-
-
 async def test_a_client_that_leaves_cancels_the_upstream_request(tmp_path: Path) -> None:
     async with running_stack(tmp_path) as stack:
         hang = Hang()
@@ -409,14 +420,6 @@ async def test_completions_are_metered_reported_or_counted(tmp_path: Path) -> No
         ),
     }
     assert estimated == {"counted"}
-
-
-async def _estimated(stack: Stack) -> set[str]:
-    now = datetime.now(UTC)
-    summary = await stack.app.state.gateway.usage.summary(
-        UsageQuery(micros(now - timedelta(hours=1)), micros(now + timedelta(hours=1)), ("model",))
-    )
-    return {row.groups[0] for row in summary.rows if row.estimated_turns}
 
 
 async def test_a_stream_that_breaks_off_is_never_taken_for_whole(tmp_path: Path) -> None:

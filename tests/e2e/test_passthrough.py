@@ -61,6 +61,8 @@ def form_fields(raw: bytes) -> dict[str, bytes]:
 
 
 async def _rows(stack: Stack) -> dict[tuple[str, str, str], tuple[int, int, int]]:
+    """The usage of the last hour: (requests, prompt tokens, completion tokens) by principal,
+    model and backend."""
     now = datetime.now(UTC)
     summary = await stack.app.state.gateway.usage.summary(
         UsageQuery(
@@ -79,6 +81,7 @@ def _json() -> dict[str, str]:
 
 
 async def _estimated(stack: Stack) -> set[str]:
+    """The models of the last hour with requests whose tokens the gateway counted."""
     now = datetime.now(UTC)
     summary = await stack.app.state.gateway.usage.summary(
         UsageQuery(micros(now - timedelta(hours=1)), micros(now + timedelta(hours=1)), ("model",))

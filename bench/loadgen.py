@@ -26,6 +26,7 @@ import httptools
 import orjson
 
 from bench.corpus import QUERIES
+from bench.passthrough import embeddings_body
 from bench.procs import cpu_ns
 
 
@@ -171,6 +172,8 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
             "model": args.model,
             "messages": [{"role": "user", "content": query}],
         }
+        if args.body == "embeddings":
+            body = embeddings_body(args.model, query)
         if conversation is not None:
             body["conversation_id"] = conversation
         if args.stream:
@@ -354,6 +357,12 @@ def _parser() -> argparse.ArgumentParser:
     http.add_argument("--path", default="/v1/chat/completions")
     http.add_argument("--model", default="bench-model")
     http.add_argument("--stream", action="store_true")
+    http.add_argument(
+        "--body",
+        choices=("chat", "embeddings"),
+        default="chat",
+        help="what each request asks: a chat turn, or an embedding of the same text",
+    )
     http.add_argument("--memory-field", choices=("true", "false", "omit"), default="omit")
     http.add_argument(
         "--expect-memory", choices=("enabled", "disabled", "offline", "any"), default="any"

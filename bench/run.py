@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, embed_lag, outage, pg_scale, recall_bench
+from bench import corpus, embed_lag, outage, passthrough, pg_scale, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -254,6 +254,10 @@ CONFIGS = (
         baseline="stream_direct",
     ),
     Config("litellm", "LiteLLM proxy, no memory (peer)", "litellm"),
+    *(
+        Config(key, label, target, expect=expect, baseline=baseline or "direct")
+        for key, label, target, baseline, expect in passthrough.ROWS
+    ),
 )
 
 
@@ -614,6 +618,7 @@ def measure(
     ]
     if config.stream:
         argv.append("--stream")
+    argv += passthrough.loadgen_args(config.key)
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
     elif config.api_key:
@@ -1333,6 +1338,8 @@ def targets(run: Run) -> list[list[str]]:
         "mem_nousage",
         METERING_WITHIN,
     )
+    if (passed := passthrough.target(r)) is not None:
+        add(*passed)
     lag = run.embed_lag
     if lag is not None and lag.lags_s:
         add(

@@ -3,8 +3,9 @@
 It must never be the bottleneck, so it is a bare asyncio protocol (on uvloop when installed)
 with the C ``httptools`` parser and fully precomputed responses: ``POST .../chat/completions``
 answers a fixed ``chat.completion`` (or, when the body asks for ``"stream": true``, a fixed
-event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``GET .../models``
-lists one model. Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream``; it prints
+event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``POST
+.../embeddings`` a fixed embedding (:mod:`bench.passthrough`), ``GET .../models`` lists one
+model. Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream``; it prints
 ``READY <port>`` once listening and stops on SIGTERM/SIGINT.
 """
 
@@ -18,6 +19,7 @@ import httptools
 import orjson
 
 from bench.loop import main
+from bench.passthrough import embeddings_answer
 
 MODEL = "bench-model"
 REPLY = "Noted. I will keep that in mind for next time."
@@ -79,6 +81,7 @@ def _response(status: str, content_type: str, body: bytes) -> bytes:
 JSON_RESPONSE = _response("200 OK", "application/json", _completion())
 STREAM_RESPONSE = _response("200 OK", "text/event-stream", _stream())
 MODELS_RESPONSE = _response("200 OK", "application/json", _models())
+EMBEDDINGS_RESPONSE = _response("200 OK", "application/json", embeddings_answer(MODEL))
 NOT_FOUND = _response(
     "404 Not Found", "application/json", b'{"error":{"message":"not found","type":"bench"}}'
 )
@@ -124,6 +127,8 @@ class _Upstream(asyncio.Protocol):
         if method == b"POST" and path.endswith(b"/chat/completions"):
             body = b"".join(self._body)
             transport.write(STREAM_RESPONSE if _STREAM_FIELD.search(body) else JSON_RESPONSE)
+        elif method == b"POST" and path.endswith(b"/embeddings"):
+            transport.write(EMBEDDINGS_RESPONSE)
         elif method == b"GET" and path.endswith(b"/models"):
             transport.write(MODELS_RESPONSE)
         else:

@@ -51,7 +51,7 @@ from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.openapi import published
-from gateway_http.routes import console, rest
+from gateway_http.routes import console, passthrough, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
@@ -101,9 +101,10 @@ class GatewayApp(FastAPI):
 
     Under load, FastAPI's per-request middleware stack and routing (exception, body-limit,
     exit-stack and telemetry middleware, route matching, endpoint wrapping) cost more than
-    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` takes no
-    dependencies, so it is dispatched here straight to the same handler, with the same error
-    mapping as the exception handlers below; every other request goes through FastAPI.
+    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` and the
+    routes passed through to a backend (gateway_http.routes.passthrough) take no dependencies,
+    so they are dispatched here straight to the same handlers, with the same error mapping as
+    the exception handlers below; every other request goes through FastAPI.
 
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
@@ -121,6 +122,8 @@ class GatewayApp(FastAPI):
         try:
             if scope["path"] == rest.CHAT_COMPLETIONS_PATH and scope["method"] == "POST":
                 await self._chat_completions(scope, receive, send, request_id)
+            elif scope["method"] == "POST" and scope["path"] in passthrough.HANDLERS:
+                await self._pass_through(scope, receive, send, request_id)
             else:
                 added = _added_headers(request_id, rest=is_rest(scope["path"]))
                 await super().__call__(scope, receive, _with_headers(send, added))
@@ -153,6 +156,32 @@ class GatewayApp(FastAPI):
                 tracing.failed(span, str(response.status_code))
             await response(scope, receive, send)
 
+    async def _pass_through(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> None:
+        """A route passed through to a backend (gateway_http.routes.passthrough), served
+        without the framework's layers like chat, with the same error mapping."""
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        with _passed_span(scope, request_id) as span:
+            try:
+                response = await passthrough.HANDLERS[scope["path"]](request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except DatabaseUnavailable:
+                response = _error_response(database_unavailable())
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                tracing.failed(span, "cancelled")
+                return
+            except Exception:
+                response = _internal_error(request)
+            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, str(response.status_code))
+            await response(scope, receive, send)
+
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
     """A REST chat turn's server span, continuing the client's ``traceparent``."""
@@ -166,6 +195,26 @@ def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
             "http.request.method": "POST",
             "http.route": rest.CHAT_COMPLETIONS_PATH,
             "url.path": rest.CHAT_COMPLETIONS_PATH,
+            "url.scheme": scope.get("scheme", "http"),
+            "arona.request_id": request_id,
+        },
+    )
+
+
+def _passed_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """The server span of a request passed through to a backend, continuing the client's
+    ``traceparent``; it lasts until the answer's last byte."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    path = scope["path"]
+    return TRACER.span(
+        f"POST {path}",
+        kind=tracing.SERVER,
+        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": path,
+            "url.path": path,
             "url.scheme": scope.get("scheme", "http"),
             "arona.request_id": request_id,
         },
@@ -357,6 +406,7 @@ def create_app(
     )
     app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
+    app.include_router(passthrough.router)
     app.include_router(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.rpc_max_body_bytes)
     )
@@ -378,6 +428,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405) and is_rest(request.url.path):
+            return passthrough.invalid_url(request)
         kind = {404: ErrorKind.NOT_FOUND, 401: ErrorKind.AUTH, 413: ErrorKind.TOO_LARGE}.get(
             exc.status_code, ErrorKind.BAD_INPUT
         )

@@ -27,6 +27,7 @@ import orjson
 
 from bench import responses
 from bench.corpus import QUERIES
+from bench.passthrough import embeddings_body
 from bench.procs import cpu_ns
 
 
@@ -168,11 +169,14 @@ def build_requests(args: argparse.Namespace) -> list[bytes]:
         for i, query in enumerate(QUERIES * max(1, len(conversations) // len(QUERIES) + 1))
     ][: max(len(QUERIES), len(conversations))]
     for query, conversation in pairs:
-        body: dict[str, Any] = (
-            responses.request_body(args.model, query)
-            if args.api == "responses"
-            else {"model": args.model, "messages": [{"role": "user", "content": query}]}
-        )
+        body: dict[str, Any] = {
+            "model": args.model,
+            "messages": [{"role": "user", "content": query}],
+        }
+        if args.body == "embeddings":
+            body = embeddings_body(args.model, query)
+        elif args.body == "responses":
+            body = responses.request_body(args.model, query)
         if conversation is not None:
             body["conversation_id"] = conversation
         if args.stream:
@@ -357,7 +361,11 @@ def _parser() -> argparse.ArgumentParser:
     http.add_argument("--model", default="bench-model")
     http.add_argument("--stream", action="store_true")
     http.add_argument(
-        "--api", choices=("chat", "responses"), default="chat", help="the body's shape"
+        "--body",
+        choices=("chat", "embeddings", "responses"),
+        default="chat",
+        help="what each request asks: a chat turn, an embedding of the same text, or a "
+        "Responses turn",
     )
     http.add_argument("--memory-field", choices=("true", "false", "omit"), default="omit")
     http.add_argument(

@@ -1,11 +1,11 @@
 """Row 3a of ``make bench``: a Responses turn with memory (``POST /v1/responses``) against a
 chat memory turn (row 3), on the same gateway and store.
 
-The load generator sends ``{"model", "input"}`` to ``/v1/responses`` (:func:`request_body`,
-``--api responses``); the bench upstream answers with a fixed ``response`` object
-(:data:`RESPONSE`), as it answers chat with a fixed completion, so the two rows differ only
-in what the gateway does for each API. The target: the Responses turn's added p50 at c=1 at
-most :data:`WITHIN` × the chat memory turn's.
+The load generator sends ``{"model", "input"}`` to ``/v1/responses`` (:func:`request_body`;
+``--body responses``, :func:`loadgen_args`); the bench upstream answers with a fixed
+``response`` object (:func:`response`), as it answers chat with a fixed completion, so the two
+rows differ only in what the gateway does for each API. The target: the Responses turn's added
+p50 at c=1 at most :data:`WITHIN` × the chat memory turn's.
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ from typing import Any
 import orjson
 
 PATH = "/v1/responses"
-# What run.measure passes the load generator for this row.
-LOADGEN_ARGS = ("--path", PATH, "--api", "responses")
+KEY = "mem_responses"
+LABEL = "3a. gateway, memory enabled, a Responses turn (POST /v1/responses)"
 WITHIN = 1.10
 TARGET = f"a Responses turn with memory (3a): added p50 ≤ {WITHIN:.2f} × a chat memory turn's (3)"
 _REPLY = "Noted. I will keep that in mind for next time."
+
+
+def loadgen_args(key: str) -> list[str]:
+    """What the load generator is told for row ``key`` (nothing for the other rows)."""
+    return ["--path", PATH, "--body", "responses"] if key == KEY else []
 
 
 def request_body(model: str, query: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, embed_lag, outage, pg_scale, recall_bench, responses
+from bench import corpus, embed_lag, outage, passthrough, pg_scale, recall_bench, responses
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -119,8 +119,6 @@ class Config:
     # names; "" for none), and the database server's ("" for none).
     store: str = ""
     database: str = ""
-    # More arguments for the load generator (another route and body: bench.responses).
-    loadgen_args: tuple[str, ...] = ()
 
     @property
     def gateway(self) -> bool:
@@ -138,14 +136,7 @@ CONFIGS = (
         expect="enabled",
         store="store",
     ),
-    Config(
-        "mem_responses",
-        "3a. gateway, memory enabled, a Responses turn (POST /v1/responses)",
-        "gw_on",
-        expect="enabled",
-        store="store",
-        loadgen_args=responses.LOADGEN_ARGS,
-    ),
+    Config(responses.KEY, responses.LABEL, "gw_on", expect="enabled", store="store"),
     Config(
         "mem_lexical",
         "3l. gateway, memory enabled, lexical-ranking store (ARONA_STORE_RANKING=lexical)",
@@ -264,6 +255,10 @@ CONFIGS = (
         baseline="stream_direct",
     ),
     Config("litellm", "LiteLLM proxy, no memory (peer)", "litellm"),
+    *(
+        Config(key, label, target, expect=expect, baseline=baseline or "direct")
+        for key, label, target, baseline, expect in passthrough.ROWS
+    ),
 )
 
 
@@ -624,7 +619,7 @@ def measure(
     ]
     if config.stream:
         argv.append("--stream")
-    argv += config.loadgen_args
+    argv += passthrough.loadgen_args(config.key) + responses.loadgen_args(config.key)
     if config.target == "litellm":
         argv += ["--api-key", LITELLM_KEY]
     elif config.api_key:
@@ -1345,6 +1340,8 @@ def targets(run: Run) -> list[list[str]]:
         "mem_nousage",
         METERING_WITHIN,
     )
+    if (passed := passthrough.target(r)) is not None:
+        add(*passed)
     lag = run.embed_lag
     if lag is not None and lag.lags_s:
         add(

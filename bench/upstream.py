@@ -3,10 +3,11 @@
 It must never be the bottleneck, so it is a bare asyncio protocol (on uvloop when installed)
 with the C ``httptools`` parser and fully precomputed responses: ``POST .../chat/completions``
 answers a fixed ``chat.completion`` (or, when the body asks for ``"stream": true``, a fixed
-event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``POST .../responses``
-a fixed ``response`` object (:mod:`bench.responses`), ``GET .../models`` lists one model.
-Keep-alive as in HTTP/1.1. Run with ``python -m bench.upstream``; it prints ``READY <port>``
-once listening and stops on SIGTERM/SIGINT.
+event stream of ``chat.completion.chunk`` events ending with ``[DONE]``), ``POST
+.../embeddings`` a fixed embedding (:mod:`bench.passthrough`), ``POST .../responses`` a fixed
+``response`` object (:mod:`bench.responses`), ``GET .../models`` lists one model. Keep-alive as
+in HTTP/1.1. Run with ``python -m bench.upstream``; it prints ``READY <port>`` once listening
+and stops on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import orjson
 
 from bench import responses
 from bench.loop import main
+from bench.passthrough import embeddings_answer
 
 MODEL = "bench-model"
 REPLY = "Noted. I will keep that in mind for next time."
@@ -82,6 +84,7 @@ JSON_RESPONSE = _response("200 OK", "application/json", _completion())
 STREAM_RESPONSE = _response("200 OK", "text/event-stream", _stream())
 MODELS_RESPONSE = _response("200 OK", "application/json", _models())
 RESPONSES_RESPONSE = _response("200 OK", "application/json", responses.response(MODEL))
+EMBEDDINGS_RESPONSE = _response("200 OK", "application/json", embeddings_answer(MODEL))
 NOT_FOUND = _response(
     "404 Not Found", "application/json", b'{"error":{"message":"not found","type":"bench"}}'
 )
@@ -129,6 +132,8 @@ class _Upstream(asyncio.Protocol):
             transport.write(STREAM_RESPONSE if _STREAM_FIELD.search(body) else JSON_RESPONSE)
         elif method == b"POST" and path.endswith(b"/responses"):
             transport.write(RESPONSES_RESPONSE)
+        elif method == b"POST" and path.endswith(b"/embeddings"):
+            transport.write(EMBEDDINGS_RESPONSE)
         elif method == b"GET" and path.endswith(b"/models"):
             transport.write(MODELS_RESPONSE)
         else:

@@ -52,7 +52,7 @@ from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
 from gateway_http.openapi import published
 from gateway_http.responses import route as responses
-from gateway_http.routes import console, rest
+from gateway_http.routes import console, passthrough, rest
 from gateway_http.routes.rpc import register_methods
 from gateway_http.state import Gateway
 from gateway_http.turns import TurnPipeline
@@ -109,10 +109,11 @@ class GatewayApp(FastAPI):
 
     Under load, FastAPI's per-request middleware stack and routing (exception, body-limit,
     exit-stack and telemetry middleware, route matching, endpoint wrapping) cost more than
-    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions`` and
-    ``POST /v1/responses`` take no dependencies, so they are dispatched here straight to the
-    same handlers, with the same error mapping as the exception handlers below; every other
-    request goes through FastAPI.
+    everything else the HTTP layer does for a turn. ``POST /v1/chat/completions``,
+    ``POST /v1/responses`` and the routes passed through to a backend
+    (gateway_http.routes.passthrough) take no dependencies, so they are dispatched here
+    straight to the same handlers, with the same error mapping as the exception handlers
+    below; every other request goes through FastAPI.
 
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
@@ -131,6 +132,8 @@ class GatewayApp(FastAPI):
             turn = _TURN_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
             if turn is not None:
                 await self._turn(scope, receive, send, request_id, turn)
+            elif scope["method"] == "POST" and scope["path"] in passthrough.HANDLERS:
+                await self._pass_through(scope, receive, send, request_id)
             else:
                 added = _added_headers(request_id, rest=is_rest(scope["path"]))
                 await super().__call__(scope, receive, _with_headers(send, added))
@@ -163,10 +166,56 @@ class GatewayApp(FastAPI):
                 tracing.failed(span, str(response.status_code))
             await response(scope, receive, send)
 
+    async def _pass_through(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> None:
+        """A route passed through to a backend (gateway_http.routes.passthrough), served
+        without the framework's layers like chat, with the same error mapping."""
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        with _passed_span(scope, request_id) as span:
+            try:
+                response = await passthrough.HANDLERS[scope["path"]](request)
+            except GatewayError as exc:
+                response = _error_response(exc)
+            except DatabaseUnavailable:
+                response = _error_response(database_unavailable())
+            except rest.ClientGone:
+                # Nobody is left to answer.
+                tracing.failed(span, "cancelled")
+                return
+            except Exception:
+                response = _internal_error(request)
+            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.failed(span, str(response.status_code))
+            await response(scope, receive, send)
+
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
     """A REST turn's server span (chat completions or a Responses turn), continuing the
     client's ``traceparent``."""
+    if not tracing.active():
+        return tracing.NO_SPAN
+    path = scope["path"]
+    return TRACER.span(
+        f"POST {path}",
+        kind=tracing.SERVER,
+        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": path,
+            "url.path": path,
+            "url.scheme": scope.get("scheme", "http"),
+            "arona.request_id": request_id,
+        },
+    )
+
+
+def _passed_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
+    """The server span of a request passed through to a backend, continuing the client's
+    ``traceparent``; it lasts until the answer's last byte."""
     if not tracing.active():
         return tracing.NO_SPAN
     path = scope["path"]
@@ -370,6 +419,7 @@ def create_app(
     app.state.disconnects = DisconnectLog()
     app.include_router(rest.router)
     app.include_router(responses.router)
+    app.include_router(passthrough.router)
     app.include_router(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.rpc_max_body_bytes)
     )
@@ -391,6 +441,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405) and is_rest(request.url.path):
+            return passthrough.invalid_url(request)
         kind = {404: ErrorKind.NOT_FOUND, 401: ErrorKind.AUTH, 413: ErrorKind.TOO_LARGE}.get(
             exc.status_code, ErrorKind.BAD_INPUT
         )

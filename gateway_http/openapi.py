@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from gateway_http.chat_request import ChatCompletionRequest
 from gateway_http.conversations import PAGE_DEFAULT_MESSAGES, PAGE_MAX_BYTES, PAGE_MAX_MESSAGES
 from gateway_http.errors import MEMORY_HEADER, TABLE, ErrorKind, is_rest
+from gateway_http.routes.passthrough import ROUTES as PASSED_ROUTES
 from gateway_http.routes.rest import (
     WRITEBACK_HEADER,
     WRITEBACK_OFF,
@@ -250,6 +251,7 @@ def _operations(max_batch: int) -> dict[tuple[str, str], dict[str, Any]]:
                 **_errors(ErrorKind.AUTH, ErrorKind.UPSTREAM),
             }
         },
+        **_passthrough_operations(),
         ("get", "/healthz"): {
             "responses": {"200": _json(_object(["status"], status=_STRING), "The process is up")}
         },
@@ -404,3 +406,77 @@ def published(app: FastAPI, max_batch: int) -> dict[str, Any]:
                     headers = {**_MEMORY_STATE, **answer.get("headers", {})}
                     responses[status] = {**answer, "headers": headers}
     return spec
+
+
+# The routes passed through to a backend (gateway_http.routes.passthrough): the backend's answer
+# as it came, so only its envelope is described.
+_PASSED_ANSWERS = {
+    "embeddings": ("application/json", "The backend's list of embeddings, and its usage"),
+    "completions": (
+        "application/json",
+        "The backend's text_completion, or with stream: true its server-sent events",
+    ),
+    "moderations": ("application/json", "The backend's moderation results"),
+    "audio/speech": ("audio/*", "The audio, streamed as the backend sends it"),
+    "audio/transcriptions": ("application/json", "The backend's transcription"),
+    "audio/translations": ("application/json", "The backend's translation"),
+    "images/generations": ("application/json", "The backend's images"),
+}
+_PASSED_ERRORS = {
+    "400": "Malformed JSON, no model, or the backend's own 400 (its body as it sent it)",
+    "401": "Missing or invalid API key (when ARONA_API_KEYS is set)",
+    "404": "A model no backend serves (model_not_found), one the echo model does not serve "
+    "on this route (model_not_supported), or the backend's own 404",
+    "413": "The body is over ARONA_HTTP_MAX_BODY_BYTES",
+    "415": "A JSON body not sent as application/json, an upload not sent as multipart/form-data",
+    "429": "The caller's monthly budget is used up (insufficient_quota), or the backend's 429",
+    "502": "The backend failed, could not be reached, or refused the gateway's key",
+}
+
+
+def _passthrough_operations() -> dict[tuple[str, str], dict[str, Any]]:
+    """The pass-through routes and ``GET /v1/models/{model_id}``."""
+    operations: dict[tuple[str, str], dict[str, Any]] = {}
+    model = {"type": "string", "minLength": 1}
+    for route in PASSED_ROUTES:
+        if route.form:
+            body = {
+                "multipart/form-data": {
+                    "schema": _object(
+                        ["model", "file"], model=model, file={"type": "string", "format": "binary"}
+                    )
+                }
+            }
+        else:
+            required = [] if route.default_model is not None else ["model"]
+            body = {"application/json": {"schema": _object(required, model=model)}}
+        media, answer = _PASSED_ANSWERS[route.path]
+        content: dict[str, Any] = {media: {}}
+        if route.path == "completions":
+            content["text/event-stream"] = {"schema": _object(["data"], data=_STRING)}
+        operations[("post", f"/v1/{route.path}")] = {
+            "summary": f"Passed through to the backend of the body's model ({route.path})",
+            "requestBody": {"required": True, "content": body},
+            "responses": {
+                "200": {"description": answer, "content": content},
+                **{
+                    status: _json({"$ref": _REF.format(model="Error")}, why)
+                    for status, why in _PASSED_ERRORS.items()
+                },
+                **_errors(),
+            },
+        }
+    operations[("get", "/v1/models/{model_id}")] = {
+        "parameters": [
+            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+        ],
+        "responses": {
+            "200": _json(
+                _object(["id", "object"], id=_STRING, object={"const": "model"}),
+                "One model of GET /v1/models",
+            ),
+            "404": _json({"$ref": _REF.format(model="Error")}, "Not in GET /v1/models"),
+            **_errors(ErrorKind.AUTH, ErrorKind.UPSTREAM),
+        },
+    }
+    return operations

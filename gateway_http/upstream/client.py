@@ -22,7 +22,7 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from arona_common import tracing
-from arona_common.redact import redact_text, redact_url
+from arona_common.redact import REDACTED, redact_text, redact_url
 from arona_grpc.config import ConfigError
 from gateway_http.upstream.backend import (
     BROKEN,
@@ -94,6 +94,8 @@ class OpenAIUpstream:
         self._chat_url = URL(f"{plain}/chat/completions", encoded=True)
         self._models_url = URL(f"{plain}/models", encoded=True)
         self._responses_url = URL(f"{plain}/responses", encoded=True)
+        # The base of the other routes' URLs (gateway_http.upstream.raw).
+        self._plain = plain
         # What log lines call it: its (redacted) URL, after its name for a named backend.
         safe_url = redact_url(base)
         self._safe_url = safe_url if name == "upstream" else f"{name} ({safe_url})"
@@ -121,6 +123,7 @@ class OpenAIUpstream:
             auth["Authorization"] = basic.encode()
         elif self._api_key:
             auth["Authorization"] = f"Bearer {self._api_key}"
+        self._auth = auth
         self._models_headers = {**auth, "Accept": "application/json", "User-Agent": _USER_AGENT}
         self._json_headers = {**self._models_headers, "Content-Type": "application/json"}
         # Compression would make a proxy or the upstream buffer the event stream.
@@ -269,6 +272,35 @@ class OpenAIUpstream:
             raise self._transport_error(exc, mid_stream=True) from None
         finally:
             response.release()
+
+    # The other OpenAI routes, passed through as they come (gateway_http.upstream.raw).
+
+    async def open_raw(
+        self, method: str, path: str, payload: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """Send ``payload`` to ``path`` under the base URL with this backend's credentials,
+        proxy and timeouts; the response once its status and headers are in (the caller reads
+        and releases it). A transport failure is an :class:`UpstreamError`."""
+        url = URL(f"{self._plain}/{path}", encoded=True)
+        try:
+            return await self._send(
+                method, url, {**headers, **self._auth, "User-Agent": _USER_AGENT}, payload
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._transport_error(exc) from None
+
+    def raw_failure(
+        self, exc: aiohttp.ClientError | TimeoutError, *, mid_stream: bool = False
+    ) -> UpstreamError:
+        """The :class:`UpstreamError` of a failure while a raw answer's body is read."""
+        return self._transport_error(exc, mid_stream=mid_stream)
+
+    def raw_redacted(self, content: bytes) -> bytes:
+        """An error body as the upstream sent it, but for this backend's key, masked."""
+        key = self._api_key
+        if key and key.encode() in content:
+            return content.replace(key.encode(), REDACTED.encode())
+        return content
 
     async def aclose(self) -> None:
         self._closed = True

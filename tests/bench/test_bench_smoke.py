@@ -73,6 +73,8 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         "4. gateway, memory enabled, Philia blackholed",
         "5a. streaming direct",
         "5b. streaming via gateway, memory enabled",
+        "6a. embeddings direct to the upstream",
+        "6b. embeddings through the gateway (pass-through",
     ):
         measured = [row for row in rows if row.startswith(f"| {label}")]
         # One row per concurrency, every turn answered 200 with the expected memory header.
@@ -82,7 +84,7 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         # and the store's (the column before it) for rows 3, 3a and 3l.
         cpu_cells = [row.split(" | ")[-2] for row in measured]
         store_cells = [row.split(" | ")[-3] for row in measured]
-        if label.startswith(("1.", "5a.")):
+        if label.startswith(("1.", "5a.", "6a.")):
             assert cpu_cells == ["—", "—"], measured
         else:
             assert all(re.fullmatch(r"\d+", cell) and int(cell) > 0 for cell in cpu_cells), measured
@@ -139,6 +141,8 @@ def test_quick_run_measures_every_configuration_without_failures(tmp_path: Path)
         )
         assert re.search(figures, row), row
     assert "unary calls (3g): memory turn's added p50 ÷ row 3's (streams), c=1" in table
+    [passed] = [row for row in rows if row.startswith("| pass-through embeddings (6b − 6a)")]
+    assert re.search(r"\| \S+× \(\S+ ms vs \S+ ms\) \| (met|\*\*not met\*\*) \|$", passed), passed
     assert "user-scope memory turn's added p50 ≤ 1.10 × shared mode's, c=1" in table
     assert "writeback journal: memory turn's added p50 ≤ 1.10 × without it, c=1" in table
     assert "usage metering: memory turn's added p50 ≤ 1.05 × without it (3 vs 3n), c=1" in table

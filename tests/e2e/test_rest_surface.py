@@ -303,7 +303,7 @@ async def test_every_rest_answer_says_what_memory_did(tmp_path: Path) -> None:
         "not declared JSON": (415, "disabled"),
         "unknown route": (404, "disabled"),
         "the prefix alone": (404, "disabled"),
-        "wrong method": (405, "disabled"),
+        "wrong method": (404, "disabled"),
         "no such conversation": (404, "disabled"),
         "budget spent": (429, "disabled"),
         "budget spent, streamed": (429, "disabled"),

@@ -28,6 +28,14 @@ Both answers report ``usage`` (word counts, unless scripted otherwise or left ou
 ``usage=None``); a stream does so only when the request asks (``stream_options.include_usage``),
 as OpenAI does: ``"usage": null`` on each chunk, then one last chunk with no choices.
 
+The OpenAI routes beside chat (:data:`OTHER_ROUTES`: embeddings, completions, moderations,
+audio, image generation) get answers derived from the request (:func:`_route_answer`: an
+embedding per input, ``completed: <prompt>`` whole or streamed, :data:`SPEECH` as audio in
+pieces, ``<route> of <n> bytes`` for an upload); ``up.script_routes(...)`` queues
+:class:`Fail`, :class:`Hang`, :class:`Garbage`, :class:`Cut` (a 200 that breaks off) or
+:class:`Trickle` (a 200 that stops sending until the client leaves) for them, and
+``up.requests_to(route)`` lists what each received.
+
 ``up.latency_s`` (0 by default) holds every chat answer that long before it starts, as a
 model's time to think would: a floor under each turn's duration, for tests that bound how many
 turns a client can make in a given time.
@@ -43,8 +51,10 @@ finished: the proof a test needs that a disconnect cancelled the upstream reques
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import re
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -206,6 +216,7 @@ class FakeUpstream:
         self.latency_s = 0.0
         self.refuses_stream_options = False
         self._script: deque[Reply] = deque()
+        self._route_script: deque[Reply] = deque()
         self._recorded = asyncio.Condition()
         # POST /v1/responses (its own script: tests.support.fake_responses).
         self.responses = FakeResponses()
@@ -224,6 +235,28 @@ class FakeUpstream:
     def script(self, *replies: Reply) -> None:
         """Queue replies for the next chat requests, in order."""
         self._script.extend(replies)
+
+    def script_routes(self, *replies: Reply) -> None:
+        """Queue replies for the next requests to the routes beside chat (OTHER_ROUTES), in
+        order: :class:`Fail`, :class:`Hang`, :class:`Garbage`, or :class:`Complete` for the
+        route's normal answer."""
+        self._route_script.extend(replies)
+
+    def requests_to(self, route: str) -> list[RecordedRequest]:
+        """The requests to ``/v1/<route>``."""
+        return [r for r in self.requests if r.path == f"/v1/{route}"]
+
+    async def _other_route(self, request: RecordedRequest, receive: Receive, send: Send) -> None:
+        reply = self._route_script.popleft() if self._route_script else Complete()
+        reply.arrived.set()
+        if isinstance(reply, Complete):
+            await _route_answer(request, receive, send)
+        elif isinstance(reply, Cut):
+            await _cut(reply, send)
+        elif isinstance(reply, Trickle):
+            await _trickle(reply, receive, send)
+        else:
+            await _answer(reply, {}, receive, send)
 
     @property
     def chat_requests(self) -> list[RecordedRequest]:
@@ -293,6 +326,8 @@ class FakeUpstream:
             return
         if request.method == "POST" and request.path == RESPONSES_PATH:
             await self.responses.answer(body, receive, send)
+        if request.method == "POST" and request.path in OTHER_ROUTES:
+            await self._other_route(request, receive, send)
             return
         if request.method != "POST" or request.path != "/v1/chat/completions":
             await _send_json(send, 404, _error("no such route"))
@@ -525,4 +560,170 @@ async def _choices(reply: Choices, body: dict[str, Any], send: Send) -> None:
     for choice in events:
         chunk = {**base, "object": "chat.completion.chunk", "choices": [choice]}
         await send(_body(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+    await send(_body(b"data: [DONE]\n\n", more_body=False))
+
+
+@dataclass
+class Cut(Reply):
+    """A 200 of ``content_type`` that sends ``data`` and then drops the connection."""
+
+    content_type: bytes = b"audio/mpeg"
+    data: bytes = b""
+
+
+@dataclass
+class Trickle(Reply):
+    """A 200 of ``content_type`` that sends ``data``, then nothing more until the client goes
+    away (``closed`` is set then)."""
+
+    content_type: bytes = b"audio/mpeg"
+    data: bytes = b""
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _trickle(reply: Trickle, receive: Receive, send: Send) -> None:
+    start = {"type": "http.response.start", "status": 200}
+    await send({**start, "headers": [(b"content-type", reply.content_type)]})
+    await send(_body(reply.data))
+    await _until_disconnect(receive)
+    reply.closed.set()
+
+
+async def _cut(reply: Cut, send: Send) -> None:
+    start = {"type": "http.response.start", "status": 200}
+    await send({**start, "headers": [(b"content-type", reply.content_type)]})
+    await send(_body(reply.data))
+    # Returning without the final body message makes uvicorn drop the connection.
+
+
+# The OpenAI routes beside chat that the fake answers (see _route_answer).
+OTHER_ROUTES = frozenset(
+    f"/v1/{route}"
+    for route in (
+        "embeddings",
+        "completions",
+        "moderations",
+        "audio/speech",
+        "audio/transcriptions",
+        "audio/translations",
+        "images/generations",
+    )
+)
+# What /v1/audio/speech answers: bytes that are not text, sent in several pieces.
+SPEECH = bytes(range(256)) * 1024
+SPEECH_PIECE = 16 * 1024
+EMBEDDING_DIMENSIONS = 4
+
+
+def embedding_of(text: str) -> list[float]:
+    """The fake's embedding of ``text``: a few numbers that tell texts apart."""
+    return [float(len(text)), float(sum(map(ord, text)) % 997), 0.5, -0.25][:EMBEDDING_DIMENSIONS]
+
+
+async def _route_answer(request: RecordedRequest, receive: Receive, send: Send) -> None:
+    """The normal answer of a route beside chat, derived from the request."""
+    route = request.path.removeprefix("/v1/")
+    body = request.body if isinstance(request.body, dict) else {}
+    model = body.get("model")
+    if route == "embeddings":
+        await _send_json(send, 200, _embeddings(body))
+    elif route == "completions":
+        if body.get("stream") is True:
+            await _completion_stream(body, send)
+        else:
+            text = f"completed: {body.get('prompt')}"
+            await _send_json(send, 200, _text_completion(model, text, body, 0, "stop"))
+    elif route == "moderations":
+        result = {"flagged": False, "categories": {"violence": False}, "category_scores": {}}
+        payload = {"id": "modr-fake", "model": model or "omni-moderation-latest"}
+        await _send_json(send, 200, {**payload, "results": [result]})
+    elif route == "audio/speech":
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"audio/mpeg")],
+            }
+        )
+        for start in range(0, len(SPEECH), SPEECH_PIECE):
+            await send(_body(SPEECH[start : start + SPEECH_PIECE]))
+        await send(_body(b"", more_body=False))
+    elif route.startswith("audio/"):
+        text = f"{route.split('/')[1]} of {len(request.raw_body)} bytes"
+        await _send_json(send, 200, {"text": text})
+    else:
+        image = {"url": f"https://images.example/{body.get('prompt', '')}.png"}
+        await _send_json(send, 200, {"created": 1700000000, "data": [image]})
+
+
+def _inputs(body: dict[str, Any]) -> list[str]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return [value]
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    inputs = _inputs(body)
+    data = []
+    for index, text in enumerate(inputs):
+        vector = embedding_of(text)
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    tokens = sum(len(text.split()) for text in inputs)
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.get("model"),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def _text_completion(
+    model: Any, text: str, body: dict[str, Any], completion_tokens: int, finish: str | None
+) -> dict[str, Any]:
+    completion: dict[str, Any] = {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    if finish is not None and body.get("stream") is not True:
+        prompt_tokens = len(str(body.get("prompt")).split())
+        completion_tokens = len(text.split())
+        completion["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+    return completion
+
+
+async def _completion_stream(body: dict[str, Any], send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    pieces = split_words(f"completed: {body.get('prompt')}")
+    model = body.get("model")
+    for index, piece in enumerate(pieces):
+        finish = "stop" if index == len(pieces) - 1 else None
+        chunk = _text_completion(model, piece, body, 0, finish)
+        await send(_body(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        prompt_tokens = len(str(body.get("prompt")).split())
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(pieces),
+            "total_tokens": prompt_tokens + len(pieces),
+        }
+        last = {"id": "cmpl-fake", "object": "text_completion", "choices": [], "usage": usage}
+        await send(_body(b"data: " + orjson.dumps(last) + b"\n\n"))
     await send(_body(b"data: [DONE]\n\n", more_body=False))

@@ -315,8 +315,9 @@ async def test_what_does_not_complete_is_not_written_back(tmp_path: Path) -> Non
             await client.responses.create(
                 model="fake-model", input=ASK, previous_response_id="resp_unknown"
             )
-        # The upstream's refusal, in OpenAI's shape, saying what memory did.
-        assert "bad previous_response_id" in refused.value.message
+        # The upstream's refusal as it said it, status and body, saying what memory did.
+        assert refused.value.status_code == 400
+        assert refused.value.response.content == RespondFail().body
         assert refused.value.response.headers["X-Arona-Memory"] == "disabled"
         await stack.drain_writebacks()
         assert stack.philia.frames_of(STORE) == []

@@ -261,7 +261,7 @@ def _fill_recall(reply: pb.RecallResponse, outcome: RecallOutcome) -> None:
     # each one again (about twice the cost, measured).
     add = reply.memories.add
     for m in outcome.memories:
-        add(text=m.text, score=m.score, node_type=m.node_type)
+        add(text=m.text, score=m.score, node_type=m.node_type, node_id=m.node_id)
     logger.debug("Recall: %s, %d memories", outcome.state.value, len(outcome.memories))
 
 

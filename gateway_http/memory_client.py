@@ -146,6 +146,8 @@ class RecalledMemory:
     text: str
     score: float
     node_type: str
+    # "" when the store does not name its query results' nodes.
+    node_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -378,7 +380,9 @@ class MemoryClient:
             state = DISABLED
         if state != ENABLED:
             return RecallDetail(state, "", ())
-        memories = tuple(RecalledMemory(m.text, m.score, m.node_type) for m in reply.memories)
+        memories = tuple(
+            RecalledMemory(m.text, m.score, m.node_type, m.node_id) for m in reply.memories
+        )
         return RecallDetail(state, reply.section, memories)
 
     async def writeback(

@@ -119,19 +119,25 @@ class Memory(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     SCORE_FIELD_NUMBER: _builtins.int
     NODE_TYPE_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     score: _builtins.float
     node_type: _builtins.str
+    node_id: _builtins.str
+    """The node's id, when the store's query results name it (the embedded store
+    does; Philia's do not): empty otherwise.
+    """
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         score: _builtins.float = ...,
         node_type: _builtins.str = ...,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_type", b"node_type", "score", b"score", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "node_type", b"node_type", "score", b"score", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

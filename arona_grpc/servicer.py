@@ -152,7 +152,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         try:
             _adopt_request_id(context)
-            outcome = await self._domain.delete(request.node_id, request.scope)
+            outcome = await self._domain.delete(request.node_id, request.scope, own=request.own)
             return pb.DeleteResponse(deleted=outcome.deleted, reason=outcome.reason)
         except Exception as exc:
             await _abort(context, "Delete", exc)

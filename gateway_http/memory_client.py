@@ -500,10 +500,11 @@ class MemoryClient:
         )
         return queued
 
-    async def delete(self, node_id: str, scope: str = "") -> tuple[bool, str]:
+    async def delete(self, node_id: str, scope: str = "", *, own: bool = False) -> tuple[bool, str]:
         """Delete one node: whether it was deleted, and the service's reason when not
-        (``not_indexed``, ``other_scope``, ``not_in_memory``)."""
-        request = pb.DeleteRequest(node_id=node_id, scope=scope)
+        (``not_indexed``, ``other_scope``, ``not_in_memory``); ``own``: only one stored for
+        exactly ``scope``, in either scope mode."""
+        request = pb.DeleteRequest(node_id=node_id, scope=scope, own=own)
         reply = await self._call(self._unary()[0].Delete, request)
         return bool(reply.deleted), reply.reason
 

@@ -48,6 +48,7 @@ from gateway_http.grpc_channel import (
 )
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
+from gateway_http.mcp.endpoint import McpEndpoint
 from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
@@ -349,9 +350,11 @@ def create_app(
             for channel in channels:
                 await channel.close(grace=None)
 
+    # The memory tools for agents; its session manager runs inside the lifespan.
+    mcp = McpEndpoint(settings, metrics)
     app = GatewayApp(
         title="Arona Memory Gateway",
-        lifespan=lifespan,
+        lifespan=mcp.lifespan(lifespan),
         docs_url=None,
         redoc_url=None,
     )
@@ -361,6 +364,7 @@ def create_app(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.http_max_body_bytes)
     )
     app.include_router(console.router)
+    app.router.routes.append(mcp.route())
     if settings.metrics:
         _add_metrics_route(app, metrics, settings)
 

@@ -58,6 +58,11 @@ ATTEMPT_OUTCOMES = (
     "cancelled",
     "other",
 )
+# The MCP tools (gateway_http.mcp.tools.TOOL_NAMES) and how a call of one ended: ok;
+# client_error (bad arguments, nothing to store); memory_error (memory offline, unavailable or
+# not configured); internal (a bug).
+MCP_TOOLS = ("search_memories", "add_memory", "list_memories", "delete_memory", "forget_memories")
+MCP_OUTCOMES = ("ok", "client_error", "memory_error", "internal")
 # The gateway's own time per turn: tens of microseconds to tens of milliseconds.
 OVERHEAD_BUCKETS = (
     0.0001,
@@ -149,6 +154,13 @@ class GatewayMetrics:
             "ended than the meter keeps waiting.",
             registry=None,
         )
+        mcp_calls = Counter(
+            "arona_mcp_tool_calls",
+            "MCP tool calls by tool and outcome (ok, client_error, memory_error, internal).",
+            ("tool", "outcome"),
+            registry=None,
+        )
+        self._mcp_calls = {(t, o): mcp_calls.labels(t, o) for t in MCP_TOOLS for o in MCP_OUTCOMES}
         self._attempts_counter = attempts
         self._attempts: dict[tuple[str, str], Counter] = {}
         self._tokens_counter = tokens
@@ -177,6 +189,7 @@ class GatewayMetrics:
                 tokens,
                 budget_refusals,
                 usage_dropped,
+                mcp_calls,
             ),
             self._live,
         )
@@ -242,6 +255,9 @@ class GatewayMetrics:
     def usage_dropped(self, count: int) -> None:
         self._usage_dropped.inc(count)
 
+    def mcp_tool_call(self, tool: str, outcome: str) -> None:
+        self._mcp_calls[tool, outcome].inc()
+
 
 class NoMetrics(GatewayMetrics):
     """``ARONA_METRICS=false``: nothing is recorded (the turn's debug line is still logged)."""
@@ -280,4 +296,7 @@ class NoMetrics(GatewayMetrics):
         pass
 
     def usage_dropped(self, count: int) -> None:
+        pass
+
+    def mcp_tool_call(self, tool: str, outcome: str) -> None:
         pass

@@ -1,0 +1,3 @@
+"""Memory for agents over the Model Context Protocol: the tools (:mod:`.tools`), the server
+that runs them for a caller (:mod:`.server`), ``/mcp`` over Streamable HTTP (:mod:`.endpoint`)
+and ``arona-gateway mcp``, the stdio bridge to a gateway's ``/mcp`` (:mod:`.bridge`)."""

@@ -43,6 +43,8 @@ from arona_grpc import tracing
 from arona_grpc.config import ConfigError, Settings
 from arona_grpc.redact import redact_url
 from arona_store.ranking import Ranking, RankingError, ranking_from_env
+from gateway_http.mcp.command import COMMAND as MCP_COMMAND
+from gateway_http.mcp.command import mcp_command, mcp_parser
 
 if TYPE_CHECKING:
     from gateway_http.upstream.backends_file import BackendsFile
@@ -710,6 +712,7 @@ def _parser() -> argparse.ArgumentParser:
     _import_parser(sub)
     _usage_parsers(sub)
     _forget_parser(sub)
+    mcp_parser(sub)
     return parser
 
 
@@ -928,6 +931,9 @@ def _check_memory_sync(env: Mapping[str, str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == MCP_COMMAND:
+        # The stdio bridge: its settings are its own (gateway_http.mcp.bridge).
+        return mcp_command(os.environ)
     if getattr(args, "supervised", False):
         # Before anything else: a group-wide SIGTERM arriving while it starts is ignored too.
         from gateway_http.workers import ignore_stop_signals

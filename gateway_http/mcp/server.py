@@ -35,7 +35,7 @@ from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.mcp import tools
 from gateway_http.mcp.tools import ToolFailure
 from gateway_http.memory_client import NOT_INDEXED, OFFLINE, OTHER_SCOPE, ForgetTarget
-from gateway_http.messages import memory_section
+from gateway_http.messages import without_injected_sections
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.state import Gateway
 from gateway_http.views import database_unavailable
@@ -111,8 +111,7 @@ class MemoryTools:
 
     async def _add_memory(self, args: tools.AddArguments, caller: Caller) -> dict[str, Any]:
         text = args.text
-        section = memory_section(text)
-        if not text.replace(section or "", "").strip():
+        if not without_injected_sections(text).strip():
             raise ToolFailure(
                 "nothing_to_store",
                 "nothing to store: the text is only a '## Relevant Long-Term Memories' "
@@ -228,11 +227,14 @@ def build_server(metrics: GatewayMetrics, version: str) -> Server[Any]:
             outcome = MEMORY_ERROR if exc.error.startswith("memory_") else CLIENT_ERROR
             return tools.failure(exc.error, exc.reason), outcome
         except GatewayError as exc:
-            return tools.failure(exc.code, exc.message), _outcome_of(exc)
+            # The memory service's word on an argument (a cursor it did not give) is the
+            # caller's mistake like any other.
+            error = "invalid_arguments" if exc.kind == ErrorKind.BAD_INPUT else exc.code
+            return tools.failure(error, exc.message), _outcome_of(exc)
         except DatabaseUnavailable:
             # Said once per outage by arona_grpc.database; here only its answer.
-            error = database_unavailable()
-            return tools.failure(error.code, error.message), MEMORY_ERROR
+            down = database_unavailable()
+            return tools.failure(down.code, down.message), MEMORY_ERROR
         except Exception:
             # The traceback is for the operator; the agent learns only that it failed.
             logger.exception("MCP tool %s failed", name)

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -41,8 +42,10 @@ from gateway_http.auth import (
     RpcAuth,
     bearer,
 )
+from gateway_http.bodies import read_limited
 from gateway_http.errors import TABLE, ErrorKind
-from gateway_http.mcp.server import CALLER_KEY, REQUEST_ID_KEY, build_server
+from gateway_http.mcp import direct
+from gateway_http.mcp.server import CALLER_KEY, REQUEST_ID_KEY, ToolCalls, build_server
 from gateway_http.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,8 @@ class McpEndpoint:
         # without one would have none at all.
         self._anonymous = keys.open and not settings.user_scoped
         self._max_body = settings.http_max_body_bytes
-        self._server = build_server(metrics, _version())
+        self._calls = ToolCalls(metrics)
+        self._server = build_server(self._calls, _version())
         self._manager: StreamableHTTPSessionManager | None = None
 
     def lifespan(self, inner: Lifespan) -> Lifespan:
@@ -133,10 +137,26 @@ class McpEndpoint:
             principal = self.caller(authorization)
         except AuthError as exc:
             logger.debug("MCP request refused: %s", exc.reason)
-            body, headers = _refusal(exc.message)
+            refusal, headers = _refusal(exc.message)
             await send({"type": "http.response.start", "status": 401, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await send({"type": "http.response.body", "body": refusal})
             return
         scope[CALLER_KEY] = principal
         scope[REQUEST_ID_KEY] = REQUEST_ID.get()
+        if scope["method"] == "POST" and direct.eligible(scope["headers"]):
+            request = Request(scope, receive)
+            try:
+                body = await read_limited(request, self._max_body)
+            except ClientDisconnect:
+                return
+            if body is None:
+                await direct.too_large(self._max_body)(scope, receive, send)
+                return
+            call = direct.tool_call(body)
+            if call is not None:
+                response = await direct.answer(self._calls, scope, call)
+                await response(scope, receive, send)
+                return
+            # Anything else is the SDK's, with the body it was sent.
+            receive = direct.replayed(body, receive)
         await manager.handle_request(scope, receive, send)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,10 +177,8 @@ class MemoryTools:
         return {"deleted": deleted, "conversations": conversations}
 
 
-def caller_of(ctx: ServerRequestContext[Any, Any]) -> Caller:
-    """The caller the endpoint authenticated for the HTTP request carrying this message."""
-    request = ctx.request
-    scope: dict[str, Any] = request.scope if request is not None else {}
+def caller_in(scope: Mapping[str, Any]) -> Caller:
+    """The caller the endpoint authenticated for the HTTP request of ASGI ``scope``."""
     principal = scope.get(CALLER_KEY)
     return Caller(principal if isinstance(principal, Principal) else None)
 
@@ -189,40 +187,38 @@ def _outcome_of(exc: GatewayError) -> str:
     return MEMORY_ERROR if exc.kind in _MEMORY_KINDS else CLIENT_ERROR
 
 
-def build_server(metrics: GatewayMetrics, version: str) -> Server[Any]:
-    """The low-level MCP server; each call finds the running gateway on its request's app."""
+class ToolCalls:
+    """A tool call of one HTTP request: run as its caller, under its request id, in its own
+    span, counted; the SDK's ``tools/call`` handler and the endpoint's direct path
+    (:mod:`gateway_http.mcp.endpoint`) both come here."""
 
-    async def list_tools(
-        ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
-    ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=tools.tool_list())
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
 
-    async def call_tool(
-        ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    async def call(
+        self, scope: Mapping[str, Any], name: str, arguments: dict[str, Any] | None
     ) -> types.CallToolResult:
-        name = params.name
+        """The tool's result (a tool error included); :class:`MCPError` for a tool that does
+        not exist, the protocol's own answer to that."""
         if name not in tools.TOOL_NAMES:
-            # The protocol's own answer to a tool that does not exist.
             raise MCPError(INVALID_PARAMS, f"Unknown tool: {name}")
-        request = ctx.request
-        scope: dict[str, Any] = request.scope if request is not None else {}
         token = REQUEST_ID.set(scope.get(REQUEST_ID_KEY))
         try:
             with _tool_span(name, scope) as span:
-                answer, outcome = await _run(request, name, caller_of(ctx), params.arguments)
+                answer, outcome = await self._run(scope, name, arguments)
                 if outcome != OK:
                     tracing.failed(span, outcome)
-            metrics.mcp_tool_call(name, outcome)
+            self._metrics.mcp_tool_call(name, outcome)
             return answer
         finally:
             REQUEST_ID.reset(token)
 
     async def _run(
-        request: Any, name: str, caller: Caller, arguments: dict[str, Any] | None
+        self, scope: Mapping[str, Any], name: str, arguments: dict[str, Any] | None
     ) -> tuple[types.CallToolResult, str]:
         try:
-            gateway: Gateway = request.app.state.gateway
-            payload = await MemoryTools(gateway).call(name, caller, arguments)
+            gateway: Gateway = scope["app"].state.gateway
+            payload = await MemoryTools(gateway).call(name, caller_in(scope), arguments)
         except ToolFailure as exc:
             outcome = MEMORY_ERROR if exc.error.startswith("memory_") else CLIENT_ERROR
             return tools.failure(exc.error, exc.reason), outcome
@@ -241,17 +237,42 @@ def build_server(metrics: GatewayMetrics, version: str) -> Server[Any]:
             return tools.failure("internal_error", "internal error"), INTERNAL
         return tools.result(payload), OK
 
-    return Server(
+
+def build_server(calls: ToolCalls, version: str) -> Server[Any]:
+    """The low-level MCP server; each call finds the running gateway on its request's app."""
+
+    async def list_tools(
+        ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=tools.tool_list())
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        request = ctx.request
+        scope: Mapping[str, Any] = request.scope if request is not None else {}
+        return await calls.call(scope, params.name, params.arguments)
+
+    schemas = {tool.name: tool.input_schema for tool in tools.tool_list()}
+    server: Server[Any] = Server(
         SERVER_NAME,
         version=version,
         title="Arona memory",
         instructions=tools.INSTRUCTIONS,
+        # The per-request protocol checks a call's routing headers against its tool's schema:
+        # from this table, not from a tools/list built again for every call.
+        get_tool_input_schema=schemas.get,
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
+    # The SDK's own span per message goes to OpenTelemetry's global provider, which the
+    # gateway never sets (arona_grpc.tracing keeps its own): a cost for nothing. Each tool
+    # call is the gateway's own span instead (_tool_span).
+    server.middleware = []
+    return server
 
 
-def _tool_span(name: str, scope: dict[str, Any]) -> Any:
+def _tool_span(name: str, scope: Mapping[str, Any]) -> Any:
     """A tool call's server span, continuing the HTTP request's ``traceparent``."""
     if not tracing.active():
         return tracing.NO_SPAN

@@ -303,3 +303,57 @@ async def test_calls_are_counted_and_answered_with_a_request_id(tmp_path: Path) 
             'arona_mcp_tool_calls_total{outcome="client_error",tool="search_memories"} 1.0'
             in metrics
         )
+
+
+async def test_a_lone_call_answers_as_the_sdk_does_on_either_protocol_revision(
+    tmp_path: Path,
+) -> None:
+    """A lone handshake-era tools/call takes the endpoint's direct path, a per-request one the
+    SDK's: the same answer either way."""
+    envelope = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "0"},
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    base = {
+        **bearer_headers(ALICE),
+        "accept": "application/json, text/event-stream",
+        "content-type": "application/json",
+    }
+    revisions = {
+        "2025-11-25": ({"mcp-protocol-version": "2025-11-25"}, {}),
+        "2026-07-28": (
+            {
+                "mcp-protocol-version": "2026-07-28",
+                "mcp-method": "tools/call",
+                "mcp-name": "search_memories",
+            },
+            {"_meta": envelope},
+        ),
+    }
+    async with scoped_stack(tmp_path) as stack, http_agent(stack.base_url, ALICE) as agent:
+        await agent.ok("add_memory", {"text": FACT})
+        await stack.settle()
+        answers: dict[str, Any] = {}
+        for revision, (headers, extra) in revisions.items():
+            for arguments in ({"query": ASK}, {"query": ""}):
+                response = await stack.http.post(
+                    "/mcp",
+                    json={
+                        "jsonrpc": "2.0",
+                        "id": 5,
+                        "method": "tools/call",
+                        "params": {"name": "search_memories", "arguments": arguments, **extra},
+                    },
+                    headers={**base, **headers},
+                )
+                assert response.status_code == 200
+                assert response.headers["content-type"] == "application/json"
+                answer = response.json()
+                assert answer["id"] == 5
+                answer["result"].pop("_meta", None)
+                answer["result"].pop("resultType", None)
+                answers[f"{revision} {arguments['query'] or 'empty'}"] = answer
+        assert answers[f"2025-11-25 {ASK}"] == answers[f"2026-07-28 {ASK}"]
+        assert answers["2025-11-25 empty"] == answers["2026-07-28 empty"]
+        assert answers["2025-11-25 empty"]["result"]["isError"] is True

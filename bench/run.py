@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arona_store.ranking import ranking_from_env
-from bench import corpus, embed_lag, outage, pg_scale, recall_bench
+from bench import corpus, embed_lag, mcp_search, outage, pg_scale, recall_bench
 from bench.loadgen import Stats
 from bench.procs import Proc, ProcError, clean_env, cpu_ns, free_port, process_tree, wait_http
 
@@ -92,8 +92,9 @@ DEFAULT_STORE_GATEWAYS = frozenset(
 # What a run measures (--parts): the chat turns, recall alone through gRPC at two store sizes,
 # recall alone inside the store process, a new memory's wait for its vector (bench.embed_lag)
 # a store outage under load (bench.outage) and the store on PostgreSQL at 100,000 and
-# 1,000,000 memories (bench.pg_scale).
-PARTS = ("turns", "recall", "store-recall", "embed-lag", "outage", "pg-scale")
+# 1,000,000 memories (bench.pg_scale), and search_memories over MCP against a gRPC Recall
+# (bench.mcp_search).
+PARTS = ("turns", "recall", "store-recall", "embed-lag", "outage", "pg-scale", "mcp")
 PY = sys.executable
 # What `make run` gives: hybrid with the semantic extra installed, lexical without.
 DEFAULT_RANKING = ranking_from_env({})
@@ -303,6 +304,7 @@ class Run:
     servers: dict[str, int] = field(default_factory=dict)
     # The store on PostgreSQL loaded and recalled at two sizes (bench.pg_scale).
     pg_scale: list[tuple[pg_scale.Loaded, pg_scale.Measured]] = field(default_factory=list)
+    mcp: mcp_search.McpResult | None = None
 
     def gateway_pids(self, names: str) -> list[int]:
         """The processes of the gateways (or stores, or servers) ``names`` (comma-separated)
@@ -933,6 +935,9 @@ def execute(run: Run) -> None:
     if "outage" in o.parts:
         log("store outage under load")
         run.outage = outage.measure(work / "outage", quick=o.quick)
+    if "mcp" in o.parts:
+        log("search_memories over MCP against a gRPC Recall")
+        run.mcp = mcp_search.measure(work / "mcp", quick=o.quick, nodes=o.nodes)
     if "pg-scale" in o.parts and DEFAULT_RANKING == "hybrid":
         sizes = (2_000, 10_000) if o.quick else (pg_scale.SMALL, pg_scale.LARGE)
         log(f"the store on PostgreSQL at {sizes[0]:,} and {sizes[1]:,} memories")
@@ -1342,6 +1347,8 @@ def targets(run: Run) -> list[list[str]]:
             f" {lag.missing} not landed)",
             lag.met,
         )
+    if run.mcp is not None:
+        add(*mcp_search.target_row(run.mcp))
     return out
 
 
@@ -1454,6 +1461,9 @@ def report(run: Run, started: dt.datetime, elapsed_s: float) -> str:
     if run.pg_scale:
         lines += ["", "## The store on PostgreSQL at scale (`bench.pg_scale`)", ""]
         lines += pg_scale.table(run.pg_scale).rstrip("\n").split("\n")
+    if run.mcp is not None:
+        lines += ["", "## search_memories over MCP Streamable HTTP (`bench.mcp_search`)", ""]
+        lines += mcp_search.table_lines(run.mcp)
     lines += ["", "## Targets (ratios from this run)", ""]
     lines += _table(["target", "this run", "verdict"], targets(run))
     if run.notes:

@@ -16,6 +16,7 @@ from mcp.shared.exceptions import MCPError
 
 from tests.e2e.mcp_agent import bearer_headers, http_agent
 from tests.e2e.scoped import BARE_KEY, HEADER, TEAM_A_KEY, jwt, scoped_stack
+from tests.support.otlp_receiver import spans_in_memory
 
 pytestmark = pytest.mark.asyncio
 
@@ -357,3 +358,48 @@ async def test_a_lone_call_answers_as_the_sdk_does_on_either_protocol_revision(
         assert answers[f"2025-11-25 {ASK}"] == answers[f"2026-07-28 {ASK}"]
         assert answers["2025-11-25 empty"] == answers["2026-07-28 empty"]
         assert answers["2025-11-25 empty"]["result"]["isError"] is True
+
+
+async def test_a_tool_call_continues_the_agents_trace(tmp_path: Path) -> None:
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {
+        **bearer_headers(ALICE),
+        "accept": "application/json, text/event-stream",
+        "mcp-protocol-version": "2025-11-25",
+        "traceparent": f"00-{trace_id}-{parent_id}-01",
+    }
+    with spans_in_memory() as exporter:
+        async with scoped_stack(tmp_path) as stack:
+            for arguments in ({"query": ASK}, {"query": ASK, "limit": 0}):
+                response = await stack.http.post(
+                    "/mcp",
+                    json={
+                        "jsonrpc": "2.0",
+                        "id": 1,
+                        "method": "tools/call",
+                        "params": {"name": "search_memories", "arguments": arguments},
+                    },
+                    headers=headers,
+                )
+                assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+    calls = [s for s in spans if s.name == "tools/call search_memories"]
+    assert len(calls) == 2
+    for span in calls:
+        assert format(span.context.trace_id, "032x") == trace_id
+        assert span.parent is not None and format(span.parent.span_id, "016x") == parent_id
+        assert span.kind.name == "SERVER"
+        assert span.attributes["gen_ai.tool.name"] == "search_memories"
+    searched, refused = calls
+    recalls = [
+        s
+        for s in spans
+        if s.name == "arona.memory.v1.MemoryService/Recall"
+        and s.kind.name == "CLIENT"
+        and s.parent is not None
+        and s.parent.span_id == searched.context.span_id
+    ]
+    assert len(recalls) == 1
+    assert searched.status.status_code.name == "UNSET"
+    assert refused.status.status_code.name == "ERROR"
+    assert refused.attributes["error.type"] == "client_error"

@@ -7,7 +7,9 @@
 - every attempt the router makes on a backend, by backend and outcome (recorded by the router,
   :mod:`gateway_http.upstream.routing`, when the attempt ends);
 - tokens of metered turns by kind and backend, turns refused over budget and usage records
-  given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`).
+  given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`);
+- MCP tool calls by tool and outcome (recorded by :mod:`gateway_http.mcp.server` when each
+  call ends).
 
 Every label value is one of a few fixed words (no user text, ids or scopes) or a backend's
 name from the configuration, never a principal (one series per caller would grow without

@@ -152,7 +152,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         try:
             _adopt_request_id(context)
-            outcome = await self._domain.delete(request.node_id, request.scope)
+            outcome = await self._domain.delete(request.node_id, request.scope, own=request.own)
             return pb.DeleteResponse(deleted=outcome.deleted, reason=outcome.reason)
         except Exception as exc:
             await _abort(context, "Delete", exc)
@@ -261,7 +261,7 @@ def _fill_recall(reply: pb.RecallResponse, outcome: RecallOutcome) -> None:
     # each one again (about twice the cost, measured).
     add = reply.memories.add
     for m in outcome.memories:
-        add(text=m.text, score=m.score, node_type=m.node_type)
+        add(text=m.text, score=m.score, node_type=m.node_type, node_id=m.node_id)
     logger.debug("Recall: %s, %d memories", outcome.state.value, len(outcome.memories))
 
 

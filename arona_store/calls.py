@@ -85,7 +85,13 @@ def query_result(query: str, hits: list[MemoryHit]) -> dict[str, Any]:
         "query": query,
         "total": len(hits),
         "results": [
-            {"node_type": hit.node_type, "text": hit.text, "score": round(hit.score, 6)}
+            # node_id beyond Philia's fields: a client that does not know it ignores it.
+            {
+                "node_type": hit.node_type,
+                "text": hit.text,
+                "score": round(hit.score, 6),
+                "node_id": hit.node_id,
+            }
             for hit in hits
         ],
     }

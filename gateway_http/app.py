@@ -47,6 +47,7 @@ from gateway_http.grpc_channel import (
 )
 from gateway_http.journal import Journal, journal_path
 from gateway_http.jsonrpc import Dispatcher, rpc_router
+from gateway_http.mcp.endpoint import MCP_PATH, McpEndpoint
 from gateway_http.memory_client import MemoryClient
 from gateway_http.memory_stream import StreamPool
 from gateway_http.metrics import GatewayMetrics, NoMetrics
@@ -113,7 +114,8 @@ class GatewayApp(FastAPI):
     ``POST /v1/responses`` and the routes passed through to a backend
     (gateway_http.routes.passthrough) take no dependencies, so they are dispatched here
     straight to the same handlers, with the same error mapping as the exception handlers
-    below; every other request goes through FastAPI.
+    below; so is ``/mcp``, to its endpoint (which answers its own errors); every other request
+    goes through FastAPI.
 
     Every HTTP request gets its request id here: the client's ``X-Request-Id`` when it is
     sane, otherwise a new one. It is set in :data:`~arona_grpc.logs.REQUEST_ID` for the
@@ -121,6 +123,9 @@ class GatewayApp(FastAPI):
     Every answer under ``/v1`` that is not a turn's (an error, a 404, a listing) gets
     ``X-Arona-Memory: disabled`` here too, whichever layer produced it.
     """
+
+    # The memory tools for agents at /mcp (set by create_app).
+    mcp: McpEndpoint | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,6 +139,12 @@ class GatewayApp(FastAPI):
                 await self._turn(scope, receive, send, request_id, turn)
             elif scope["method"] == "POST" and scope["path"] in passthrough.HANDLERS:
                 await self._pass_through(scope, receive, send, request_id)
+            elif scope["path"] == MCP_PATH and self.mcp is not None:
+                # Likewise /mcp: its endpoint answers everything itself, errors included.
+                scope["app"] = self
+                await self.mcp(
+                    scope, receive, _with_headers(send, _added_headers(request_id, rest=False))
+                )
             else:
                 added = _added_headers(request_id, rest=is_rest(scope["path"]))
                 await super().__call__(scope, receive, _with_headers(send, added))
@@ -410,9 +421,11 @@ def create_app(
             for channel in channels:
                 await channel.close(grace=None)
 
+    # The memory tools for agents; its session manager runs inside the lifespan.
+    mcp = McpEndpoint(settings, metrics)
     app = GatewayApp(
         title="Arona Memory Gateway",
-        lifespan=lifespan,
+        lifespan=mcp.lifespan(lifespan),
         docs_url=None,
         redoc_url=None,
     )
@@ -424,6 +437,8 @@ def create_app(
         rpc_router(lambda: app.state.gateway.dispatcher, settings.rpc_max_body_bytes)
     )
     app.include_router(console.router)
+    app.mcp = mcp
+    app.router.routes.append(mcp.route())
     if settings.metrics:
         _add_metrics_route(app, metrics, settings)
 

@@ -146,6 +146,8 @@ class RecalledMemory:
     text: str
     score: float
     node_type: str
+    # "" when the store does not name its query results' nodes.
+    node_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -305,46 +307,50 @@ class MemoryClient:
             return recall
 
     async def _recall(self, query: str, limit: int, scope: str) -> Recall:
-        streams = self._streams
-        reply: pb.RecallResponse | None = None
-        left_s = self._recall_budget_s
-        if streams is not None and not streams.unimplemented:
-            try:
-                stream = streams.next_open()
-                if stream is None:
-                    stream, left_s = await _wait_for_stream(streams, left_s)
-                if stream is not None:
-                    hello = stream.hello
-                    if hello is not None and not hello.enabled:
-                        # This replica has no memory configured: it would answer
-                        # `disabled` to every recall, so none is sent.
-                        self._recall_log.succeeded()
-                        return Recall(DISABLED, "")
-                    call_id, call = stream.start(left_s)
-                    tracing.inject(call.trace_context)
-                    request = call.recall
-                    request.query = query
-                    request.limit = limit
-                    request.scope = scope
-                    reply = (await stream.reply(call_id, left_s)).recall
-            except CallFailed as exc:
-                return self._recall_failed(exc.code, exc.details)
-        if reply is None:
-            try:
-                reply = await self._unary()[0].Recall(
-                    pb.RecallRequest(query=query, limit=limit, scope=scope),
-                    timeout=left_s,
-                    metadata=self._call_metadata(),
-                )
-            except grpc.aio.AioRpcError as exc:
-                return self._recall_failed(exc.code(), _quoted(exc))
+        try:
+            reply = await self._recall_reply(query, limit, scope)
+        except CallFailed as exc:
+            return self._recall_failed(exc.code, exc.details)
         self._recall_log.succeeded()
+        if reply is None:
+            return Recall(DISABLED, "")
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
             state = DISABLED
         if state != ENABLED:
             return Recall(state, "")
         return Recall(state, reply.section, len(reply.memories))
+
+    async def _recall_reply(self, query: str, limit: int, scope: str) -> pb.RecallResponse | None:
+        """One Recall within the recall budget, on a stream when there are streams; None when
+        the replica has no memory configured (it would answer ``disabled``, so none is sent).
+        A failure is :class:`CallFailed`, whichever way the call went."""
+        streams = self._streams
+        left_s = self._recall_budget_s
+        if streams is not None and not streams.unimplemented:
+            stream = streams.next_open()
+            if stream is None:
+                stream, left_s = await _wait_for_stream(streams, left_s)
+            if stream is not None:
+                hello = stream.hello
+                if hello is not None and not hello.enabled:
+                    return None
+                call_id, call = stream.start(left_s)
+                tracing.inject(call.trace_context)
+                request = call.recall
+                request.query = query
+                request.limit = limit
+                request.scope = scope
+                return (await stream.reply(call_id, left_s)).recall
+        try:
+            reply: pb.RecallResponse = await self._unary()[0].Recall(
+                pb.RecallRequest(query=query, limit=limit, scope=scope),
+                timeout=left_s,
+                metadata=self._call_metadata(),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise CallFailed(exc.code(), _quoted(exc)) from None
+        return reply
 
     def _recall_failed(self, code: grpc.StatusCode, details: str) -> Recall:
         tracing.failed(tracing.current_span(), code.name)
@@ -357,28 +363,33 @@ class MemoryClient:
     async def recall_detail(self, query: str, limit: int, scope: str = "") -> RecallDetail:
         """What :meth:`recall` gives a turn, plus the memories its section was made of.
 
-        For operators (``memory.recall``), not turns: :meth:`recall` stays the hot path. The
-        budget, the state and the section are a turn's; a failed call is ``offline``, except
-        a client mistake the service names (``INVALID_ARGUMENT``), which is raised.
+        The same call as a turn's (on a stream when there are streams), the budget, the state
+        and the section a turn's; a failed call is ``offline``, except a client mistake the
+        service names (``INVALID_ARGUMENT``), which is raised.
         """
-        try:
-            reply = await self._unary()[0].Recall(
-                pb.RecallRequest(query=query, limit=limit, scope=scope),
-                timeout=self._recall_budget_s,
-                metadata=self._call_metadata(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details():
-                raise GatewayError(ErrorKind.BAD_INPUT, exc.details() or "") from None
-            self._recall_log.failed(f"memory recall failed ({exc.code().name}: {_quoted(exc)})")
-            return RecallDetail(OFFLINE, "", ())
+        with TRACER.span(RECALL_SPAN, kind=tracing.CLIENT, attributes=_RECALL_RPC):
+            try:
+                reply = await self._recall_reply(query, limit, scope)
+            except CallFailed as exc:
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT and exc.details:
+                    raise GatewayError(ErrorKind.BAD_INPUT, exc.details) from None
+                tracing.failed(tracing.current_span(), exc.code.name)
+                self._recall_log.failed(
+                    f"memory recall failed ({exc.code.name}: "
+                    f"{exc.details[:_MAX_QUOTED] or 'no details'})"
+                )
+                return RecallDetail(OFFLINE, "", ())
         self._recall_log.succeeded()
+        if reply is None:
+            return RecallDetail(DISABLED, "", ())
         state = _STATE_NAMES.get(reply.state, OFFLINE)
         if state == ENABLED and not reply.section:
             state = DISABLED
         if state != ENABLED:
             return RecallDetail(state, "", ())
-        memories = tuple(RecalledMemory(m.text, m.score, m.node_type) for m in reply.memories)
+        memories = tuple(
+            RecalledMemory(m.text, m.score, m.node_type, m.node_id) for m in reply.memories
+        )
         return RecallDetail(state, reply.section, memories)
 
     async def writeback(
@@ -496,10 +507,11 @@ class MemoryClient:
         )
         return queued
 
-    async def delete(self, node_id: str, scope: str = "") -> tuple[bool, str]:
+    async def delete(self, node_id: str, scope: str = "", *, own: bool = False) -> tuple[bool, str]:
         """Delete one node: whether it was deleted, and the service's reason when not
-        (``not_indexed``, ``other_scope``, ``not_in_memory``)."""
-        request = pb.DeleteRequest(node_id=node_id, scope=scope)
+        (``not_indexed``, ``other_scope``, ``not_in_memory``); ``own``: only one stored for
+        exactly ``scope``, in either scope mode."""
+        request = pb.DeleteRequest(node_id=node_id, scope=scope, own=own)
         reply = await self._call(self._unary()[0].Delete, request)
         return bool(reply.deleted), reply.reason
 

@@ -133,3 +133,9 @@ def memory_section(text: str) -> str | None:
                 end += 1
             return "\n".join(lines[start:end]).rstrip()
     return None
+
+
+def without_injected_sections(text: str) -> str:
+    """``text`` without any section shaped as the gateway renders one (the header, its
+    bullets and their indented lines), as the memory service fences what it stores."""
+    return _INJECTED_SECTION.sub("", text)

@@ -7,7 +7,9 @@
 - every attempt the router makes on a backend, by backend and outcome (recorded by the router,
   :mod:`gateway_http.upstream.routing`, when the attempt ends);
 - tokens of metered turns by kind and backend, turns refused over budget and usage records
-  given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`).
+  given up (recorded by the usage meter and the budgets, :mod:`gateway_http.usage`);
+- MCP tool calls by tool and outcome (recorded by :mod:`gateway_http.mcp.server` when each
+  call ends).
 
 Every label value is one of a few fixed words (no user text, ids or scopes) or a backend's
 name from the configuration, never a principal (one series per caller would grow without
@@ -58,6 +60,11 @@ ATTEMPT_OUTCOMES = (
     "cancelled",
     "other",
 )
+# The MCP tools (gateway_http.mcp.tools.TOOL_NAMES) and how a call of one ended: ok;
+# client_error (bad arguments, nothing to store); memory_error (memory offline, unavailable or
+# not configured); internal (a bug).
+MCP_TOOLS = ("search_memories", "add_memory", "list_memories", "delete_memory", "forget_memories")
+MCP_OUTCOMES = ("ok", "client_error", "memory_error", "internal")
 # The gateway's own time per turn: tens of microseconds to tens of milliseconds.
 OVERHEAD_BUCKETS = (
     0.0001,
@@ -150,6 +157,13 @@ class GatewayMetrics:
             "ended than the meter keeps waiting.",
             registry=None,
         )
+        mcp_calls = Counter(
+            "arona_mcp_tool_calls",
+            "MCP tool calls by tool and outcome (ok, client_error, memory_error, internal).",
+            ("tool", "outcome"),
+            registry=None,
+        )
+        self._mcp_calls = {(t, o): mcp_calls.labels(t, o) for t in MCP_TOOLS for o in MCP_OUTCOMES}
         self._attempts_counter = attempts
         self._attempts: dict[tuple[str, str], Counter] = {}
         self._tokens_counter = tokens
@@ -178,6 +192,7 @@ class GatewayMetrics:
                 tokens,
                 budget_refusals,
                 usage_dropped,
+                mcp_calls,
             ),
             self._live,
         )
@@ -243,6 +258,9 @@ class GatewayMetrics:
     def usage_dropped(self, count: int) -> None:
         self._usage_dropped.inc(count)
 
+    def mcp_tool_call(self, tool: str, outcome: str) -> None:
+        self._mcp_calls[tool, outcome].inc()
+
 
 class NoMetrics(GatewayMetrics):
     """``ARONA_METRICS=false``: nothing is recorded (the turn's debug line is still logged)."""
@@ -281,4 +299,7 @@ class NoMetrics(GatewayMetrics):
         pass
 
     def usage_dropped(self, count: int) -> None:
+        pass
+
+    def mcp_tool_call(self, tool: str, outcome: str) -> None:
         pass

@@ -78,6 +78,9 @@ class PhiliaMemory:
     text: str
     score: float
     node_type: str
+    # The node's id when the query result names it (the embedded store's do; the wire
+    # protocol does not promise one): "" otherwise.
+    node_id: str = ""
 
 
 class PhiliaError(Exception):
@@ -210,7 +213,16 @@ def parse_memories(result: Any, limit: int) -> list[PhiliaMemory]:
             or not isinstance(node_type, str)
         ):
             raise PhiliaUnavailable("malformed query result from Philia: bad text, score or type")
-        memories.append(PhiliaMemory(text=text, score=float(score), node_type=node_type))
+        node_id = item.get("node_id")
+        memories.append(
+            PhiliaMemory(
+                text=text,
+                score=float(score),
+                node_type=node_type,
+                # Optional, and only ever a label: anything but a string is ignored.
+                node_id=node_id if isinstance(node_id, str) else "",
+            )
+        )
     return memories
 
 

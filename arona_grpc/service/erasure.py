@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 class ErasurePart(DomainCore):
     """:meth:`delete` and :meth:`forget`."""
 
-    async def delete(self, node_id: str, scope: str = "") -> DeleteOutcome:
+    async def delete(self, node_id: str, scope: str = "", *, own: bool = False) -> DeleteOutcome:
         """Delete one node; whether it existed, and why not when it did not.
 
         In ``shared`` mode any node is deleted in Philia, as the seed has it. In ``user``
@@ -52,17 +52,18 @@ class ErasurePart(DomainCore):
         scope's node is ``OTHER_SCOPE``); without, whoever's it is, as the index says (an
         admin's or an internal service's delete by id). A node the index does not know is
         ``NOT_INDEXED``; neither asks Philia. A deleted node leaves the index and the events
-        its turn recorded (its question among them).
+        its turn recorded (its question among them). ``own``: in either mode, only a node
+        the index holds for exactly ``scope`` (for no scope when it is empty).
         """
         if not node_id.strip():
             raise InvalidArgument("node_id is required")
         if self._client is None or self._index is None:
             raise NotConfigured("memory is not configured (ARONA_MEMORY_URL, ARONA_MEMORY_TOKEN)")
-        if self._user_scoped:
+        if self._user_scoped or own:
             sid = await self._indexed_owner(node_id)
             if sid is None:
                 return DeleteOutcome(False, NOT_INDEXED)
-            if scope and sid != scope_id(checked_scope(scope)):
+            if (scope or own) and sid != (scope_id(checked_scope(scope)) if scope else ""):
                 return DeleteOutcome(False, OTHER_SCOPE)
         else:
             sid = self._scope_id(scope)

@@ -58,7 +58,9 @@ def capped_section(
         if len(text) > max_memory_chars:
             text = text[: max_memory_chars - len(ELLIPSIS)].rstrip() + ELLIPSIS
         if text != memory.text:
-            memory = PhiliaMemory(text=text, score=memory.score, node_type=memory.node_type)
+            memory = PhiliaMemory(
+                text=text, score=memory.score, node_type=memory.node_type, node_id=memory.node_id
+            )
         kept.append(memory)
     section = render_section(kept)
     while kept and len(section) > max_chars:

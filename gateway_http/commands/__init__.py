@@ -2,7 +2,8 @@
 ``store`` (:mod:`~gateway_http.commands.serving`), ``token`` (:mod:`~gateway_http.commands.tokens`),
 ``migrate`` and ``store-copy`` (:mod:`~gateway_http.commands.database`), ``check-memory``,
 ``import`` and ``forget`` (:mod:`~gateway_http.commands.memory`), ``usage`` and ``budget``
-(:mod:`~gateway_http.commands.usage`), on what they share (:mod:`~gateway_http.commands.runtime`).
+(:mod:`~gateway_http.commands.usage`), ``mcp`` (:mod:`~gateway_http.commands.mcp`), on what they
+share (:mod:`~gateway_http.commands.runtime`).
 
 :func:`main` is the only place that configures logging and reads the environment (once, into
 :class:`~arona_grpc.config.Settings`).
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from arona_common import tracing
 from arona_grpc.config import ConfigError, Settings
 from arona_store.ranking import RankingError
-from gateway_http.commands import database, memory, serving, tokens, usage
+from gateway_http.commands import database, mcp, memory, serving, tokens, usage
 from gateway_http.commands.runtime import (
     StartupError,
     check_data_dir,
@@ -43,11 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_import_parser(sub)
     usage.add_usage_parsers(sub)
     memory.add_forget_parser(sub)
+    mcp.mcp_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == mcp.COMMAND:
+        # The stdio bridge: its settings are its own (gateway_http.mcp.bridge).
+        return mcp.mcp_command(os.environ)
     if getattr(args, "supervised", False):
         # Before anything else: a group-wide SIGTERM arriving while it starts is ignored too.
         from gateway_http.workers import ignore_stop_signals

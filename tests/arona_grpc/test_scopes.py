@@ -168,6 +168,34 @@ async def test_user_mode_delete_checks_the_index_before_asking_philia(
 
 
 @pytest.mark.asyncio
+async def test_an_own_delete_in_shared_mode_deletes_only_the_callers_episode(
+    fake: FakePhilia, tmp_path: Path
+) -> None:
+    domain = MemoryDomain(settings_for(fake, tmp_path))
+    try:
+        alices = await domain.writeback("alice's", "", "alice")
+        nobodys = await domain.writeback("nobody's", "")
+        # Shared memory as the seed has it: any node is asked of Philia, index or not.
+        assert await domain.delete("n-unknown") == DeleteOutcome(False, NOT_IN_MEMORY)
+        # Own: only an episode indexed for exactly the scope named (none: nobody's).
+        own = {"own": True}
+        assert await domain.delete(alices.node_id, "bob", **own) == DeleteOutcome(
+            False, OTHER_SCOPE
+        )
+        assert await domain.delete(nobodys.node_id, "alice", **own) == DeleteOutcome(
+            False, OTHER_SCOPE
+        )
+        assert await domain.delete(alices.node_id, "", **own) == DeleteOutcome(False, OTHER_SCOPE)
+        assert await domain.delete("n-unknown", "alice", **own) == DeleteOutcome(False, NOT_INDEXED)
+        assert len(fake.frames_of(DELETE)) == 1
+        assert await domain.delete(alices.node_id, "alice", **own) == DeleteOutcome(True)
+        assert await domain.delete(nobodys.node_id, "", **own) == DeleteOutcome(True)
+        assert len(fake.frames_of(DELETE)) == 3
+    finally:
+        await domain.aclose()
+
+
+@pytest.mark.asyncio
 async def test_user_mode_delete_without_a_scope_deletes_for_the_indexed_owner(
     fake: FakePhilia, tmp_path: Path
 ) -> None:

@@ -179,7 +179,7 @@ async def test_unexpected_error_is_internal_with_a_generic_message(
     fake: FakePhilia, caplog: pytest.LogCaptureFixture
 ) -> None:
     class Broken(MemoryDomain):
-        async def delete(self, node_id: str, scope: str = "") -> bool:
+        async def delete(self, node_id: str, scope: str = "", *, own: bool = False) -> bool:
             raise KeyError(f"secret detail {node_id}")
 
     running = await GrpcServer.start(enabled_settings(fake), Broken(enabled_settings(fake)))

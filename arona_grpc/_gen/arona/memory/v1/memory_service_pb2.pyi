@@ -119,19 +119,25 @@ class Memory(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     SCORE_FIELD_NUMBER: _builtins.int
     NODE_TYPE_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     score: _builtins.float
     node_type: _builtins.str
+    node_id: _builtins.str
+    """The node's id, when the store's query results name it (the embedded store
+    does; Philia's do not): empty otherwise.
+    """
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         score: _builtins.float = ...,
         node_type: _builtins.str = ...,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_type", b"node_type", "score", b"score", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "node_type", b"node_type", "score", b"score", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -271,6 +277,7 @@ class DeleteRequest(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    OWN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     scope: _builtins.str
     """In user scope mode only an episode in the service's index is deleted, and
@@ -278,15 +285,21 @@ class DeleteRequest(_message.Message):
     deleted=false without contacting Philia. Without a scope, the index says
     whose it is (a delete by id, for an operator or an internal service).
     """
+    own: _builtins.bool
+    """Only an episode the index holds for exactly this scope (empty: for no
+    scope), in either scope mode: a caller deleting one of its own memories,
+    never another's. Otherwise deleted=false, as in user mode.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         scope: _builtins.str = ...,
+        own: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "own", b"own", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,1 +1,2 @@
-"""HTTP routes: REST (OpenAI-compatible) and JSON-RPC."""
+"""HTTP routes: REST (OpenAI-compatible chat completions, models, conversations, health), the
+OpenAI routes passed through to a backend, JSON-RPC, and the console's files."""

@@ -51,7 +51,10 @@ async def test_per_user_memories_refuse_a_shared_start_in_one_line(tmp_path: Pat
         )
         assert await run(data_dir, "up") == (2, line)
         # serve refuses before it listens or reaches Philia (nothing answers at this URL).
-        philia = {"ARONA_MEMORY_URL": "ws://127.0.0.1:9/ws", "ARONA_MEMORY_TOKEN": "t0k3n"}
+        philia = {
+            "ARONA_MEMORY_URL": "ws://127.0.0.1:9/ws",
+            "ARONA_MEMORY_TOKEN": "a-memory-token-of-24-chars",
+        }
         assert await run(data_dir, "serve", env=philia) == (2, line)
         assert await run(data_dir, "serve", "--workers", "2", env=philia) == (2, line)
 

@@ -421,7 +421,10 @@ async def test_a_hybrid_server_embeds_what_it_stores_and_keeps_the_wire(tmp_path
         )
         assert mine["query"] == PARAPHRASE and mine["total"] == 1
         assert [r["node_type"] for r in mine["results"]] == ["episode:u1"]
-        assert set(mine["results"][0]) == {"node_type", "text", "score"}
+        # Philia's fields, and the node's id beside them (a client that does not know it
+        # ignores it): the one stored, once.
+        assert set(mine["results"][0]) == {"node_type", "text", "score", "node_id"}
+        assert mine["results"][0]["node_id"] == stored["node_id"]
         other = await client.call(
             "Sync.MemoryQueryRequest",
             {"query": PARAPHRASE, "node_type_filter": "episode:u3"},

@@ -33,7 +33,7 @@ from bench.paced import stored_user_texts
 __all__ = ["Gateway", "Load", "Store", "running", "stored_user_texts", "wait_stored"]
 
 COMMAND = str(Path(sys.executable).parent / "arona-gateway")
-TOKEN = "outage-token"
+TOKEN = "outage-token-of-24-chars"
 STORE_DB = "memory.db"
 # A child comes up in about a second on an idle 2-core box; a loaded one gets sixty.
 START_S = 60.0

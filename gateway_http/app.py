@@ -154,39 +154,36 @@ class GatewayApp(FastAPI):
     async def _turn(
         self, scope: Scope, receive: Receive, send: Send, request_id: str, turn: _TurnRoute
     ) -> None:
-        scope["app"] = self
-        request = Request(scope, receive, send)
         # The turn's server span (the framework's instrumentation never sees this route): it
         # lasts until the last byte of a stream.
-        with _turn_span(scope, request_id) as span:
-            try:
-                response = await turn(request)
-            except GatewayError as exc:
-                response = _error_response(exc)
-            except DatabaseUnavailable:
-                response = _error_response(database_unavailable())
-            except rest.ClientGone:
-                # Nobody is left to answer.
-                tracing.failed(span, "cancelled")
-                return
-            except Exception:
-                response = _internal_error(request)
-            _add_headers(response.raw_headers, _added_headers(request_id, rest=True))
-            span.set_attribute("http.response.status_code", response.status_code)
-            if response.status_code >= 500:
-                tracing.failed(span, str(response.status_code))
-            await response(scope, receive, send)
+        await self._served(scope, receive, send, request_id, turn, _turn_span(scope, request_id))
 
     async def _pass_through(
         self, scope: Scope, receive: Receive, send: Send, request_id: str
     ) -> None:
         """A route passed through to a backend (gateway_http.routes.passthrough), served
         without the framework's layers like chat, with the same error mapping."""
+        handler = passthrough.HANDLERS[scope["path"]]
+        await self._served(
+            scope, receive, send, request_id, handler, _passed_span(scope, request_id)
+        )
+
+    async def _served(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request_id: str,
+        handler: _TurnRoute,
+        served: AbstractContextManager[Span],
+    ) -> None:
+        """``handler``'s answer under its server span ``served``, a failure mapped as the
+        exception handlers below map it, with the request id and the memory state added."""
         scope["app"] = self
         request = Request(scope, receive, send)
-        with _passed_span(scope, request_id) as span:
+        with served as span:
             try:
-                response = await passthrough.HANDLERS[scope["path"]](request)
+                response = await handler(request)
             except GatewayError as exc:
                 response = _error_response(exc)
             except DatabaseUnavailable:

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway_http.auth import ANONYMOUS, memory_scope
-from gateway_http.errors import ErrorKind, GatewayError, bad_input
+from gateway_http.errors import ErrorKind, GatewayError
 from gateway_http.memory_client import DISABLED
 from gateway_http.responses.backends import COMPLETED, DATA, RAW, responses_route
 from gateway_http.responses.request import holds_section, split_body, user_text, with_section
@@ -32,7 +32,7 @@ from gateway_http.responses.translate import chat_messages, output_text
 from gateway_http.routes.rest import (
     ClientGone,
     _unless_disconnected,
-    read_body,
+    read_json_body,
     require_json,
     rest_caller,
     turn_headers,
@@ -63,11 +63,7 @@ async def create_response(request: Request) -> Response:
     try:
         require_json(request)
         principal = rest_caller(gw, request)
-        raw = await read_body(request)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise bad_input("the request body is not valid JSON") from None
+        _, body = await read_json_body(request)
         if isinstance(body, dict) and body.get("stream") is True:
             surface = RESPONSES_STREAM
         upstream_body, memory = split_body(body)

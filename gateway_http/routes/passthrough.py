@@ -31,19 +31,17 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
 from gateway_http.auth import ANONYMOUS
-from gateway_http.bodies import read_limited
 from gateway_http.errors import ErrorKind, GatewayError, bad_input
 from gateway_http.metrics import GatewayMetrics
 from gateway_http.multipart import boundary_of, find_field, replaced
 from gateway_http.routes.rest import (
     BACKEND_HEADER,
-    ClientGone,
     _unless_disconnected,
     read_body,
+    read_json_body,
     require_json,
     rest_caller,
     rest_owner,
@@ -137,11 +135,7 @@ def _model_error(message: str) -> GatewayError:
 async def _read_json(request: Request, route: PassRoute) -> tuple[bytes, dict[str, Any], str]:
     """The raw body, its object and the model it names."""
     require_json(request)
-    raw = await read_body(request)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise bad_input("the request body is not valid JSON") from None
+    raw, body = await read_json_body(request)
     if not isinstance(body, dict):
         raise bad_input("the request body must be a JSON object")
     model = body.get("model")
@@ -163,7 +157,7 @@ async def _read_form(request: Request) -> tuple[bytes, str, Callable[[str], byte
             "the request body must be a form, sent with Content-Type: multipart/form-data",
             "unsupported_media_type",
         )
-    raw = await _read_upload(request)
+    raw = await read_body(request)
     field = find_field(raw, boundary, "model")
     if field is None:
         raise _model_error("the form field 'model' is required")
@@ -174,21 +168,6 @@ async def _read_form(request: Request) -> tuple[bytes, str, Callable[[str], byte
     if not model:
         raise _model_error("the form field 'model' is required")
     return raw, model, lambda name: replaced(raw, field, name)
-
-
-async def _read_upload(request: Request) -> bytes:
-    """An upload's body, under the ``/v1`` body limit (``ARONA_HTTP_MAX_BODY_BYTES``, as large as
-    OpenAI's own uploads)."""
-    limit = gateway_of(request).settings.http_max_body_bytes
-    try:
-        body = await read_limited(request, limit)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    if body is None:
-        raise GatewayError(
-            ErrorKind.TOO_LARGE, f"the upload is larger than {limit} bytes", "request_too_large"
-        )
-    return body
 
 
 async def _asked(gw: Gateway, request: Request, route: PassRoute) -> tuple[Asked, Route]:

@@ -77,6 +77,20 @@ async def read_body(request: Request) -> bytes:
     return body
 
 
+async def read_json_body(request: Request) -> tuple[bytes, Any]:
+    """The request body (:func:`read_body`) and the JSON it holds: a 400 when it is not JSON."""
+    raw = await read_body(request)
+    return raw, parsed_json(raw)
+
+
+def parsed_json(raw: bytes) -> Any:
+    """``raw`` parsed as JSON, or the 400 of a body that is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise bad_input("the request body is not valid JSON") from None
+
+
 JSON_MEDIA_TYPE = "application/json"
 
 
@@ -249,11 +263,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         require_json(request)
         principal = rest_caller(gw, request)
-        raw = await read_body(request)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise bad_input("the request body is not valid JSON") from None
+        _, body = await read_json_body(request)
         if isinstance(body, dict) and body.get("stream") is True:
             surface = REST_STREAM
         upstream_body, memory, conversation_id = split_body(body)
@@ -394,10 +404,7 @@ async def create_conversation(request: Request) -> Response:
     title = None
     if raw.strip():
         require_json(request)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise bad_input("the request body is not valid JSON") from None
+        body = parsed_json(raw)
         if not isinstance(body, dict):
             raise bad_input("the request body must be a JSON object")
         title = body.get("title")

@@ -41,8 +41,9 @@ def split_body(body: Any) -> tuple[dict[str, Any], bool | None]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_input("'model' must be a non-empty string")
-    given = body.get("input")
-    if given is not None and not isinstance(given, str | list):
+    # Left out, it is the upstream's to judge (a prompt or an earlier response may stand in);
+    # given, it is a string or items (null included, as OpenAI refuses it).
+    if "input" in body and not isinstance(body["input"], str | list):
         raise bad_input("'input' must be a string or an array of input items")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):

@@ -235,6 +235,7 @@ async def test_bad_input_is_a_400_in_openai_shape(tmp_path: Path) -> None:
         for body, field in (
             ({"input": ASK}, "'model'"),
             ({"model": "fake-model", "input": 3}, "'input'"),
+            ({"model": "fake-model", "input": None}, "'input'"),
             ({"model": "fake-model", "input": ASK, "instructions": ["x"]}, "'instructions'"),
             ({"model": "fake-model", "input": ASK, "memory": "yes"}, "'memory'"),
             ({"model": "fake-model", "input": ASK, "stream": "true"}, "'stream'"),

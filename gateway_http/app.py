@@ -164,9 +164,7 @@ class GatewayApp(FastAPI):
         """A route passed through to a backend (gateway_http.routes.passthrough), served
         without the framework's layers like chat, with the same error mapping."""
         handler = passthrough.HANDLERS[scope["path"]]
-        await self._served(
-            scope, receive, send, request_id, handler, _passed_span(scope, request_id)
-        )
+        await self._served(scope, receive, send, request_id, handler, _turn_span(scope, request_id))
 
     async def _served(
         self,
@@ -202,27 +200,8 @@ class GatewayApp(FastAPI):
 
 
 def _turn_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
-    """A REST turn's server span (chat completions or a Responses turn), continuing the
-    client's ``traceparent``."""
-    if not tracing.active():
-        return tracing.NO_SPAN
-    path = scope["path"]
-    return TRACER.span(
-        f"POST {path}",
-        kind=tracing.SERVER,
-        parent=tracing.extract(tracing.headers_carrier(scope["headers"])),
-        attributes={
-            "http.request.method": "POST",
-            "http.route": path,
-            "url.path": path,
-            "url.scheme": scope.get("scheme", "http"),
-            "arona.request_id": request_id,
-        },
-    )
-
-
-def _passed_span(scope: Scope, request_id: str) -> AbstractContextManager[Span]:
-    """The server span of a request passed through to a backend, continuing the client's
+    """The server span of a REST request served without the framework's layers (a chat or
+    Responses turn, a route passed through to a backend), continuing the client's
     ``traceparent``; it lasts until the answer's last byte."""
     if not tracing.active():
         return tracing.NO_SPAN
